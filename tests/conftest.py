@@ -1,0 +1,16 @@
+import os
+
+import pytest
+
+from tests.helpers.multiprocess import LOOPBACK_ENV, DistributedPool
+
+# Every process these tests start talks gloo over loopback with one thread per rank.
+os.environ.update(LOOPBACK_ENV)
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """Two spawned ranks in one gloo group, shared by the fast collective tests."""
+    pool = DistributedPool(world_size=2, timeout=90.0)
+    yield pool
+    pool.close()

@@ -1,0 +1,35 @@
+"""Entry point for :func:`tests.helpers.multiprocess.run_lightning`.
+
+``python -m tests.helpers.launch module:function OUT_DIR``: calls ``function(OUT_DIR, *args)``
+on this rank and saves its return value to ``OUT_DIR/rank{global_rank}.pt`` (written to a
+temporary name, then renamed). Lightning's subprocess launcher re-runs this same command for
+every child rank.
+"""
+
+import importlib
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+
+from ddp_plugins.distributed import get_rank, run_main
+
+
+def _main() -> None:
+    target, out_dir = sys.argv[1], Path(sys.argv[2])
+    module_name, func_name = target.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    args = pickle.loads((out_dir / "args.pkl").read_bytes())
+    result = func(str(out_dir), *args)
+    import torch.distributed as dist
+
+    rank = get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
+    tmp = out_dir / f".rank{rank}.pt.tmp"
+    torch.save(result, tmp)
+    os.replace(tmp, out_dir / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    run_main(_main)
