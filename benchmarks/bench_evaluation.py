@@ -1,0 +1,125 @@
+"""Benchmark: ``distributed_concat`` against a raw ``dist.all_gather`` + ``torch.cat`` of the same bytes.
+
+Two gloo ranks on 127.0.0.1, each holding ``N / 2`` rows x 10 classes of float32 (equal shards,
+the only case the raw anchor supports), for N = 10^4 and 10^6. Both methods run in the same
+processes, interleaved; time is the median over repeats, peak memory is the rise of the
+process's resident set during one call (``VmHWM`` reset through ``/proc/self/clear_refs``, with
+glibc told to map every large block afresh so that freed memory does not hide the peak).
+A third row per size shows ``distributed_concat`` with uneven shards (rank 0 one row more),
+which the raw anchor cannot do. Run: ``.venv/bin/python benchmarks/bench_evaluation.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddp_plugins.distributed import run_main  # noqa: E402
+from ddp_plugins.evaluation import distributed_concat  # noqa: E402
+
+SIZES = (10_000, 1_000_000)
+CLASSES = 10
+REPEATS = {10_000: 30, 1_000_000: 8}
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.cat(out)
+
+
+def _ours(t: torch.Tensor) -> torch.Tensor:
+    return distributed_concat(t, None)
+
+
+def _peak_mb(fn, t: torch.Tensor) -> float:
+    gc.collect()
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
+    before = _rss_kb("VmRSS")
+    result = fn(t)
+    peak = _rss_kb("VmHWM") - before
+    del result
+    return peak / 1024
+
+
+def _seconds(fn, t: torch.Tensor, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world_size: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    rows = []
+    for n in SIZES:
+        shard = torch.randn(n // world_size, CLASSES)
+        uneven = torch.randn(n // world_size + (1 if rank == 0 else -1), CLASSES)
+        expected = _raw(shard)
+        assert torch.equal(_ours(shard), expected), "distributed_concat differs from the raw gather"
+        for fn in (_raw, _ours):  # warm up both paths
+            fn(shard)
+        mem = {"raw": _peak_mb(_raw, shard), "ours": _peak_mb(_ours, shard), "uneven": _peak_mb(_ours, uneven)}
+        sec = {"raw": [], "ours": [], "uneven": []}
+        for _ in range(3):  # interleave so load on the machine hits both alike
+            sec["raw"].append(_seconds(_raw, shard, REPEATS[n]))
+            sec["ours"].append(_seconds(_ours, shard, REPEATS[n]))
+            sec["uneven"].append(_seconds(_ours, uneven, REPEATS[n]))
+        rows.append((n, {k: min(v) for k, v in sec.items()}, mem))
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # every large tensor a fresh mmap, returned at once when freed: the resident set then shows the true peak
+    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(2, port, queue), nprocs=2, start_method="spawn")
+    rows = queue.get()
+    mb = lambda n: n * CLASSES * 4 / 2**20  # noqa: E731
+    print(f"distributed_concat vs raw all_gather + cat, 2 gloo ranks, float32 x {CLASSES} classes\n")
+    print("| samples | gathered | raw time | concat time | time ratio | raw peak | concat peak | peak ratio |"
+          " concat uneven time / peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, sec, mem in rows:
+        print(
+            f"| {n:.0e} | {mb(n):.1f} MB | {sec['raw'] * 1e3:.2f} ms | {sec['ours'] * 1e3:.2f} ms |"
+            f" {sec['ours'] / sec['raw']:.2f}x | {mem['raw']:.1f} MB | {mem['ours']:.1f} MB |"
+            f" {mem['ours'] / max(mem['raw'], 1e-9):.2f}x | {sec['uneven'] * 1e3:.2f} ms / {mem['uneven']:.1f} MB |"
+        )
+    print("\nratio = distributed_concat / raw (lower is better); peak = rise of the resident set during one call")
+
+
+if __name__ == "__main__":
+    run_main(main)

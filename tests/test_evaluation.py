@@ -1,0 +1,431 @@
+"""Sequential distributed evaluation: exact, ordered results and metrics, equal to one process.
+
+Every distributed result is compared with a single-process reference computed here: the same
+model run on the whole dataset in this process.
+"""
+
+import doctest
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torchmetrics.classification import MulticlassAccuracy
+
+import ddp_plugins.evaluation
+from ddp_plugins import SequentialDistributedSampler, SequentialEvaluation, distributed_concat
+from ddp_plugins.distributed import exit_process
+from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command, run_lightning
+
+NUM_CLASSES, FEATURES, PAD = 10, 8, -100
+
+
+# ---------------------------------------------------------------- data, model, reference
+
+
+class _Data(Dataset):
+    """Features, a label, a string id and a variable-length token sequence per sample."""
+
+    def __init__(self, n: int) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, FEATURES, generator=gen)
+        self.y = torch.randint(0, NUM_CLASSES, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        length = 1 + i // 150  # grows along the dataset: ragged across batches and across ranks
+        return {"x": self.x[i], "y": self.y[i], "id": f"id-{i:05d}", "tokens": torch.arange(length) + i}
+
+
+def _collate(samples: list) -> dict:
+    width = max(len(s["tokens"]) for s in samples)
+    tokens = torch.full((len(samples), width), PAD)
+    for row, s in enumerate(samples):
+        tokens[row, : len(s["tokens"])] = s["tokens"]
+    return {
+        "x": torch.stack([s["x"] for s in samples]),
+        "y": torch.stack([s["y"] for s in samples]),
+        "id": [s["id"] for s in samples],
+        "tokens": tokens,
+    }
+
+
+def _loader(n: int, batch_size: int = 16, **kwargs) -> DataLoader:
+    return DataLoader(_Data(n), batch_size=batch_size, collate_fn=_collate, **kwargs)
+
+
+class _Model(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(FEATURES, NUM_CLASSES)
+        self.plain_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
+
+    def forward(self, x):
+        return self.net(x)
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch["x"])
+        # plain Lightning: a torchmetrics metric synced over ranks (counts DistributedSampler's duplicates)
+        self.plain_acc(logits, batch["y"])
+        self.log("plain_acc", self.plain_acc, on_epoch=True)
+        return {"preds": logits, "target": batch["y"]}
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch["x"]), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def test_step(self, batch, batch_idx):
+        return {"preds": self(batch["x"]), "target": batch["y"]}
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return {"out": {"logits": self(batch["x"]), "tokens": batch["tokens"]}, "ids": batch["id"]}
+
+
+def _reference(n: int, weights: dict | None = None) -> dict:
+    """One process, the whole dataset, no sampler at all."""
+    data, model = _Data(n), _Model()
+    if weights is not None:
+        model.load_state_dict(weights)
+    with torch.no_grad():
+        logits = model(data.x)
+    width = max(1 + i // 150 for i in range(n))
+    tokens = torch.full((n, width), PAD)
+    for i in range(n):
+        tokens[i, : 1 + i // 150] = torch.arange(1 + i // 150) + i
+    acc = MulticlassAccuracy(NUM_CLASSES, average="micro")(logits, data.y)
+    return {"logits": logits, "tokens": tokens, "ids": [f"id-{i:05d}" for i in range(n)], "y": data.y, "acc": acc}
+
+
+def _assert_predictions_equal_reference(predict: dict, ref: dict, n: int) -> None:
+    assert predict["ids"] == ref["ids"], "gathered ids are not the dataset's ids in dataset order"
+    assert predict["out"]["logits"].shape == (n, NUM_CLASSES), "one row per sample, padding dropped"
+    torch.testing.assert_close(predict["out"]["logits"], ref["logits"], msg="logits differ from one process")
+    assert torch.equal(predict["out"]["tokens"], ref["tokens"]), "ragged tokens differ from one process"
+
+
+# ---------------------------------------------------------------- sampler (no process group needed)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 5, 1001])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sampler_gives_contiguous_equal_shards_that_concatenate_to_the_dataset(n, world_size):
+    samplers = [SequentialDistributedSampler(range(n), num_replicas=world_size, rank=r) for r in range(world_size)]
+    shards = [list(s) for s in samplers]
+    assert len({len(shard) for shard in shards}) == 1, "every rank must run the same number of samples"
+    assert all(len(shard) == len(s) for shard, s in zip(shards, samplers))
+    assert sum(s.num_real_samples for s in samplers) == n, "real samples must cover the dataset exactly once"
+    flat = [i for shard in shards for i in shard]
+    assert flat[:n] == list(range(n)), "concatenated shards are not the dataset in order"
+    for shard, s in zip(shards, samplers):
+        assert shard[: s.num_real_samples] == sorted(set(shard[: s.num_real_samples])), "a shard is not contiguous"
+
+
+def test_sampler_rejects_an_iterable_dataset():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(TypeError, match="IterableDataset cannot be split"):
+        SequentialDistributedSampler(Stream(), num_replicas=2, rank=0)
+
+
+# ---------------------------------------------------------------- distributed_concat on 2 gloo ranks
+
+
+def _test_sampler_then_concat(rank, world_size, n):
+    sampler = SequentialDistributedSampler(range(n))  # world size and rank from the process group
+    rows = torch.tensor(list(sampler))
+    return distributed_concat({"idx": rows, "ids": [f"s{i}" for i in sampler]}, n), sampler.num_real_samples
+
+
+@pytest.mark.parametrize("n", [1001, 1])
+def test_concat_of_sampler_shards_is_the_dataset_in_order(dist_pool, n):
+    results = dist_pool.run(_test_sampler_then_concat, n)
+    for gathered, _ in results:
+        assert torch.equal(gathered["idx"], torch.arange(n)), "padding not dropped or order wrong"
+        assert gathered["ids"] == [f"s{i}" for i in range(n)]
+    assert sum(real for _, real in results) == n
+    if n == 1:
+        assert results[1][1] == 0, "the dataset is smaller than the world: rank 1 holds only padding"
+
+
+def _rank_data(rank):
+    """Uneven nested data: rank 0 has 3 rows, rank 1 none."""
+    rows = 3 if rank == 0 else 0
+    base = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + 100 * rank
+    return {
+        "a": {"x": base, "mask": base > 5},
+        "pair": (base.long(), base.to(torch.bfloat16)),
+        "ids": [f"r{rank}-{i}" for i in range(rows)],
+    }
+
+
+def _test_concat_uneven_nested(rank, world_size):
+    return distributed_concat(_rank_data(rank))
+
+
+def test_concat_handles_uneven_rows_zero_rows_nested_structures_dtypes_and_strings(dist_pool):
+    results = dist_pool.run(_test_concat_uneven_nested)
+    parts = [_rank_data(r) for r in range(2)]  # what one process would concatenate
+    for got in results:
+        assert torch.equal(got["a"]["x"], torch.cat([p["a"]["x"] for p in parts]))
+        assert torch.equal(got["a"]["mask"], torch.cat([p["a"]["mask"] for p in parts]))
+        assert got["a"]["mask"].dtype == torch.bool
+        assert torch.equal(got["pair"][0], torch.cat([p["pair"][0] for p in parts]))
+        assert got["pair"][1].dtype == torch.bfloat16
+        assert torch.equal(got["pair"][1], torch.cat([p["pair"][1] for p in parts]))
+        assert isinstance(got["pair"], tuple)
+        assert got["ids"] == ["r0-0", "r0-1", "r0-2"]
+
+
+def _ragged(rank):
+    return torch.arange(6).reshape(2, 3) if rank == 0 else torch.arange(15).reshape(3, 5) + 50
+
+
+def _test_concat_ragged(rank, world_size):
+    return distributed_concat(_ragged(rank), 4, pad_value=PAD)
+
+
+def test_concat_pads_variable_length_rows_and_truncates(dist_pool):
+    expected = torch.full((5, 5), PAD)
+    expected[:2, :3] = _ragged(0)
+    expected[2:, :] = _ragged(1)
+    for got in dist_pool.run(_test_concat_ragged):
+        assert torch.equal(got, expected[:4]), "variable-length rows not padded and truncated like one process"
+
+
+def _test_concat_errors(rank, world_size):
+    cases = {
+        "dtype": torch.zeros(2, 3, dtype=torch.float32 if rank == 0 else torch.float64),
+        "structure": {"a": torch.zeros(2)} if rank == 0 else {"b": torch.zeros(2)},
+        "trailing": torch.zeros(2, 3 + rank),
+        "type": {"a": torch.zeros(2), "n": 3} if rank == 1 else {"a": torch.zeros(2), "n": [3, 4]},
+    }
+    messages = {}
+    for name, data in cases.items():
+        try:
+            distributed_concat(data)
+            messages[name] = None
+        except (ValueError, TypeError) as exc:
+            messages[name] = str(exc)
+    still_in_step = torch.ones(1)
+    dist.all_reduce(still_in_step)  # the group survives every error: no rank is left inside a collective
+    return messages, still_in_step.item()
+
+
+def test_concat_mismatches_raise_a_clear_error_on_every_rank_without_hanging(dist_pool):
+    results = dist_pool.run(_test_concat_errors)
+    for messages, total in results:
+        assert total == 2.0, "ranks fell out of step after an error"
+        assert "rank 0: data float32[2, 3]" in messages["dtype"] and "rank 1: data float64[2, 3]" in messages["dtype"]
+        assert "different structure" in messages["structure"] and "'a'" in messages["structure"]
+        assert "pad_value" in messages["trailing"] and "float32[2, 4]" in messages["trailing"]
+        assert "rank 1" in messages["type"] and "got int" in messages["type"]
+    assert results[0][0] == results[1][0], "both ranks must raise the same error"
+
+
+def test_concat_without_process_group_truncates_and_validates():
+    assert distributed_concat([torch.arange(3)], 2)[0].tolist() == [0, 1]
+    with pytest.raises(ValueError, match="`num_total_examples` should be an int >= 0 or None, got -1"):
+        distributed_concat(torch.arange(3), -1)
+
+
+# ---------------------------------------------------------------- the callback, in-process checks
+
+
+def test_callback_checks_its_arguments():
+    with pytest.raises(ValueError, match="`stages` should hold only 'validate', 'test', 'predict', got 'fit'"):
+        SequentialEvaluation(stages=["fit"])
+    with pytest.raises(TypeError, match="`metrics` should map names .* got 'acc': float"):
+        SequentialEvaluation(metrics={"acc": 0.5})
+    with pytest.raises(TypeError, match="`pad_value` should be a number or None, got 'x'"):
+        SequentialEvaluation(pad_value="x")
+
+
+class _EveryOther(Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(0, self.n, 2))
+
+    def __len__(self):
+        return (self.n + 1) // 2
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        for i in range(8):
+            yield {"x": torch.zeros(FEATURES), "y": torch.tensor(0)}
+
+
+@pytest.mark.parametrize(
+    ("loader", "error", "match"),
+    [
+        (lambda: _loader(20, sampler=_EveryOther(20)), TypeError, "custom sampler _EveryOther"),
+        (lambda: DataLoader(_Stream(), batch_size=4), TypeError, "IterableDataset has no length.*distributed_concat"),
+        (lambda: _loader(20, drop_last=True), ValueError, "drop_last=True"),
+    ],
+)
+def test_callback_refuses_dataloaders_it_cannot_make_exact(loader, error, match):
+    trainer = Trainer(
+        accelerator="cpu", devices=1, callbacks=[SequentialEvaluation()], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with pytest.raises(error, match=match):
+        trainer.validate(_Model(), loader(), verbose=False)
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(ddp_plugins.evaluation).failed == 0
+
+
+def test_hydra_config_instantiates_the_callback():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    path = REPO_ROOT / "conf" / "callbacks" / "sequential_evaluation.yaml"
+    assert path.read_text().startswith("# @package callbacks.sequential_evaluation\n")
+    callback = instantiate(OmegaConf.load(path))
+    assert isinstance(callback, SequentialEvaluation)
+    assert callback.stages == ("validate", "test", "predict")
+
+
+# ---------------------------------------------------------------- Trainer level: strategy="ddp", 2 ranks
+
+
+def _run_ddp(out_dir, n, tiny):
+    def trainer(callbacks, **kwargs):
+        return Trainer(
+            accelerator="cpu", devices=2, strategy="ddp", callbacks=callbacks, logger=False,
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, **kwargs,
+        )  # fmt: skip
+
+    callback = SequentialEvaluation(metrics={"acc": MulticlassAccuracy(NUM_CLASSES, average="micro")}, pad_value=PAD)
+    exact = trainer([callback])
+    exact.validate(_Model(), _loader(n), verbose=False)
+    val_acc = exact.callback_metrics["val/acc"].clone()
+    exact.test(_Model(), _loader(n), verbose=False)
+    test_acc = exact.callback_metrics["test/acc"].clone()
+    exact.predict(_Model(), _loader(n), return_predictions=False)
+    predict = callback.results.get("predict")
+    exact.predict(_Model(), _loader(tiny), return_predictions=False)
+    plain = trainer([])
+    plain.validate(_Model(), _loader(n), verbose=False)
+    during_fit = SequentialEvaluation(metrics={"acc": MulticlassAccuracy(NUM_CLASSES, average="micro")})
+    fitter = trainer([during_fit], max_epochs=1, limit_train_batches=3, num_sanity_val_steps=2)
+    model = _Model()
+    fitter.fit(model, _loader(n), _loader(n))
+    return {
+        "fit_validate": during_fit.results.get("validate"),
+        "fit_acc": fitter.callback_metrics["val/acc"],
+        "fit_weights": model.state_dict(),
+        "val_acc": val_acc,
+        "test_acc": test_acc,
+        "plain_acc": plain.callback_metrics["plain_acc"],
+        "predict": predict,
+        "tiny": callback.results.get("predict"),
+        "validate": callback.results.get("validate"),
+    }
+
+
+@pytest.mark.slow
+def test_ddp_results_and_metrics_equal_one_process_where_plain_lightning_does_not():
+    n, tiny = 1001, 1
+    ranks = run_lightning(_run_ddp, n, tiny, world_size=2, timeout=240)
+    ref = _reference(n)
+    rank0 = ranks[0]
+    _assert_predictions_equal_reference(rank0["predict"], ref, n)
+    torch.testing.assert_close(rank0["validate"]["preds"], ref["logits"])
+    assert torch.equal(rank0["validate"]["target"], ref["y"])
+    for out in ranks:
+        assert out["val_acc"].item() == ref["acc"].item(), "logged val accuracy is not the one-process accuracy"
+        assert out["test_acc"].item() == ref["acc"].item(), "logged test accuracy is not the one-process accuracy"
+        assert out["plain_acc"].item() != ref["acc"].item(), "this case must show plain Lightning's duplicate bias"
+    _assert_predictions_equal_reference(rank0["tiny"], _reference(tiny), tiny)
+    assert ranks[1]["predict"] is None, "results are kept on rank 0 only"
+    trained = _reference(n, rank0["fit_weights"])  # validation inside fit, after training, sanity check skipped
+    assert not torch.equal(trained["logits"], ref["logits"]), "the fit must have changed the weights"
+    torch.testing.assert_close(rank0["fit_validate"]["preds"], trained["logits"])
+    assert rank0["fit_acc"].item() == ranks[1]["fit_acc"].item() == trained["acc"].item()
+
+
+# ---------------------------------------------------------------- ddp_notebook and ddp_spawn: the calling process
+
+
+class _CleanExitLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher; spawned children leave through exit_process (the gloo exit abort)."""
+
+    def _wrapping_function(self, *args, **kwargs):
+        super()._wrapping_function(*args, **kwargs)
+        exit_process(0)
+
+
+class _SpawnStrategy(DDPStrategy):
+    """``strategy="ddp_spawn"`` with the clean-exit launcher (a subclass, as project strategies are)."""
+
+    def __init__(self):
+        super().__init__(start_method="spawn")
+
+    def _configure_launcher(self):
+        self._launcher = _CleanExitLauncher(self, start_method=self._start_method)
+
+
+def _run_launched(out_file, n, output_dir):
+    metric = MulticlassAccuracy(NUM_CLASSES, average="micro")
+    report = {}
+    for strategy, kwargs in (("ddp_notebook", {}), (_SpawnStrategy(), {"output_dir": output_dir})):
+        callback = SequentialEvaluation(metrics={"acc": metric}, pad_value=PAD, **kwargs)
+        trainer = Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, callbacks=[callback], logger=False,
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.validate(_Model(), _loader(n), verbose=False)
+        trainer.predict(_Model(), _loader(n), return_predictions=False)
+        report["ddp_notebook" if strategy == "ddp_notebook" else "ddp_spawn"] = {
+            "val_acc": trainer.callback_metrics["val/acc"],
+            "metric_values": callback.metric_values,
+            "results": callback.results,
+            "paths": callback.paths,
+        }
+    torch.save(report, out_file)
+
+
+@pytest.mark.slow
+def test_results_reach_the_calling_process_under_ddp_notebook_and_ddp_spawn(tmp_path):
+    n, out_file = 4001, tmp_path / "report.pt"  # results of ~1 MB: more than a pipe buffer holds
+    code = (
+        "import sys\nfrom ddp_plugins.distributed import run_main\nfrom tests.test_evaluation import _run_launched\n"
+        "if __name__ == '__main__':\n    run_main(lambda: _run_launched(sys.argv[1], int(sys.argv[2]), sys.argv[3]))\n"
+    )
+    script = tmp_path / "launch_eval.py"
+    script.write_text(code)
+    cmd = [sys.executable, str(script), str(out_file), str(n), str(tmp_path / "results")]
+    check_ok(run_command(cmd, timeout=240, env=loopback_env()))
+    report, ref = torch.load(out_file, weights_only=False), _reference(n)
+
+    notebook = report["ddp_notebook"]
+    _assert_predictions_equal_reference(notebook["results"]["predict"], ref, n)
+    torch.testing.assert_close(notebook["results"]["validate"]["preds"], ref["logits"])
+    assert notebook["val_acc"].item() == ref["acc"].item()
+    assert notebook["metric_values"]["validate"]["val/acc"].item() == ref["acc"].item()
+
+    spawn = report["ddp_spawn"]
+    assert spawn["results"] == {}, "with output_dir the results live in files, not in memory"
+    assert Path(spawn["paths"]["predict"]).parent == tmp_path / "results"
+    _assert_predictions_equal_reference(torch.load(spawn["paths"]["predict"], weights_only=False), ref, n)
+    validate = torch.load(spawn["paths"]["validate"], weights_only=False)
+    assert torch.equal(validate["target"], ref["y"])
+    assert spawn["val_acc"].item() == ref["acc"].item()
+    assert not list((tmp_path / "results").glob(".*.tmp")), "temporary files left behind"
+    assert notebook["results"]["predict"]["out"]["tokens"].numel() * 8 > 2**16, "the payload must exceed a pipe"
