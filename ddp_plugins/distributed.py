@@ -3,32 +3,34 @@
 Small rank helpers shared by the plugin modules, and the clean process exit that every
 process of a DDP run goes through.
 
-Why the clean exit exists (torch 2.13 + gloo, about 1 process in 10 aborts at exit)
-------------------------------------------------------------------------------------
-Every gloo collective is an ``AsyncWork`` object that captures the caller's
-``at::ThreadLocalState``, which holds Python objects (``c10::SafePyObject``). The work runs on a
-``pt_gloo_runloop`` thread; that thread completes the work's future (which wakes the caller) and
-only *then* drops its own reference to the work. If the main thread reaches interpreter
-shutdown in that window (or the last reference goes away later, when garbage collection
-destroys the DDP reducer and the process group), the runloop thread must take the GIL to
-decref the Python object. During finalization CPython answers ``take_gil`` with
-``pthread_exit()``; the forced unwind crosses a ``noexcept`` C++ destructor, so libstdc++ calls
-``std::terminate()``: "terminate called without an active exception" and SIGABRT (exit 134),
-after all the work was done. ``destroy_process_group()`` does not help: DDP's reducer still owns
-the process group, so its threads outlive the call.
+Why the clean exit exists (torch 2.13 + gloo: about 1 process in 10 aborts at exit)
+----------------------------------------------------------------------------------------
+Every ``backward()`` stashes the caller's ``contextvars`` context, a Python object, in
+thread-local storage (``torch.autograd.graph._engine_run_backward``). Each gloo collective that
+DDP issues during backward is an ``AsyncWork`` that captures that thread-local state, so it holds
+a reference to the Python object. The work runs on a ``pt_gloo_runloop`` thread, which completes
+the work's future (waking the caller) and only *then* drops its own reference to the work. When
+that is the last reference, the runloop thread must take the GIL to decref the context. If the
+main thread has reached interpreter shutdown by then (or the process group dies later, in the
+final garbage collection), CPython answers ``take_gil`` with ``pthread_exit()``; the forced
+unwind crosses a ``noexcept`` C++ destructor, so libstdc++ calls ``std::terminate()``:
+"terminate called without an active exception", SIGABRT, exit code 134, after all the work was
+done. ``destroy_process_group()`` does not help: DDP's reducer still owns the process group.
 
-The fix: a DDP process never enters interpreter finalization while gloo threads may hold
-Python state. :func:`exit_process` tears the process group down while the interpreter is fully
-alive, runs the ``atexit`` handlers and flushes every stream (so nothing is lost), then leaves
-with ``os._exit``, exactly as ``multiprocessing`` ends its forked children. :func:`run_main`
-wraps an entry point with it and turns exceptions into the usual exit codes.
+The fix: a DDP process never enters interpreter finalization. :func:`exit_process` runs the
+``atexit`` handlers and flushes every stream while the interpreter is fully alive (so nothing is
+lost), then leaves with ``os._exit``, exactly as ``multiprocessing`` ends its forked children; a
+runloop thread still waiting for the GIL is simply ended with the process. :func:`run_main`
+wraps an entry point with it and turns exceptions into the usual exit codes. The process group is
+not destroyed on the way out: that is not needed, and destroying it while a DDP model is still
+alive would move the last reference to the reducer, whose destruction joins the runloop threads
+with the GIL held (a deadlock when one of them waits for the GIL).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import logging
 import os
 import sys
@@ -89,16 +91,13 @@ def rank_zero_first(timeout: float | None = None) -> Iterator[None]:
 
 
 def exit_process(code: int = 0) -> NoReturn:
-    """Tear down distributed state and end the process with ``code``, skipping finalization.
+    """End the process with ``code``, skipping interpreter finalization.
 
     See the module docstring for the gloo abort this avoids. Everything that a normal exit would
     do for the user still happens: ``atexit`` handlers run, logging is shut down and stdout and
     stderr are flushed before ``os._exit``.
     """
     try:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()
         atexit._run_exitfuncs()
         logging.shutdown()
     except BaseException:  # noqa: BLE001 - a failing handler must not change a clean exit code silently

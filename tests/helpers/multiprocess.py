@@ -63,6 +63,9 @@ def _init_worker(ranks: Any, port: int, world_size: int, pg_timeout: float) -> N
 def _call(fn: Callable[..., Any], args: tuple) -> tuple[int, Any]:
     import torch.distributed as dist
 
+    # Each worker takes exactly one of the world_size tasks: a worker cannot pick up a second
+    # task before every rank has entered this barrier.
+    dist.barrier()
     rank = dist.get_rank()
     return rank, fn(rank, dist.get_world_size(), *args)
 

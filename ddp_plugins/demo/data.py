@@ -1,0 +1,120 @@
+"""Demo data: the digits bundled with scikit-learn, and a synthetic set of any size."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def _check_positive(name: str, value: int, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` should be an integer >= {minimum}, got {value!r}.")
+
+
+class _TensorDataModule(pl.LightningDataModule):
+    """Train/validation split of in-memory tensors, the same on every rank (fixed split seed)."""
+
+    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, num_workers: int = 0, split_seed: int = 0):
+        super().__init__()
+        _check_positive("batch_size", batch_size)
+        _check_positive("num_workers", num_workers, 0)
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"`val_fraction` should be between 0 and 1 (exclusive), got {val_fraction!r}.")
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.num_workers = num_workers
+        self.split_seed = split_seed
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        x, y = self._tensors()
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
+        n_val = int(round(len(x) * self.val_fraction))
+        val, train = order[:n_val], order[n_val:]
+        self.train_set = TensorDataset(x[train], y[train])
+        self.val_set = TensorDataset(x[val], y[val])
+
+    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+
+class DigitsDataModule(_TensorDataModule):
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), scaled to [0, 1].
+
+    Example::
+
+        >>> dm = DigitsDataModule(batch_size=16)
+        >>> dm.setup()
+        >>> len(dm.train_set), len(dm.val_set)
+        (1438, 359)
+    """
+
+    num_classes = 10
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        return x, torch.tensor(digits.target, dtype=torch.long)
+
+
+class SyntheticDataModule(_TensorDataModule):
+    """Random images with a learnable class signal, of a configurable size (for benchmarks).
+
+    Example::
+
+        >>> dm = SyntheticDataModule(num_samples=100, image_size=8)
+        >>> dm.setup()
+        >>> tuple(dm.train_set[0][0].shape)
+        (1, 8, 8)
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 4096,
+        num_classes: int = 10,
+        image_size: int = 8,
+        data_seed: int = 0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        _check_positive("num_samples", num_samples)
+        _check_positive("num_classes", num_classes, 2)
+        _check_positive("image_size", image_size, 4)
+        self.num_samples = num_samples
+        self.num_classes = num_classes
+        self.image_size = image_size
+        self.data_seed = data_seed
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.data_seed)
+        y = torch.randint(self.num_classes, (self.num_samples,), generator=gen)
+        prototypes = torch.randn(self.num_classes, 1, self.image_size, self.image_size, generator=gen)
+        noise = torch.randn(self.num_samples, 1, self.image_size, self.image_size, generator=gen)
+        return prototypes[y] + 0.5 * noise, y

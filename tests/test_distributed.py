@@ -1,0 +1,110 @@
+"""Rank helpers and the clean process exit that avoids the gloo abort at interpreter exit."""
+
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from ddp_plugins.distributed import get_rank, get_world_size, rank_zero_first
+from tests.helpers.multiprocess import free_port, loopback_env
+
+ROUNDS_PLAIN_MAX = 40
+ROUNDS_CLEAN = 30
+
+
+def _run_rounds(mode: str, rounds: int, timeout: float = 60.0, stop_at_failure: bool = False) -> list:
+    """Run up to ``rounds`` two-rank DDP probes; return (round, exit code, stderr) of every failed process."""
+    failures = []
+    env = loopback_env()
+    for i in range(rounds):
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.helpers.exit_probe", mode, str(rank), "2", str(port)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        for proc in procs:
+            try:
+                _, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise AssertionError(f"{mode} probe round {i} hung for {timeout}s") from None
+            if proc.returncode != 0:
+                failures.append((i, proc.returncode, err.strip()[-300:]))
+        if failures and stop_at_failure:
+            break
+    return failures
+
+
+@pytest.mark.slow
+def test_plain_exit_aborts_sometimes_and_run_main_never_does():
+    """Many short gloo DDP runs: the hazard shows without the fix and never with it.
+
+    Plain exits abort in roughly 1 process of 10 here, so 60 clean exits without a failure would
+    happen by chance with probability ~0.002 if the fix did nothing; the control runs until its
+    first abort (at most 80 processes) to prove the probe still reaches the hazard.
+    """
+    clean = _run_rounds("clean", ROUNDS_CLEAN)
+    assert clean == [], f"run_main exits failed in {len(clean)} of {2 * ROUNDS_CLEAN} processes: {clean[:3]}"
+    plain = _run_rounds("plain", ROUNDS_PLAIN_MAX, stop_at_failure=True)
+    assert plain, f"no abort in {2 * ROUNDS_PLAIN_MAX} plain exits: the probe no longer reproduces the hazard"
+    assert all(code == -6 for _, code, _ in plain), f"unexpected plain failures: {plain[:3]}"
+    assert any("terminate called without an active exception" in err for _, _, err in plain)
+
+
+def test_run_main_keeps_exit_codes_and_flushes_output():
+    code = (
+        "import sys; from ddp_plugins.distributed import run_main\n"
+        "def main():\n"
+        "    print('flushed', end='')\n"
+        "    sys.exit(int(sys.argv[1]))\n"
+        "run_main(main)\n"
+    )
+    for wanted in (0, 3):
+        result = subprocess.run([sys.executable, "-c", code, str(wanted)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == wanted
+        assert result.stdout == "flushed", "stdout lost by the hard exit"
+    raising = "from ddp_plugins.distributed import run_main\ndef main():\n    raise RuntimeError('boom')\nrun_main(main)\n"
+    result = subprocess.run([sys.executable, "-c", raising], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "RuntimeError: boom" in result.stderr
+    atexit_code = (
+        "import atexit; from ddp_plugins.distributed import run_main\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "run_main(lambda: None)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", atexit_code], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, "atexit ran")
+
+
+def _test_rank_zero_first_orders_ranks(rank, world_size, path):
+    import time
+    from pathlib import Path
+
+    marker = Path(path)
+    with rank_zero_first(timeout=30):
+        if rank == 0:
+            time.sleep(0.5)
+            marker.write_text("prepared")
+        seen = marker.exists()
+    return get_rank(), get_world_size(), seen
+
+
+def test_rank_zero_first_lets_rank_zero_finish_first(dist_pool, tmp_path):
+    results = dist_pool.run(_test_rank_zero_first_orders_ranks, str(tmp_path / "marker"))
+    assert results == [(0, 2, True), (1, 2, True)], "rank 1 entered before rank 0 had prepared"
+
+
+def test_single_process_helpers():
+    assert not dist.is_initialized()
+    assert (get_rank(), get_world_size()) == (0, 1)
+    with rank_zero_first():
+        ran = True
+    assert ran
