@@ -90,6 +90,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     from lightning.pytorch.loggers import CSVLogger
 
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    config_checks.check_backend(cfg.backend.name, accelerator)
     precision = config_checks.resolve_precision(cfg.precision.name, accelerator)
     strategy = instantiate(cfg.strategy)
     plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
