@@ -1,7 +1,14 @@
 """ddp_plugins: PyTorch Lightning plugins that make DDP training equal single-process math."""
 
 from ddp_plugins.accumulation import AccumulationNoSync, AllReduceCounter, CountingCommHook
-from ddp_plugins.distributed import exit_process, get_rank, get_world_size, rank_zero_first, run_main
+from ddp_plugins.distributed import (
+    exit_process,
+    get_rank,
+    get_world_size,
+    rank_zero_first,
+    run_main,
+    setup_rank_logging,
+)
 from ddp_plugins.seeding import RankAwareSeed, seed_everything_rank_aware
 from ddp_plugins.sync_batchnorm import (
     SyncBatchNorm,
@@ -11,7 +18,7 @@ from ddp_plugins.sync_batchnorm import (
     revert_sync_batchnorm,
 )
 from ddp_plugins.evaluation import SequentialDistributedSampler, SequentialEvaluation, distributed_concat
-from ddp_plugins.strategy import DDPPluginsStrategy, apply_network_env
+from ddp_plugins.strategy import DDPPluginsStrategy, apply_network_env, build_comm_hook
 
 __version__ = "0.1.0"
 
@@ -24,6 +31,7 @@ __all__ = [
     "get_world_size",
     "rank_zero_first",
     "run_main",
+    "setup_rank_logging",
     "RankAwareSeed",
     "seed_everything_rank_aware",
     "SyncBatchNorm",
@@ -36,4 +44,5 @@ __all__ = [
     "distributed_concat",
     "DDPPluginsStrategy",
     "apply_network_env",
+    "build_comm_hook",
 ]

@@ -21,9 +21,11 @@ import torch.distributed as dist
 
 __all__ = [
     "BACKENDS",
+    "COMM_HOOKS",
     "ConfigError",
     "PRECISIONS",
     "check_backend",
+    "check_comm_hook",
     "check_overrides",
     "group_options",
     "max_cpu_processes",
@@ -34,6 +36,8 @@ __all__ = [
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
+# DDP communication hooks by name (ddp_plugins.strategy builds them).
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 # Processes per CPU core that `trainer.devices` may ask for on a CPU: more only thrashes.
 CPU_PROCESSES_PER_CORE = 2
 
@@ -117,6 +121,25 @@ def check_backend(backend: str, accelerator: str = "auto") -> None:
         )
 
 
+def check_comm_hook(comm_hook: Any, backend: str | None = None) -> None:
+    """Check a DDP communication hook name, and that ``backend`` (when known) can run it.
+
+    Raises:
+        ConfigError: an unknown name, or ``bf16`` without NCCL 2.10+ (torch registers it on nccl only).
+    """
+    if comm_hook not in COMM_HOOKS:
+        raise ConfigError(f"`comm_hook` should be one of {_choices(COMM_HOOKS)}, got {comm_hook!r}.")
+    if comm_hook != "bf16" or backend is None:
+        return
+    nccl = torch.cuda.nccl.version() if backend == "nccl" and torch.cuda.is_available() else None
+    if nccl is None or tuple(nccl)[:2] < (2, 10):
+        found = f"NCCL {'.'.join(map(str, nccl))}" if nccl else f"the {backend} backend"
+        raise ConfigError(
+            f"`comm_hook='bf16'` needs the nccl backend with NCCL 2.10 or newer (torch registers it nowhere else),"
+            f" got {found}. Use comm_hook='fp16' (any backend) or 'powersgd'."
+        )
+
+
 def _cuda_in_use(accelerator: str) -> bool:
     return accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
 
@@ -192,6 +215,9 @@ _NUMBERS: dict[str, tuple[str, float]] = {
     "data.num_samples": ("int", 1),
     "model.lr": ("number", 0),
     "strategy.timeout": ("number", 1),
+    "strategy.bucket_cap_mb": ("number", 0),
+    "strategy.powersgd_rank": ("int", 1),
+    "strategy.powersgd_start_iter": ("int", 2),
     "seed": ("int", 0),
 }
 
@@ -241,3 +267,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
     devices = _get(cfg, "trainer.devices")
     if devices is not _MISSING:
         _check_devices(devices, accelerator)
+    comm_hook = _get(cfg, "strategy.comm_hook")
+    if comm_hook is not _MISSING:
+        resolved = resolve_backend(str(backend), accelerator) if backend is not _MISSING else None
+        check_comm_hook(comm_hook, resolved)

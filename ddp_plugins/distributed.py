@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-__all__ = ["exit_process", "get_rank", "get_world_size", "rank_zero_first", "run_main"]
+__all__ = ["exit_process", "get_rank", "get_world_size", "rank_zero_first", "run_main", "setup_rank_logging"]
 
 
 def get_rank() -> int:
@@ -88,6 +88,73 @@ def rank_zero_first(timeout: float | None = None) -> Iterator[None]:
     yield
     if rank == 0:
         barrier()
+
+
+# Variables that launchers (Lightning, torchrun, SLURM, jsrun) set to a process's rank(s).
+_RANK_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def _current_rank() -> int:
+    """The global rank: the process group's, else the launcher's environment (0 when it says nothing).
+
+    Before the process group starts only the environment is known, and Lightning's child ranks get
+    ``LOCAL_RANK``/``NODE_RANK`` but no ``RANK``: any non-zero value there means "not rank 0".
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for key in _RANK_ENV:
+        value = os.environ.get(key, "0")
+        if value.isdigit() and int(value) != 0:
+            return int(value)
+    return 0
+
+
+class _RankFilter(logging.Filter):
+    """Adds ``record.rank``; passes ``level`` and above on rank 0, ``other_level`` and above elsewhere."""
+
+    def __init__(self, level: int, other_level: int) -> None:
+        super().__init__()
+        self.level, self.other_level = level, other_level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = _current_rank()
+        return record.levelno >= (self.level if record.rank == 0 else self.other_level)
+
+
+def setup_rank_logging(
+    name: str | None = "ddp_plugins",
+    level: int = logging.INFO,
+    other_ranks_level: int = logging.WARNING,
+    fmt: str = "[rank %(rank)s] %(levelname)s %(name)s: %(message)s",
+) -> logging.Logger:
+    """Log ``level`` and above on rank 0 and ``other_ranks_level`` and above on the other ranks.
+
+    Adds one stderr handler to the logger ``name`` (``None``: the root logger) whose lines start
+    with the rank. The rank is read when a record is emitted, so it is right whether this is called
+    before or after the process group starts. Calling it again replaces the handler.
+
+    Returns:
+        The configured logger.
+
+    Example::
+
+        >>> logger = setup_rank_logging("example", fmt="%(levelname)s rank %(rank)s: %(message)s")
+        >>> logger.handlers[0].stream = sys.stdout
+        >>> logger.info("shown on rank 0 only")
+        INFO rank 0: shown on rank 0 only
+    """
+    logger = logging.getLogger(name)
+    for handler in [h for h in logger.handlers if getattr(h, "_ddp_plugins_rank_handler", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler._ddp_plugins_rank_handler = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(fmt))
+    handler.addFilter(_RankFilter(level, other_ranks_level))
+    logger.addHandler(handler)
+    logger.setLevel(min(level, other_ranks_level))
+    if name is not None:
+        logger.propagate = False  # one line per record, even when the root logger has handlers
+    return logger
 
 
 def exit_process(code: int = 0) -> NoReturn:

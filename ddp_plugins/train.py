@@ -14,6 +14,7 @@ DDP run in its own folder.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_plugins import config as config_checks
-from ddp_plugins.distributed import run_main
+from ddp_plugins.distributed import run_main, setup_rank_logging
 
 CONFIG_MODULE = "ddp_plugins.conf"
 CONFIG_NAME = "train"
@@ -31,6 +32,8 @@ CONFIG_NAME = "train"
 _JOB_ENV = ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 _ERROR_EXIT = 2
+
+log = logging.getLogger("ddp_plugins.train")  # not __name__: "__main__" under python -m
 
 
 def _hydra_flags_used(argv: list[str]) -> bool:
@@ -115,9 +118,10 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     from ddp_plugins.strategy import apply_network_env
 
     config_checks.validate(OmegaConf.to_container(cfg, resolve=True))
+    setup_rank_logging()  # ddp_plugins loggers: INFO on rank 0, WARNING on the other ranks
     network_env = apply_network_env(cfg.get("network", {}).get("env"))
-    if network_env and os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
-        print(f"network environment: {network_env}", flush=True)
+    if network_env:
+        log.info("network environment: %s", network_env)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
