@@ -1,6 +1,7 @@
 """The training app end to end: `make train`'s job, Hydra multirun with DDP, two torchrun nodes, the wheel."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,9 +97,12 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
 @pytest.mark.slow
 def test_installed_wheel_finds_its_configs(tmp_path):
     """Build the wheel, install it outside the checkout and run the app from elsewhere."""
-    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    wheel_dir, target, source = tmp_path / "wheel", tmp_path / "site", tmp_path / "src"
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    junk = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", "outputs", "multirun")
+    shutil.copytree(REPO_ROOT, source, ignore=junk)
     pip = [sys.executable, "-m", "pip"]
-    check_ok(run_command([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO_ROOT)], timeout=300))
+    check_ok(run_command([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(source)], timeout=300))
     wheel = next(wheel_dir.glob("ddp_plugins-*.whl"))
     check_ok(run_command([*pip, "install", "--no-deps", "-q", "--target", str(target), str(wheel)], timeout=300))
     assert (target / "ddp_plugins" / "conf" / "train.yaml").is_file(), "configs not shipped in the wheel"
