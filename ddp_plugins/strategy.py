@@ -76,7 +76,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_plugins.config import COMM_HOOKS, check_backend, check_comm_hook
-from ddp_plugins.distributed import exit_process, get_rank
+from ddp_plugins.distributed import exit_process, get_rank, get_world_size
 from ddp_plugins.sync_batchnorm import SyncBatchNormPlugin
 
 __all__ = ["DDPPluginsStrategy", "apply_network_env", "build_comm_hook"]
@@ -351,7 +351,7 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if get_world_size() == 1:
             return
         note = (
             f"\n[ddp_plugins] rank {get_rank()}: a collective failed because another rank stopped (it raised,"
