@@ -37,11 +37,20 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-__all__ = ["exit_process", "get_rank", "get_world_size", "rank_zero_first", "run_main", "setup_rank_logging"]
+__all__ = [
+    "exit_process",
+    "get_rank",
+    "get_world_size",
+    "rank_zero_first",
+    "run_main",
+    "save_atomic",
+    "setup_rank_logging",
+]
 
 
 def get_rank() -> int:
@@ -155,6 +164,29 @@ def setup_rank_logging(
     if name is not None:
         logger.propagate = False  # one line per record, even when the root logger has handlers
     return logger
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save`` to ``path`` without ever leaving a half-written file there.
+
+    Writes to a temporary name in the same folder, flushes it to disk, then renames it over
+    ``path`` (atomic on POSIX); on failure the temporary file is removed and ``path`` is untouched.
+    """
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def exit_process(code: int = 0) -> NoReturn:

@@ -69,6 +69,8 @@ from torch.utils.data.distributed import DistributedSampler
 from torchmetrics import Metric
 from typing_extensions import override
 
+from ddp_plugins.distributed import save_atomic
+
 __all__ = ["SequentialDistributedSampler", "SequentialEvaluation", "distributed_concat"]
 
 _STAGES = ("validate", "test", "predict")
@@ -362,10 +364,7 @@ class SequentialEvaluation(Callback):
         if self.output_dir is None:
             self.results[stage] = result
             return
-        path = Path(self.output_dir) / f"{stage}.pt"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save(result, tmp)
-        os.replace(tmp, path)
+        path = save_atomic(result, Path(self.output_dir) / f"{stage}.pt")
         self.paths[stage] = str(path)
         self.results.pop(stage, None)
 

@@ -75,7 +75,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_plugins.config import COMM_HOOKS, check_backend, check_comm_hook
+from ddp_plugins.config import check_backend, check_comm_hook
 from ddp_plugins.distributed import exit_process, get_rank, get_world_size
 from ddp_plugins.sync_batchnorm import SyncBatchNormPlugin
 

@@ -14,17 +14,14 @@ from typing import Any
 
 import torch
 
+from ddp_plugins.distributed import save_atomic
+
 __all__ = ["load_ranks", "save_rank"]
 
 
 def save_rank(out_dir: str | os.PathLike, rank: int, obj: Any) -> Path:
     """Write ``obj`` to ``out_dir/rank{rank}.pt`` (a temporary name first, then renamed)."""
-    path = Path(out_dir) / f"rank{rank}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-    return path
+    return save_atomic(obj, Path(out_dir) / f"rank{rank}.pt")
 
 
 def load_ranks(out_dir: str | os.PathLike, world_size: int) -> list[Any]:

@@ -3,7 +3,6 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn

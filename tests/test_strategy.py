@@ -2,7 +2,6 @@
 
 import datetime
 import io
-import logging
 import os
 import pickle
 import re

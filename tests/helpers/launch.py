@@ -12,9 +12,8 @@ import pickle
 import sys
 from pathlib import Path
 
-import torch
 
-from ddp_plugins.distributed import get_rank, run_main
+from ddp_plugins.distributed import get_rank, run_main, save_atomic
 
 
 def _main() -> None:
@@ -26,9 +25,7 @@ def _main() -> None:
     import torch.distributed as dist
 
     rank = get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
-    tmp = out_dir / f".rank{rank}.pt.tmp"
-    torch.save(result, tmp)
-    os.replace(tmp, out_dir / f"rank{rank}.pt")
+    save_atomic(result, out_dir / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
