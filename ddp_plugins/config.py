@@ -27,6 +27,7 @@ __all__ = [
     "check_backend",
     "check_comm_hook",
     "check_overrides",
+    "split_config_flags",
     "group_options",
     "max_cpu_processes",
     "resolve_backend",
@@ -65,6 +66,32 @@ def _groups() -> list[str]:
 
 def _choices(values: Iterable[str]) -> str:
     return ", ".join(f"'{v}'" for v in values)
+
+
+_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def split_config_flags(argv: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Split Hydra's config-selection flags (``--config-name x``, ``-cd=x``, ...) from the rest.
+
+    Returns:
+        The flags, each as ``[flag, value]`` pairs flattened, and every other argument.
+
+    Example::
+
+        >>> split_config_flags(["--config-name", "mine", "backend=gloo", "-cd=/etc/conf"])
+        (['--config-name', 'mine', '-cd', '/etc/conf'], ['backend=gloo'])
+    """
+    flags: list[str] = []
+    rest: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        name, has_value, value = arg.partition("=")
+        if name in _CONFIG_FLAGS:
+            flags += [name, value if has_value else next(args, "")]
+        else:
+            rest.append(arg)
+    return flags, rest
 
 
 def check_overrides(argv: Iterable[str]) -> None:

@@ -75,7 +75,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_plugins.config import check_backend, check_comm_hook
+from ddp_plugins.config import check_backend, check_comm_hook, split_config_flags
 from ddp_plugins.distributed import exit_process, get_rank, get_world_size
 from ddp_plugins.sync_batchnorm import SyncBatchNormPlugin
 
@@ -400,7 +400,9 @@ def _job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
         command = [sys.executable, to_absolute_path(sys.argv[0])]
     else:
         command = [sys.executable, "-m", __main__.__spec__.name]
-    # Only this job's overrides (no --multirun, no sweep), and this job's own output folder.
+    # The config the user chose, only this job's overrides (no --multirun, no sweep), and this
+    # job's own output folder.
+    command += split_config_flags(sys.argv[1:])[0]
     command += list(hydra_cfg.overrides.task)
     command += [
         f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',

@@ -28,8 +28,6 @@ from ddp_plugins.distributed import run_main, setup_rank_logging
 
 CONFIG_MODULE = "ddp_plugins.conf"
 CONFIG_NAME = "train"
-# Variables that Lightning's launcher sets for one job and that must not leak into the next one.
-_JOB_ENV = ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 _ERROR_EXIT = 2
 
@@ -69,9 +67,12 @@ def precheck(argv: list[str]) -> None:
     Raises:
         ConfigError: one line naming what was wrong and what is allowed.
     """
+    config_flags, argv = config_checks.split_config_flags(argv)
     config_checks.check_overrides(argv)
-    if _hydra_flags_used(argv) or _is_multirun(argv):
-        return  # sweeps are composed per job; each job is checked in `train` before it starts
+    if _hydra_flags_used(argv) or _is_multirun(argv) or config_flags:
+        # Sweeps and configs chosen with --config-name/-dir are composed per job by Hydra; each
+        # job is checked in `train` before it starts.
+        return
     overrides = [a for a in argv if not a.startswith(("-", "hydra.", "hydra/", "+hydra"))]
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -98,7 +99,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     strategy = instantiate(cfg.strategy)
     plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     checkpoint = ModelCheckpoint(
-        dirpath=Path(output_dir) / "checkpoints", monitor="val/acc", mode="max", save_last=True
+        dirpath=Path(output_dir) / "checkpoints", monitor=_accuracy_key(cfg), mode="max", save_last=True
     )
     return pl.Trainer(
         **OmegaConf.to_container(cfg.trainer, resolve=True),
@@ -108,6 +109,12 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
         logger=CSVLogger(save_dir=str(output_dir), name="metrics", version=""),
         default_root_dir=str(output_dir),
     )
+
+
+def _accuracy_key(cfg: DictConfig) -> str:
+    """The exact accuracy of SequentialEvaluation when it is on, else the model's own."""
+    sequential = (cfg.get("callbacks") or {}).get("sequential_evaluation") or {}
+    return "val/exact_acc" if "exact_acc" in (sequential.get("metrics") or {}) else "val/acc"
 
 
 def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
@@ -127,9 +134,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     model = instantiate(cfg.model)
     trainer = build_trainer(cfg, output_dir)
     trainer.fit(model, datamodule=datamodule)
-    metrics = trainer.callback_metrics
-    # The exact accuracy of SequentialEvaluation when it is on, else the model's own.
-    key = "val/exact_acc" if "val/exact_acc" in metrics else "val/acc"
+    metrics, key = trainer.callback_metrics, _accuracy_key(cfg)
     if not trainer.is_global_zero or key not in metrics:
         return None
     accuracy = float(metrics[key])
@@ -137,31 +142,35 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     return accuracy
 
 
-def _reset_job_state(env_before: dict[str, str | None]) -> None:
-    """Leave the process as the next job of a sweep expects it: no process group, no job env."""
+def _reset_job_state(env_before: dict[str, str]) -> None:
+    """Leave the process as the next job of a sweep expects it: no process group, the environment
+    as it was before the job (launcher variables, network presets and ports must not leak)."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # Free the job's DDP reducer first, while the process group is still registered: a
+        # reducer that held the last reference would join the gloo threads with the GIL held.
+        gc.collect()
         dist.destroy_process_group()
-    for key in _JOB_ENV:
-        if env_before[key] is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = env_before[key]
+    for key in set(os.environ) - set(env_before):
+        del os.environ[key]
+    os.environ.update(env_before)
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME, version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
-    env_before = {key: os.environ.get(key) for key in _JOB_ENV}
+    env_before = dict(os.environ)
     try:
         return train(cfg, HydraConfig.get().runtime.output_dir)
     except config_checks.ConfigError as err:  # a sweep job with a bad value
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(_ERROR_EXIT) from None
     finally:
-        if env_before["LOCAL_RANK"] is None:  # the job's launcher, not one of its child ranks
+        if "LOCAL_RANK" not in env_before:  # the job's launcher, not one of its child ranks
             _reset_job_state(env_before)
 
 

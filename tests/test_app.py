@@ -61,6 +61,21 @@ def test_multirun_runs_each_job_once_as_a_two_process_ddp_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_child_ranks_use_the_config_the_user_chose(tmp_path):
+    """--config-dir/--config-name reach the child rank: a different model there would break DDP."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "mine.yaml").write_text(
+        "defaults:\n  - train\n  - _self_\nmodel:\n  channels: 8\ntrainer:\n  max_epochs: 1\n"
+    )
+    cmd = [*APP, "--config-dir", str(conf), "--config-name", "mine", "trainer.enable_progress_bar=false"]
+    result = check_ok(run_command(cmd, timeout=300, cwd=tmp_path))
+    assert "MEMBER: 2/2" in result.stdout + result.stderr
+    config = (_single_folder(tmp_path / "outputs", 2) / ".hydra" / "config.yaml").read_text()
+    assert "channels: 8" in config and "max_epochs: 1" in config
+
+
+@pytest.mark.slow
 def test_two_torchrun_nodes_on_loopback(tmp_path):
     """2 nodes x 1 process, as on a cluster: one torchrun per node, Lightning's own path."""
     port = str(free_port())

@@ -66,6 +66,40 @@ def test_auto_choices_on_cpu():
     )
 
 
+def test_class_count_follows_the_model_everywhere():
+    cfg = compose_config(["data=synthetic", "model.num_classes=5"])
+    assert cfg.data.num_classes == 5
+    assert cfg.callbacks.sequential_evaluation.metrics.exact_acc.num_classes == 5
+
+
+def test_checkpoint_monitors_the_exact_accuracy_when_sequential_evaluation_is_on():
+    from ddp_plugins.train import _accuracy_key
+
+    assert _accuracy_key(compose_config([])) == "val/exact_acc"
+    assert _accuracy_key(compose_config(["callbacks=none"])) == "val/acc"
+
+
+def test_a_sweep_job_leaves_no_environment_behind(monkeypatch):
+    from ddp_plugins.train import _reset_job_state
+
+    monkeypatch.setenv("KEPT", "user")
+    before = dict(__import__("os").environ)
+    monkeypatch.setenv("MASTER_PORT", "12345")  # set by the launcher during the job
+    monkeypatch.setenv("NCCL_IB_TIMEOUT", "22")  # set by the job's network preset
+    monkeypatch.setenv("KEPT", "changed")
+    _reset_job_state(before)
+    environ = __import__("os").environ
+    assert "MASTER_PORT" not in environ and "NCCL_IB_TIMEOUT" not in environ
+    assert environ["KEPT"] == "user"
+
+
+def test_config_selection_flags_pass_the_precheck():
+    precheck(["--config-name", "train", "backend=gloo"])
+    precheck(["-cn=train", "trainer.max_epochs=1"])
+    with pytest.raises(checks.ConfigError, match="got 'foo'"):
+        precheck(["--config-name", "train", "backend=foo"])
+
+
 def test_callbacks_are_switchable():
     assert not compose_config(["callbacks=none"]).get("callbacks")
     assert list(compose_config(["callbacks=[sync_batchnorm,rank_aware_seed]"]).callbacks) == [

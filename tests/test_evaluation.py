@@ -292,13 +292,16 @@ def test_docstring_examples_run():
 
 def test_hydra_config_instantiates_the_callback():
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+
+    from ddp_plugins.train import compose_config
 
     path = REPO_ROOT / "conf" / "callbacks" / "sequential_evaluation.yaml"
     assert path.read_text().startswith("# @package callbacks.sequential_evaluation\n")
-    callback = instantiate(OmegaConf.load(path))
+    cfg = compose_config(["callbacks=[sequential_evaluation]", "model.num_classes=5"])
+    callback = instantiate(cfg.callbacks.sequential_evaluation)
     assert isinstance(callback, SequentialEvaluation)
     assert callback.stages == ("validate", "test", "predict")
+    assert cfg.callbacks.sequential_evaluation.metrics.exact_acc.num_classes == 5, "metric follows the model"
 
 
 # ---------------------------------------------------------------- Trainer level: strategy="ddp", 2 ranks
