@@ -208,10 +208,20 @@ def max_cpu_processes() -> int:
 def _check_devices(devices: Any, accelerator: str) -> None:
     if devices == "auto":
         return
+    if _cuda_in_use(accelerator):
+        available = torch.cuda.device_count()
+        # Lightning also takes -1 (every GPU) and a list of GPU indices on CUDA.
+        if isinstance(devices, (list, tuple)):
+            if not devices or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < available for d in devices):
+                raise ConfigError(
+                    f"`trainer.devices` should list GPU indices between 0 and {available - 1}, got {list(devices)!r}."
+                )
+            return
+        if devices == -1:
+            return
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ConfigError(f"`trainer.devices` should be a positive integer or 'auto', got {devices!r}.")
     if _cuda_in_use(accelerator):
-        available = torch.cuda.device_count()
         if devices > available:
             raise ConfigError(
                 f"`trainer.devices={devices}` asks for more GPUs than this machine has ({available}). "

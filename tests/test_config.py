@@ -174,3 +174,16 @@ def test_help_lists_the_groups(tmp_path):
     assert result.returncode == 0, result.stderr
     for group in GROUPS:
         assert f"{group}:" in result.stdout, f"--help does not list the {group} group"
+
+
+def test_gpu_device_forms_are_checked_against_the_gpu_count(monkeypatch):
+    """On CUDA Lightning also takes -1 and index lists; the count comes from torch (2 GPUs faked here)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for ok in (1, 2, -1, [0, 1], [1]):
+        checks.validate({"trainer": {"devices": ok, "accelerator": "gpu"}})
+    for bad, message in ((3, "more GPUs than this machine has (2)"), ([0, 2], "between 0 and 1"), ([], "between 0 and 1")):
+        with pytest.raises(checks.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            checks.validate({"trainer": {"devices": bad, "accelerator": "gpu"}})
