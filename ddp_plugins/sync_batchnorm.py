@@ -203,9 +203,7 @@ def convert_sync_batchnorm(
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` should be a torch.nn.Module, got {type(module).__name__}.")
     declared = _normalize_extra_classes(extra_classes)
-    _check_group_args(process_group, group_size)
-    if not isinstance(skip_frozen, bool):
-        raise ValueError(f"`skip_frozen` should be True or False, got {skip_frozen!r}.")
+    _check_args(process_group, group_size, skip_frozen)
     if group_size is not None:
         process_group = _new_group_of_size(group_size)
 
@@ -287,9 +285,7 @@ class SyncBatchNormPlugin(LayerSync):
         skip_frozen: bool = True,
         extra_classes: Sequence[type | str] | Mapping[type | str, str] = (),
     ) -> None:
-        _check_group_args(process_group, group_size)
-        if not isinstance(skip_frozen, bool):
-            raise ValueError(f"`skip_frozen` should be True or False, got {skip_frozen!r}.")
+        _check_args(process_group, group_size, skip_frozen)
         self.process_group = process_group
         self.group_size = group_size
         self.skip_frozen = skip_frozen
@@ -369,11 +365,7 @@ class SyncBatchNormCallback(Callback):
                 f" {type(current).__name__} (`Trainer(sync_batchnorm=True)` or a LayerSync plugin). Use one of"
                 " them: remove `sync_batchnorm=True` (it fails on CPU) or the callback."
             )
-        group_size = self.plugin.group_size
-        if group_size is not None and trainer.world_size % group_size:
-            raise ValueError(
-                f"`group_size` should divide the world size {trainer.world_size}, got {group_size}."
-            )
+        _check_group_divides(self.plugin.group_size, trainer.world_size)
         strategy._layer_sync = self.plugin
         self._installed_in = strategy
 
@@ -605,7 +597,10 @@ def _import_class(path: str) -> Any:
         raise ValueError(f"`extra_classes` entry {path!r} cannot be imported: {err}.") from None
 
 
-def _check_group_args(process_group: Any, group_size: Any) -> None:
+def _check_args(process_group: Any, group_size: Any, skip_frozen: Any) -> None:
+    """The argument checks shared by :func:`convert_sync_batchnorm` and :class:`SyncBatchNormPlugin`."""
+    if not isinstance(skip_frozen, bool):
+        raise ValueError(f"`skip_frozen` should be True or False, got {skip_frozen!r}.")
     if group_size is None:
         return
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -614,14 +609,18 @@ def _check_group_args(process_group: Any, group_size: Any) -> None:
         raise ValueError("`process_group` and `group_size` should not both be set, got both.")
 
 
+def _check_group_divides(group_size: int | None, world_size: int) -> None:
+    if group_size is not None and world_size % group_size:
+        raise ValueError(f"`group_size` should divide the world size {world_size}, got {group_size}.")
+
+
 def _new_group_of_size(group_size: int) -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"`group_size` needs an initialized process group, got group_size={group_size} without one."
         )
     world_size = dist.get_world_size()
-    if world_size % group_size:
-        raise ValueError(f"`group_size` should divide the world size {world_size}, got {group_size}.")
+    _check_group_divides(group_size, world_size)
     if group_size == world_size:
         return None
     group, _ = dist.new_subgroups(group_size=group_size)
