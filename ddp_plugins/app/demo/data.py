@@ -6,10 +6,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-
-def _check_positive(name: str, value: int, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` should be an integer >= {minimum}, got {value!r}.")
+from ddp_plugins.core.checks import check_int, check_number
 
 
 class _TensorDataModule(pl.LightningDataModule):
@@ -17,10 +14,10 @@ class _TensorDataModule(pl.LightningDataModule):
 
     def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, num_workers: int = 0, split_seed: int = 0):
         super().__init__()
-        _check_positive("batch_size", batch_size)
-        _check_positive("num_workers", num_workers, 0)
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"`val_fraction` should be between 0 and 1 (exclusive), got {val_fraction!r}.")
+        check_int("batch_size", batch_size, 1)
+        check_int("num_workers", num_workers, 0)
+        check_number("val_fraction", val_fraction, 0, 1, exclusive_minimum=True, exclusive_maximum=True)
+        check_int("split_seed", split_seed, 0)
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.num_workers = num_workers
@@ -104,9 +101,10 @@ class SyntheticDataModule(_TensorDataModule):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        _check_positive("num_samples", num_samples)
-        _check_positive("num_classes", num_classes, 2)
-        _check_positive("image_size", image_size, 4)
+        check_int("num_samples", num_samples, 1)
+        check_int("num_classes", num_classes, 2)
+        check_int("image_size", image_size, 4)
+        check_int("data_seed", data_seed, 0)
         self.num_samples = num_samples
         self.num_classes = num_classes
         self.image_size = image_size

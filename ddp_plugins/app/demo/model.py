@@ -8,6 +8,8 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
+from ddp_plugins.core.checks import check_int, check_number
+
 
 class DigitsCNN(pl.LightningModule):
     """Conv-BN-ReLU x3, global average pooling, a linear head; Adam with a cosine schedule.
@@ -25,8 +27,10 @@ class DigitsCNN(pl.LightningModule):
 
     def __init__(self, num_classes: int = 10, channels: int = 32, lr: float = 3e-3, dropout: float = 0.0):
         super().__init__()
-        if channels < 1 or num_classes < 2:
-            raise ValueError(f"`channels` should be >= 1 and `num_classes` >= 2, got {channels} and {num_classes}.")
+        check_int("num_classes", num_classes, 2)
+        check_int("channels", channels, 1)
+        check_number("lr", lr, 0, exclusive_minimum=True)
+        check_number("dropout", dropout, 0, 1, exclusive_maximum=True)
         self.save_hyperparameters()
         c = channels
         self.features = nn.Sequential(

@@ -44,22 +44,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.layer_sync import LayerSync
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool, check_int
+from ddp_plugins.core.sync_batchnorm_function import sync_batch_norm
+
 __all__ = [
     "SyncBatchNorm",
-    "SyncBatchNormCallback",
-    "SyncBatchNormPlugin",
     "SyncBatchNormReport",
+    "check_sync_batchnorm_args",
+    "check_group_divides",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
 ]
@@ -140,7 +138,7 @@ class SyncBatchNorm(_BatchNorm):
     @override
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        return _sync_batch_norm(self, input)
+        return sync_batch_norm(self, input)
 
 
 @dataclass
@@ -201,9 +199,9 @@ def convert_sync_batchnorm(
             ``group_size`` that does not divide the world size.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"`module` should be a torch.nn.Module, got {type(module).__name__}.")
-    declared = _normalize_extra_classes(extra_classes)
-    _check_args(process_group, group_size, skip_frozen)
+        raise ArgumentTypeError("module", "a torch.nn.Module", problem=f"got {type(module).__name__}")
+    declared = normalize_extra_classes(extra_classes)
+    check_sync_batchnorm_args(process_group, group_size, skip_frozen)
     if group_size is not None:
         process_group = _new_group_of_size(group_size)
 
@@ -264,251 +262,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     return module
 
 
-class SyncBatchNormPlugin(LayerSync):
-    """Lightning ``LayerSync`` plugin: :func:`convert_sync_batchnorm` before DDP wraps the model, revert after.
-
-    The strategy calls :meth:`apply` only when fitting and :meth:`revert` in its teardown. Pass it
-    as ``Trainer(plugins=[SyncBatchNormPlugin()])`` (not together with ``sync_batchnorm=True``), or
-    use :class:`SyncBatchNormCallback`.
-
-    Args:
-        process_group: the group to synchronize over; ``None`` means the whole world.
-        group_size: synchronize within consecutive groups of this many ranks.
-        skip_frozen: leave layers in eval mode or without trainable parameters alone.
-        extra_classes: BN-like classes to convert as well (see :func:`convert_sync_batchnorm`).
-    """
-
-    def __init__(
-        self,
-        process_group: Any = None,
-        group_size: int | None = None,
-        skip_frozen: bool = True,
-        extra_classes: Sequence[type | str] | Mapping[type | str, str] = (),
-    ) -> None:
-        _check_args(process_group, group_size, skip_frozen)
-        self.process_group = process_group
-        self.group_size = group_size
-        self.skip_frozen = skip_frozen
-        self.extra_classes = _normalize_extra_classes(extra_classes)
-        self.report: SyncBatchNormReport | None = None
-
-    @override
-    def apply(self, model: nn.Module) -> nn.Module:
-        model, self.report = convert_sync_batchnorm(
-            model,
-            self.process_group,
-            group_size=self.group_size,
-            skip_frozen=self.skip_frozen,
-            extra_classes=self.extra_classes,
-            return_report=True,
-        )
-        rank_zero_info(str(self.report))
-        return model
-
-    @override
-    def revert(self, model: nn.Module) -> nn.Module:
-        return revert_sync_batchnorm(model)
-
-
-class SyncBatchNormCallback(Callback):
-    """Synchronize batch norm while fitting, on CPU or GPU: ``Trainer(callbacks=[SyncBatchNormCallback()])``.
-
-    It installs a :class:`SyncBatchNormPlugin` in the parallel strategy (DDP, FSDP...), which
-    converts the model after ``configure_model`` and before DDP wraps it, and reverts it to the
-    original classes when fitting ends, so checkpoints (same keys) load into the original model.
-    With a single-device strategy there is nothing to synchronize and it does nothing.
-
-    Args:
-        group_size: synchronize within consecutive groups of this many ranks (for example per
-            node) instead of the whole world; must divide the world size.
-        skip_frozen: leave layers in eval mode or without trainable parameters alone.
-        extra_classes: BN-like classes to convert as well: classes or import paths, or a mapping
-            from them to the method to replace (see :func:`convert_sync_batchnorm`).
-
-    Raises:
-        ValueError: for an invalid argument; in ``setup``, when the strategy already has another
-            ``LayerSync`` plugin (``Trainer(sync_batchnorm=True)``) or ``group_size`` does not divide
-            the world size.
-
-    Example::
-
-        >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(callbacks=[SyncBatchNormCallback()], accelerator="cpu", logger=False)
-    """
-
-    def __init__(
-        self,
-        group_size: int | None = None,
-        skip_frozen: bool = True,
-        extra_classes: Sequence[type | str] | Mapping[type | str, str] = (),
-    ) -> None:
-        self.plugin = SyncBatchNormPlugin(group_size=group_size, skip_frozen=skip_frozen, extra_classes=extra_classes)
-        self._installed_in: Any = None
-
-    @property
-    def report(self) -> SyncBatchNormReport | None:
-        """The report of the last conversion, ``None`` before fitting."""
-        return self.plugin.report
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        strategy = trainer.strategy
-        if not hasattr(strategy, "_layer_sync"):
-            rank_zero_info(f"SyncBatchNormCallback: {type(strategy).__name__} runs one device, nothing to synchronize.")
-            return
-        current = strategy._layer_sync
-        if current is not None and current is not self.plugin:
-            raise ValueError(
-                f"`SyncBatchNormCallback` found the strategy already synchronizing layers with"
-                f" {type(current).__name__} (`Trainer(sync_batchnorm=True)` or a LayerSync plugin). Use one of"
-                " them: remove `sync_batchnorm=True` (it fails on CPU) or the callback."
-            )
-        _check_group_divides(self.plugin.group_size, trainer.world_size)
-        strategy._layer_sync = self.plugin
-        self._installed_in = strategy
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # The strategy reverted the model in its own teardown (also after an exception, where this
-        # hook is not called and the plugin stays installed, which `setup` accepts).
-        self._uninstall()
-
-    def _uninstall(self) -> None:
-        if self._installed_in is not None and self._installed_in._layer_sync is self.plugin:
-            self._installed_in._layer_sync = None
-        self._installed_in = None
-
-
-class _SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm over a process group: one all_reduce forward, one backward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        input: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        eps: float,
-        momentum: float,
-        process_group: Any,
-    ) -> Tensor:
-        channels = input.size(1)
-        local = input.numel() // channels
-        low_precision = input.dtype in (torch.float16, torch.bfloat16)
-        stat_dtype = torch.float32 if low_precision else input.dtype
-        acc_dtype = torch.float32 if input.device.type == "mps" else torch.float64  # mps has no float64
-        # Fused payload [sum (C), sum of squares (C), count (1)], built from stable local stats.
-        payload = torch.zeros(2 * channels + 1, dtype=acc_dtype, device=input.device)
-        if local > 0:
-            # Two passes (mean, then centered squares): stable, and on CPU faster than the fused stats kernel.
-            x = input.float() if low_precision else input
-            dims = [0, *range(2, input.dim())]
-            mean = x.sum(dims) / local
-            m2 = (x - mean.view(1, channels, *[1] * (input.dim() - 2))).square_().sum(dims)
-            mean, m2 = mean.to(acc_dtype), m2.to(acc_dtype)
-            payload[:channels] = mean * local
-            payload[channels:-1] = m2 + mean * mean * local
-            payload[-1] = local
-        dist.all_reduce(payload, group=process_group)
-        total = int(payload[-1].item())
-        if total <= 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got {total} over the process group"
-            )
-        mean = payload[:channels] / total
-        var = (payload[channels:-1] / total - mean * mean).clamp_(min=0)
-        with torch.no_grad():
-            if running_mean is not None:
-                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-            if running_var is not None:
-                unbiased = var * (total / (total - 1))
-                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
-        mean, var = mean.to(stat_dtype), var.to(stat_dtype)
-        if local > 0:
-            output = F.batch_norm(input, mean, var, weight, bias, False, 0.0, eps)
-        else:
-            output = torch.empty_like(input)
-        ctx.save_for_backward(input, weight, mean, var)
-        ctx.eps, ctx.total, ctx.process_group = eps, total, process_group
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        input, weight, mean, var = ctx.saved_tensors
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        channels = input.size(1)
-        if input.numel() > 0:
-            # Local sum(dy * x_hat) and sum(dy) in one fused kernel (eval mode: no batch terms).
-            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad_output, input, None, mean, var, None, None, False, ctx.eps, [False, True, True]
-            )
-        else:
-            sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=mean.dtype, device=input.device)
-        # Weight and bias gradients stay local: DDP reduces them like every other gradient.
-        grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight and weight is not None else None
-        grad_bias = sum_dy.to(weight.dtype if weight is not None else mean.dtype) if need_bias else None
-        grad_input = None
-        if need_input:
-            payload = torch.cat([sum_dy, sum_dy_xhat])
-            dist.all_reduce(payload, group=ctx.process_group)
-            if input.numel() > 0:
-                mean_dy, mean_dy_xhat = (payload / ctx.total).split(channels)
-                invstd = torch.rsqrt(var + ctx.eps)
-                # grad_input = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)) = a*dy + b*x + c
-                scale = invstd if weight is None else weight.to(invstd.dtype) * invstd
-                coef_x = -scale * invstd * mean_dy_xhat
-                shift = -scale * mean_dy - coef_x * mean
-                ones, zeros = torch.ones_like(var), torch.zeros_like(mean)
-                grad_input = F.batch_norm(grad_output, zeros, ones, scale, shift, False, 0.0, 0.0)
-                shape = [1, channels] + [1] * (input.dim() - 2)
-                grad_input.addcmul_(input, coef_x.view(shape))
-            else:
-                grad_input = torch.zeros_like(input)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
-
-
-def _sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
-    """``_BatchNorm.forward`` with the statistics of the whole process group while training."""
-    if input.dim() < 2:
-        raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-    if input.size(1) == 0:
-        raise ValueError("SyncBatchNorm number of input channels should be non-zero")
-    factor = 0.0 if layer.momentum is None else layer.momentum
-    if layer.training and layer.track_running_stats and layer.num_batches_tracked is not None:
-        layer.num_batches_tracked.add_(1)
-        factor = 1.0 / float(layer.num_batches_tracked) if layer.momentum is None else layer.momentum
-    bn_training = layer.training or (layer.running_mean is None and layer.running_var is None)
-    tracked = not layer.training or layer.track_running_stats
-    running_mean = layer.running_mean if tracked else None
-    running_var = layer.running_var if tracked else None
-
-    group = getattr(layer, "process_group", None)
-    world_size = 1
-    if bn_training and layer.training and dist.is_available() and dist.is_initialized():
-        group = group if group is not None else dist.group.WORLD
-        world_size = dist.get_world_size(group)
-    if world_size == 1:  # eval mode, no process group or a group of one: plain batch norm
-        return F.batch_norm(
-            input, running_mean, running_var, layer.weight, layer.bias, bn_training, factor, layer.eps
-        )
-    if input.is_cuda and dist.get_backend(group) == "nccl":  # torch's native kernel is faster there
-        from torch.nn.modules._functions import SyncBatchNorm as _TorchSyncBatchNormFunction
-
-        return _TorchSyncBatchNormFunction.apply(
-            input, layer.weight, layer.bias, running_mean, running_var, layer.eps, factor, group, world_size
-        )
-    return _SyncBatchNormFunction.apply(
-        input, layer.weight, layer.bias, running_mean, running_var, layer.eps, factor, group
-    )
-
-
 def _declared_forward(self: Any, input: Tensor) -> Tensor:
-    return _sync_batch_norm(self, input)
+    return sync_batch_norm(self, input)
 
 
 _SYNCED_CLASSES: dict[tuple[type, str | None], type] = {}
@@ -563,7 +318,13 @@ def _declared_method(cls: type, declared: Mapping[type, str]) -> str | None:
     return None
 
 
-def _normalize_extra_classes(extra: Any) -> dict[type, str]:
+def normalize_extra_classes(extra: Any) -> dict[type, str]:
+    """``extra_classes`` of :func:`convert_sync_batchnorm` as ``{class: method name}``, each entry checked.
+
+    Raises:
+        ArgumentTypeError: not a list or mapping of classes or import paths.
+        ArgumentValueError: an entry that cannot be imported, is not a module class, or lacks the method.
+    """
     if isinstance(extra, (str, type)):
         extra = [extra]
     if isinstance(extra, Mapping):
@@ -571,19 +332,21 @@ def _normalize_extra_classes(extra: Any) -> dict[type, str]:
     elif isinstance(extra, Sequence) or extra is None:
         items = [(entry, "forward") for entry in (extra or ())]
     else:
-        raise ValueError(
-            "`extra_classes` should be a list of classes or import paths, or a mapping from them to a method"
-            f" name, got {type(extra).__name__}."
+        raise ArgumentTypeError(
+            "extra_classes",
+            "a list of classes or import paths, or a mapping from them to a method name",
+            problem=f"got {type(extra).__name__}",
         )
     declared: dict[type, str] = {}
     for entry, method in items:
         cls = _import_class(entry) if isinstance(entry, str) else entry
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise ValueError(f"`extra_classes` should hold torch.nn.Module classes, got {entry!r}.")
+            raise ArgumentValueError("extra_classes", "torch.nn.Module classes or their import paths", entry)
         if not isinstance(method, str) or not callable(getattr(cls, method, None)):
-            raise ValueError(
-                f"`extra_classes` names method {method!r} of {cls.__qualname__}, which it does not have."
-                " Name the method that normalizes its single tensor argument, such as 'forward'."
+            raise ArgumentValueError(
+                "extra_classes",
+                f"the name of a method of {cls.__qualname__} that normalizes its tensor argument, such as 'forward'",
+                method,
             )
         declared[cls] = method
     return declared
@@ -594,24 +357,41 @@ def _import_class(path: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"`extra_classes` entry {path!r} cannot be imported: {err}.") from None
+        raise ArgumentValueError(
+            "extra_classes", "importable classes", problem=f"got {path!r}, which cannot be imported ({err})"
+        ) from None
 
 
-def _check_args(process_group: Any, group_size: Any, skip_frozen: Any) -> None:
-    """The argument checks shared by :func:`convert_sync_batchnorm` and :class:`SyncBatchNormPlugin`."""
-    if not isinstance(skip_frozen, bool):
-        raise ValueError(f"`skip_frozen` should be True or False, got {skip_frozen!r}.")
-    if group_size is None:
-        return
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"`group_size` should be a positive integer or None, got {group_size!r}.")
-    if process_group is not None:
-        raise ValueError("`process_group` and `group_size` should not both be set, got both.")
+def check_sync_batchnorm_args(process_group: Any, group_size: Any, skip_frozen: Any) -> None:
+    """The argument checks of :func:`convert_sync_batchnorm`, shared with the Lightning plugin and callback.
+
+    Raises:
+        ArgumentTypeError: ``skip_frozen`` not a bool, ``group_size`` not an integer.
+        ArgumentValueError: ``group_size`` below 1, or given together with ``process_group``.
+    """
+    check_bool("skip_frozen", skip_frozen)
+    check_int("group_size", group_size, 1, allow_none=True)
+    if group_size is not None and process_group is not None:
+        raise ArgumentValueError(
+            "group_size", "None when `process_group` is given", group_size, hint="Give one of the two."
+        )
 
 
-def _check_group_divides(group_size: int | None, world_size: int) -> None:
+def check_group_divides(group_size: int | None, world_size: int) -> None:
+    """Check that groups of ``group_size`` ranks tile a world of ``world_size`` ranks.
+
+    Raises:
+        ArgumentValueError: ``group_size`` does not divide ``world_size``.
+
+    Example::
+
+        >>> check_group_divides(3, 2)
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentValueError: `group_size` should be a divisor of the world size 2, got 3.
+    """
     if group_size is not None and world_size % group_size:
-        raise ValueError(f"`group_size` should divide the world size {world_size}, got {group_size}.")
+        raise ArgumentValueError("group_size", f"a divisor of the world size {world_size}", group_size)
 
 
 def _new_group_of_size(group_size: int) -> Any:
@@ -620,7 +400,7 @@ def _new_group_of_size(group_size: int) -> Any:
             f"`group_size` needs an initialized process group, got group_size={group_size} without one."
         )
     world_size = dist.get_world_size()
-    _check_group_divides(group_size, world_size)
+    check_group_divides(group_size, world_size)
     if group_size == world_size:
         return None
     group, _ = dist.new_subgroups(group_size=group_size)

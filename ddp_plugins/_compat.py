@@ -1,0 +1,126 @@
+"""Private Lightning and torch names, in one place
+================================================
+
+Everything the pack needs that Lightning or torch offer only under a private name lives here,
+with the versions it was checked against, so an upgrade is one file to read.
+``tests/test_compat.py`` fails with a clear message when an installed version changes one.
+
+Checked against torch 2.13.0 and Lightning 2.4.0 to 2.6.6.
+
+torch (imported at once: the core uses it and must not need Lightning):
+
+* ``torch.nn.modules._functions.SyncBatchNorm``: torch's CUDA SyncBatchNorm autograd function,
+  used on CUDA tensors with nccl (no public functional form exists).
+
+Lightning (imported when first used):
+
+* ``_MultiProcessingLauncher``, ``_SubprocessScriptLauncher``: the launchers our strategy's
+  launchers subclass (Lightning offers no public launcher base with its behaviour).
+* ``lightning.fabric...subprocess_script._basic_subprocess_cmd`` and
+  ``lightning.fabric.utilities.distributed._set_num_threads_if_needed``: used by the restated
+  ``launch`` / ``_call_children_scripts`` of the subprocess launcher.
+* ``lightning.pytorch.utilities.data._update_dataloader``: rebuilds a user DataLoader with
+  another sampler (what Lightning itself does to inject ``DistributedSampler``).
+* ``_EvaluationLoop._data_source`` / ``_PredictionLoop._data_source``: where a loop requests its
+  dataloaders; SequentialEvaluation swaps the sampler there, before Lightning injects its own.
+* ``CombinedLoader._mode``: the combined loader's mode (no public getter).
+* ``DDPStrategy._ddp_comm_hook`` / ``_ddp_comm_state`` / ``_ddp_comm_wrapper``: the hook given to
+  the strategy, which AllReduceCounter wraps before DDP registers it.
+* Overridden private methods of ``DDPStrategy``: ``_configure_launcher``, ``_register_ddp_hooks``,
+  ``_get_process_group_backend`` and the ``_layer_sync`` attribute (``sync_batchnorm=True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
+
+__all__ = [
+    "CHECKED",
+    "TorchSyncBatchNormFunction",
+    "basic_subprocess_cmd",
+    "combined_loader_mode",
+    "loop_data_source",
+    "set_num_threads_if_needed",
+    "set_strategy_comm_hook",
+    "strategy_comm_hook",
+    "strategy_comm_state_and_wrapper",
+    "update_dataloader",
+]
+
+# (module, attribute path) of every private name used, for tests/test_compat.py.
+CHECKED: tuple[tuple[str, str], ...] = (
+    ("torch.nn.modules._functions", "SyncBatchNorm"),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.update_main_process_results"),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher._call_children_scripts"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher._check_can_spawn_children"),
+    ("lightning.fabric.strategies.launchers.subprocess_script", "_basic_subprocess_cmd"),
+    ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed"),
+    ("lightning.pytorch.utilities.data", "_update_dataloader"),
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy._configure_launcher"),
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy._register_ddp_hooks"),
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend"),
+)
+
+_LAZY = {
+    "MultiProcessingLauncher": ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
+    "SubprocessScriptLauncher": ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def basic_subprocess_cmd() -> Any:
+    """Lightning's command that re-runs the current script for a child rank."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+
+    return _basic_subprocess_cmd()
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """Lightning's default of ``OMP_NUM_THREADS`` per process when several share a machine."""
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+    _set_num_threads_if_needed(num_processes=num_processes)
+
+
+def update_dataloader(dataloader: Any, sampler: Any) -> Any:
+    """``dataloader`` rebuilt with ``sampler`` (every other argument kept), as Lightning does it."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler)
+
+
+def loop_data_source(loop: Any) -> Any:
+    """The object an evaluation or prediction loop asks for its dataloaders (``.dataloader()``)."""
+    return loop._data_source
+
+
+def combined_loader_mode(combined: Any) -> str:
+    """The mode of a ``CombinedLoader`` ("sequential", "max_size_cycle", ...)."""
+    return str(combined._mode)
+
+
+def strategy_comm_hook(strategy: Any) -> Any:
+    """The communication hook a ``DDPStrategy`` was given (``None``: DDP's default all-reduce)."""
+    return strategy._ddp_comm_hook
+
+
+def set_strategy_comm_hook(strategy: Any, hook: Any) -> None:
+    """Replace the hook a ``DDPStrategy`` will register when it wraps the model."""
+    strategy._ddp_comm_hook = hook
+
+
+def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:
+    """The hook state and hook wrapper a ``DDPStrategy`` was given."""
+    return strategy._ddp_comm_state, strategy._ddp_comm_wrapper

@@ -1,0 +1,137 @@
+"""Training app
+============
+
+``python -m ddp_plugins.train [group=option ...] [key=value ...]`` (what ``make train`` runs) trains
+the configured model with DDP and prints the final validation accuracy. The configs are the
+packaged ``ddp_plugins.conf`` (the checkout's ``conf/``), found through Hydra's package search
+path, so the installed package runs as the checkout does.
+
+Everything the user can get wrong is checked before Hydra creates a run folder and before any
+worker process starts (:mod:`ddp_plugins.app.checks`); an error is one line on stderr and exit
+code 2. Checkpoints, metrics (CSV) and the resolved config go to the Hydra run folder, one per
+run: the child ranks of a job write into their parent's folder. Under ``--multirun`` each job is
+a full DDP run in its own folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from ddp_plugins.app.checks import CONFIG_MODULE, CONFIG_NAME, ConfigError, precheck, resolve_precision
+from ddp_plugins.core.process import run_main
+from ddp_plugins.core.ranks import setup_rank_logging
+from ddp_plugins.lightning.network import apply_network_env, restore_env
+
+__all__ = ["build_trainer", "main", "train"]
+
+_ERROR_EXIT = 2
+
+log = logging.getLogger("ddp_plugins.train")  # not __name__: "__main__" under python -m
+
+
+def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: list[Any] | None = None) -> Any:
+    """The Lightning ``Trainer`` a config describes, writing logs and checkpoints to ``output_dir``."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    precision = resolve_precision(cfg.precision.name, str(cfg.trainer.get("accelerator", "auto")))
+    strategy = instantiate(cfg.strategy)
+    plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    checkpoint = ModelCheckpoint(
+        dirpath=Path(output_dir) / "checkpoints", monitor=_accuracy_key(cfg), mode="max", save_last=True
+    )
+    return pl.Trainer(
+        **OmegaConf.to_container(cfg.trainer, resolve=True),
+        strategy=strategy,
+        precision=precision,
+        callbacks=[*plugin_callbacks, checkpoint, *(callbacks or [])],
+        logger=CSVLogger(save_dir=str(output_dir), name="metrics", version=""),
+        default_root_dir=str(output_dir),
+    )
+
+
+def _accuracy_key(cfg: DictConfig) -> str:
+    """The exact accuracy of SequentialEvaluation when it is on, else the model's own."""
+    sequential = (cfg.get("callbacks") or {}).get("sequential_evaluation") or {}
+    return "val/exact_acc" if "exact_acc" in (sequential.get("metrics") or {}) else "val/acc"
+
+
+def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
+    """Fit the configured model; returns the final validation accuracy on rank 0 (None elsewhere)."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    setup_rank_logging()  # ddp_plugins loggers: INFO on rank 0, WARNING on the other ranks
+    network_env = apply_network_env(cfg.get("network", {}).get("env"))
+    if network_env:
+        log.info("network environment: %s", network_env)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    trainer = build_trainer(cfg, output_dir)
+    trainer.fit(model, datamodule=datamodule)
+    metrics, key = trainer.callback_metrics, _accuracy_key(cfg)
+    if not trainer.is_global_zero or key not in metrics:
+        return None
+    accuracy = float(metrics[key])
+    print(f"final validation accuracy: {accuracy:.4f} ({key}; run folder: {output_dir})", flush=True)
+    return accuracy
+
+
+def _reset_job_state(env_before: dict[str, str]) -> None:
+    """Leave the process as the next job of a sweep expects it: no process group, the environment
+    as it was before the job (launcher variables, network presets and ports must not leak)."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # Free the job's DDP reducer first, while the process group is still registered: a
+        # reducer that held the last reference would join the gloo threads with the GIL held.
+        gc.collect()
+        dist.destroy_process_group()
+    restore_env(env_before)
+
+
+@hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME, version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    env_before = dict(os.environ)
+    try:
+        return train(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:  # a job whose config changed after the up-front check
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(_ERROR_EXIT) from None
+    finally:
+        if "LOCAL_RANK" not in env_before:  # the job's launcher, not one of its child ranks
+            _reset_job_state(env_before)
+
+
+def _main() -> None:
+    argv = sys.argv[1:]
+    try:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # a launcher's child rank re-runs a checked job
+            precheck(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(_ERROR_EXIT) from None
+    _hydra_main()
+
+
+def main() -> None:
+    """Console entry point: run the app and exit without the gloo shutdown abort."""
+    run_main(_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The torch-only core: importable and usable without Lightning.
+
+Use it from a raw ``torch.distributed`` + ``DistributedDataParallel`` loop (``torchrun``) or with
+Lightning Fabric; the Lightning adapters in :mod:`ddp_plugins.lightning` are built on it.
+
+Example::
+
+    >>> import torch
+    >>> from ddp_plugins.core import convert_sync_batchnorm, distributed_concat
+    >>> net = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+    >>> distributed_concat(torch.arange(4), 3)  # one process: the rows, truncated
+    tensor([0, 1, 2])
+"""
+
+from ddp_plugins.core.checks import (
+    ArgumentError,
+    ArgumentTypeError,
+    ArgumentValueError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+)
+from ddp_plugins.core.collectives import distributed_concat
+from ddp_plugins.core.comm_hooks import (
+    COMM_HOOKS,
+    CollectiveCounts,
+    CountingCommHook,
+    build_comm_hook,
+    check_comm_hook,
+    count_collectives,
+)
+from ddp_plugins.core.process import exit_process, run_main, save_atomic
+from ddp_plugins.core.ranks import get_rank, get_world_size, rank_zero_first, setup_rank_logging
+from ddp_plugins.core.samplers import SequentialDistributedSampler
+from ddp_plugins.core.seeding import (
+    collect_rng_states,
+    decode_rng_states,
+    encode_rng_states,
+    rank_seed,
+    seed_everything_rank_aware,
+    set_rng_states,
+)
+from ddp_plugins.core.sync_batchnorm import (
+    SyncBatchNorm,
+    SyncBatchNormReport,
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
+from ddp_plugins.core.sync_batchnorm_function import SyncBatchNormFunction, sync_batch_norm
+from ddp_plugins.core.toolkit import LOOPBACK_ENV, free_port, loopback_env, spawn
+
+__all__ = [
+    "COMM_HOOKS",
+    "LOOPBACK_ENV",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "ArgumentValueError",
+    "CollectiveCounts",
+    "CountingCommHook",
+    "SequentialDistributedSampler",
+    "SyncBatchNorm",
+    "SyncBatchNormFunction",
+    "SyncBatchNormReport",
+    "build_comm_hook",
+    "check_bool",
+    "check_choice",
+    "check_comm_hook",
+    "check_int",
+    "check_number",
+    "collect_rng_states",
+    "convert_sync_batchnorm",
+    "count_collectives",
+    "decode_rng_states",
+    "distributed_concat",
+    "encode_rng_states",
+    "exit_process",
+    "free_port",
+    "get_rank",
+    "get_world_size",
+    "loopback_env",
+    "rank_seed",
+    "rank_zero_first",
+    "revert_sync_batchnorm",
+    "run_main",
+    "save_atomic",
+    "seed_everything_rank_aware",
+    "set_rng_states",
+    "setup_rank_logging",
+    "spawn",
+    "sync_batch_norm",
+]

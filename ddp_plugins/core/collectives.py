@@ -1,0 +1,297 @@
+"""Collectives
+===========
+
+:func:`distributed_concat` all-gathers every rank's results (a tensor or nested dict/list/tuple
+of tensors, plus lists of Python objects such as ids or per-row records), concatenates them along
+dim 0 in rank order and truncates to the true length. Ranks may hold different numbers of rows:
+like torchmetrics' ``gather_all_tensors`` it exchanges shapes first, pads, gathers, trims; like
+Accelerate it checks structures and dtypes on every rank before any tensor collective and raises
+one error listing every rank's shapes on *every* rank, instead of hanging. The row helpers
+(:func:`concat_batches`, :func:`num_rows`, :func:`truncate_rows`, :func:`to_cpu`) serve the
+Lightning adapter that collects step outputs. Plain torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ddp_plugins.core.checks import check_int, check_number
+
+__all__ = ["concat_batches", "distributed_concat", "num_rows", "to_cpu", "truncate_rows"]
+
+
+def distributed_concat(
+    data: Any,
+    num_total_examples: int | None = None,
+    *,
+    pad_value: float | None = None,
+    group: Any = None,
+    local_error: str | None = None,
+) -> Any:
+    """All-gather ``data`` from every rank, concatenate along dim 0 in rank order, truncate.
+
+    ``data`` is a tensor, a list of Python objects (one entry per row: ids, strings, or per-row
+    dicts and tuples without tensors, as Accelerate's ``gather_for_metrics`` takes them), or a
+    nested dict / tuple / list of those (lists holding tensors are structure). Ranks
+    may hold different numbers of rows, including none. Every rank gets the full result, with
+    tensors on the device they came from. Works without a process group (world size 1).
+
+    Args:
+        data: this rank's rows.
+        num_total_examples: keep only the first this many rows of the result (drops the padding of
+            :class:`SequentialDistributedSampler`); ``None`` keeps everything.
+        pad_value: when given, tensors whose trailing dimensions differ across ranks (variable
+            length sequences) are padded to the largest with this value; when ``None`` they raise.
+        group: the process group; the default group when ``None``.
+        local_error: a failure this rank found while preparing ``data`` (``data`` is then ignored):
+            it travels with the shapes, so every rank raises it together instead of the others
+            waiting in the gather.
+
+    Raises:
+        ValueError: structures, dtypes or trailing shapes differ across ranks (the message lists
+            every rank's shapes and is raised on every rank), or an argument is invalid.
+        TypeError: ``data`` holds something that is neither a tensor, a container nor a list of rows.
+
+    Example::
+
+        >>> distributed_concat({"preds": torch.arange(4), "ids": ["a", "b", "c", "d"]}, 3)
+        {'preds': tensor([0, 1, 2]), 'ids': ['a', 'b', 'c']}
+    """
+    return _concat(data, num_total_examples, pad_value=pad_value, group=group, error=local_error)
+
+
+def to_cpu(data: Any) -> Any:
+    """``data`` with every tensor detached and on the CPU, containers rebuilt alike."""
+    if isinstance(data, Tensor):
+        return data.detach().cpu()
+    if isinstance(data, Mapping):
+        return {key: to_cpu(value) for key, value in data.items()}
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(to_cpu(value) for value in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(to_cpu(value) for value in data)
+    return data
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(item) for item in value)
+    return False
+
+
+def _is_rows(value: Any) -> bool:
+    """A list of Python objects, one per row: scalars, strings, or dicts/tuples without tensors."""
+    return isinstance(value, list) and not _holds_tensor(value)
+
+
+def _flatten(data: Any, path: str = "") -> tuple[Any, list[tuple[str, Any]]]:
+    """A comparable description of the structure, and its leaves with their paths."""
+    if data is None:
+        return "None", []
+    if isinstance(data, Tensor) or _is_rows(data):
+        return "leaf", [(path or "data", data)]
+    if isinstance(data, Mapping):
+        specs, leaves = [], []
+        for key, value in data.items():
+            spec, sub = _flatten(value, f"{path}[{key!r}]")
+            specs.append((repr(key), spec))
+            leaves += sub
+        return ("dict", tuple(specs)), leaves
+    if isinstance(data, (list, tuple)):
+        specs, leaves = [], []
+        for i, value in enumerate(data):
+            spec, sub = _flatten(value, f"{path}[{i}]")
+            specs.append(spec)
+            leaves += sub
+        return (type(data).__name__, tuple(specs)), leaves
+    raise TypeError(
+        f"`data` should hold tensors, lists of row values or dicts/tuples/lists of those,"
+        f" got {type(data).__name__} at {path or 'the top'}."
+    )
+
+
+def _unflatten(data: Any, leaves: Any) -> Any:
+    """Rebuild the structure of ``data`` with leaves taken in order from the iterator ``leaves``."""
+    if data is None:
+        return None
+    if isinstance(data, Tensor) or _is_rows(data):
+        return next(leaves)
+    if isinstance(data, Mapping):
+        return {key: _unflatten(value, leaves) for key, value in data.items()}
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_unflatten(value, leaves) for value in data))
+    return type(data)(_unflatten(value, leaves) for value in data)
+
+
+def _describe(leaf: Any) -> tuple:
+    if isinstance(leaf, Tensor):
+        return ("tensor", str(leaf.dtype).replace("torch.", ""), tuple(leaf.shape))
+    return ("rows", "list", (len(leaf),))
+
+
+def _fmt(meta: tuple) -> str:
+    return f"{meta[1]}[{', '.join(map(str, meta[2]))}]"
+
+
+def _pad(tensor: Tensor, shape: tuple, pad_value: float | None) -> Tensor:
+    """``tensor`` placed at the start of a tensor of ``shape`` filled with ``pad_value``."""
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor
+    out = torch.full(shape, 0 if pad_value is None else pad_value, dtype=tensor.dtype, device=tensor.device)
+    if tensor.numel():
+        out[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    return out
+
+
+def concat_batches(batches: list[Any], pad_value: float | None, step: str) -> Any:
+    """Concatenate one rank's per-batch outputs along dim 0, leaf by leaf."""
+    flat = []
+    for i, out in enumerate(batches):
+        spec, leaves = _flatten(out)
+        if flat and spec != flat[0][0]:
+            raise ValueError(f"`{step}` returned a different structure in batch {i} than in batch 0.")
+        flat.append((spec, [leaf for _, leaf in leaves]))
+    names = [name for name, _ in _flatten(batches[0])[1]]
+    merged = []
+    for j, name in enumerate(names):
+        parts = [leaves[j] for _, leaves in flat]
+        if not isinstance(parts[0], Tensor):
+            merged.append([item for part in parts for item in part])
+            continue
+        if any(part.dim() == 0 for part in parts):
+            raise ValueError(
+                f"`{step}` returned a 0-dim tensor at {name}; SequentialEvaluation needs one row per sample."
+            )
+        trailing = {tuple(part.shape[1:]) for part in parts}
+        if len(trailing) > 1:
+            if pad_value is None or len({part.dim() for part in parts}) > 1:
+                raise ValueError(
+                    f"`{step}` returned {name} with shapes {sorted(trailing)} across batches; pass `pad_value` to pad"
+                    " variable-length outputs."
+                )
+            width = tuple(max(sizes) for sizes in zip(*trailing))
+            parts = [_pad(part, (part.shape[0], *width), pad_value) for part in parts]
+        merged.append(torch.cat(parts))
+    return _unflatten(batches[0], iter(merged))
+
+
+def num_rows(data: Any, step: str) -> int:
+    """The number of rows (dim 0) that every leaf of ``data`` has; ``step`` names the source in errors."""
+    rows = {name: len(leaf) for name, leaf in _flatten(data)[1]}
+    if len(set(rows.values())) > 1:
+        raise ValueError(f"`{step}` returned leaves with different numbers of rows: {rows}.")
+    return next(iter(rows.values()), 0)
+
+
+def truncate_rows(data: Any, n: int) -> Any:
+    """The first ``n`` rows of every leaf of ``data``."""
+    return _unflatten(data, iter([leaf[:n] for _, leaf in _flatten(data)[1]]))
+
+
+def _comm_device(group: Any, tensor: Tensor) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo":
+        return torch.device("cpu")
+    return tensor.device
+
+
+def _concat(
+    data: Any,
+    num_total_examples: int | None,
+    *,
+    pad_value: float | None = None,
+    group: Any = None,
+    error: str | None = None,
+) -> Any:
+    """:func:`distributed_concat`, plus ``error``: a failure found on this rank, raised on every rank."""
+    check_int("num_total_examples", num_total_examples, 0, allow_none=True)
+    check_number("pad_value", pad_value, allow_none=True)
+    spec, leaves = None, []
+    if error is None:
+        try:
+            spec, leaves = _flatten(data)
+        except TypeError as exc:
+            error = str(exc)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    if not distributed:
+        if error is not None:
+            raise ValueError(error)
+        all_meta = [(spec, [_describe(leaf) for _, leaf in leaves], [leaf for _, leaf in leaves if _is_rows(leaf)])]
+    else:
+        # one collective carries every rank's structure, shapes, errors and row lists, so all ranks raise alike
+        meta = (spec, [_describe(leaf) for _, leaf in leaves], [leaf for _, leaf in leaves if _is_rows(leaf)], error)
+        gathered_meta: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered_meta, meta, group=group)
+        failed = [(rank, m[3]) for rank, m in enumerate(gathered_meta) if m[3] is not None]
+        if failed:
+            raise ValueError("; ".join(f"rank {rank}: {message}" for rank, message in failed))
+        all_meta = [m[:3] for m in gathered_meta]
+    _check_consistent(all_meta, [name for name, _ in leaves], pad_value)
+    outs, row_leaf = [], 0
+    for j, (_, leaf) in enumerate(leaves):
+        if _is_rows(leaf):
+            outs.append([item for m in all_meta for item in m[2][row_leaf]])
+            row_leaf += 1
+        elif not distributed:
+            outs.append(leaf)
+        else:
+            outs.append(_gather_tensor(leaf, [m[1][j][2] for m in all_meta], pad_value, group))
+    result = _unflatten(data, iter(outs))
+    return result if num_total_examples is None else truncate_rows(result, num_total_examples)
+
+
+def _check_consistent(all_meta: list[Any], names: list[str], pad_value: float | None) -> None:
+    def table() -> str:
+        return "; ".join(
+            f"rank {rank}: " + ", ".join(f"{name} {_fmt(meta)}" for name, meta in zip(names, m[1]))
+            for rank, m in enumerate(all_meta)
+        )
+
+    if len({repr(m[0]) for m in all_meta}) > 1:
+        shown = "; ".join(f"rank {rank}: {m[0]}" for rank, m in enumerate(all_meta))
+        raise ValueError(f"`data` has a different structure on each rank, so it cannot be concatenated: {shown}.")
+    for j, name in enumerate(names):
+        metas = [m[1][j] for m in all_meta]
+        if len({meta[:2] for meta in metas}) > 1:
+            raise ValueError(f"`data` {name} has a different dtype on each rank: {table()}.")
+        shapes = [meta[2] for meta in metas if meta[0] == "tensor" and meta[2] and meta[2][0] > 0]
+        if len({len(shape) for shape in shapes}) > 1 or any(len(meta[2]) == 0 for meta in metas):
+            raise ValueError(f"`data` {name} needs the same number of dims (>= 1) on every rank: {table()}.")
+        if len({shape[1:] for shape in shapes}) > 1 and pad_value is None:
+            raise ValueError(
+                f"`data` {name} has different trailing shapes on each rank (pass `pad_value` to pad them): {table()}."
+            )
+
+
+def _gather_tensor(tensor: Tensor, shapes: list[tuple], pad_value: float | None, group: Any) -> Tensor:
+    """Pad to the largest shape, gather into one buffer, trim each rank's rows, concatenate.
+
+    Gathering into one preallocated buffer (``all_gather_single``) instead of a list of tensors
+    saves the ``torch.cat`` copy of the anchor; when only trailing ranks hold fewer rows the
+    result is a view of that buffer.
+    """
+    filled = [shape for shape in shapes if shape[0] > 0] or shapes
+    trailing = tuple(max(sizes) for sizes in zip(*(shape[1:] for shape in filled)))
+    rows = [shape[0] for shape in shapes]
+    if max(rows) == 0:
+        return tensor.new_empty((0, *trailing))
+    device = _comm_device(group, tensor)
+    local = _pad(tensor.to(device), (max(rows), *trailing), pad_value).contiguous()
+    out = torch.empty((len(rows) * max(rows), *trailing), dtype=tensor.dtype, device=device)
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather_single(out, local, group=group)
+    last = max(r for r, n in enumerate(rows) if n)
+    if all(n == max(rows) for n in rows[:last]):  # only trailing ranks are short (the sampler's case): a view
+        return out[: sum(rows)].to(tensor.device)
+    return torch.cat([out[r * max(rows) : r * max(rows) + n] for r, n in enumerate(rows)]).to(tensor.device)

@@ -1,0 +1,277 @@
+"""DDP communication hooks
+========================
+
+Hooks by name for ``DistributedDataParallel.register_comm_hook`` (:func:`build_comm_hook`), the
+check of a name against a backend (:func:`check_comm_hook`), a hook wrapper that counts what
+another hook sends (:class:`CountingCommHook`), and the one collective counter of the pack
+(:func:`count_collectives`, also used by the benchmarks and tests). Plain torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_choice, check_int
+
+__all__ = [
+    "COMM_HOOKS",
+    "CollectiveCounts",
+    "CountingCommHook",
+    "build_comm_hook",
+    "check_comm_hook",
+    "count_collectives",
+]
+
+# DDP communication hooks by name.
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+def check_comm_hook(comm_hook: Any, backend: str | None = None) -> None:
+    """Check a DDP communication hook name, and that ``backend`` (when known) can run it.
+
+    Raises:
+        ArgumentValueError: an unknown name, or ``bf16`` without NCCL 2.10+ (torch registers it on nccl only).
+    """
+    check_choice("comm_hook", comm_hook, COMM_HOOKS)
+    if comm_hook != "bf16" or backend is None:
+        return
+    nccl = torch.cuda.nccl.version() if backend == "nccl" and torch.cuda.is_available() else None
+    if nccl is None or tuple(nccl)[:2] < (2, 10):
+        found = f"NCCL {'.'.join(map(str, nccl))}" if nccl else f"the {backend} backend"
+        raise ArgumentValueError(
+            "comm_hook",
+            "'none', 'fp16' or 'powersgd' (any backend), or 'bf16' with the nccl backend and NCCL 2.10+",
+            problem=f"got 'bf16' with {found}",
+        )
+
+
+def build_comm_hook(
+    name: str,
+    process_group: Any = None,
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 1000,
+) -> tuple[Any, Callable[..., Any] | None]:
+    """The ``(state, hook)`` pair for a communication hook name, for ``DistributedDataParallel``.
+
+    Usable without Lightning: ``ddp_model.register_comm_hook(*build_comm_hook("fp16"))``. The
+    hooks are torch's own (``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook`` with a
+    fresh ``PowerSGDState``: build one pair per DDP model, PowerSGD keeps per-model state).
+
+    Args:
+        name: ``"none"`` (DDP's default all-reduce; returns ``(None, None)``), ``"fp16"``,
+            ``"bf16"`` or ``"powersgd"``.
+        process_group: the group to reduce over; ``None`` is the default group.
+        powersgd_rank: PowerSGD's ``matrix_approximation_rank`` (>= 1).
+        powersgd_start_iter: PowerSGD's ``start_powerSGD_iter``: plain all-reduce before it
+            (>= 2, PowerSGD's error feedback needs two warm-up iterations).
+
+    Raises:
+        ValueError: an unknown name or a PowerSGD argument out of range.
+
+    Example::
+
+        >>> state, hook = build_comm_hook("powersgd", powersgd_rank=2, powersgd_start_iter=10)
+        >>> hook.__name__, state.matrix_approximation_rank, state.start_powerSGD_iter
+        ('_powersgd_hook', 2, 10)
+    """
+    check_comm_hook(name)
+    check_int("powersgd_rank", powersgd_rank, 1)
+    check_int("powersgd_start_iter", powersgd_start_iter, 2)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "none":
+        return None, None
+    if name == "fp16":
+        return process_group, default_hooks.fp16_compress_hook
+    if name == "bf16":
+        return process_group, default_hooks.bf16_compress_hook
+    state = powerSGD_hook.PowerSGDState(
+        process_group=process_group,
+        matrix_approximation_rank=powersgd_rank,
+        start_powerSGD_iter=powersgd_start_iter,
+    )
+    return state, _powersgd_hook
+
+
+def _powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """torch's ``powerSGD_hook``; on backends other than NCCL it returns once the bucket is reduced.
+
+    PowerSGD issues its second and third all-reduce from a future callback. On NCCL these are
+    ordered on the stream; on gloo the callbacks run on gloo's own threads whenever the previous
+    collective completes, so they can interleave differently on each rank with the next bucket's
+    all-reduce or with any other collective of the backward pass (SyncBatchNorm's), and gloo then
+    aborts on a collective mismatch. Waiting here keeps every rank's collectives in one order, at the
+    price of not overlapping this bucket's reduction with the rest of the backward pass. No type
+    annotations: DDP compares them with the real classes.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+    future = powerSGD_hook(state, bucket)
+    if dist.get_backend(state.process_group) != "nccl":
+        future.wait()
+    return future
+
+
+class CountingCommHook:
+    """A DDP communication hook that counts what another hook sends, then returns its result.
+
+    ``calls`` and ``bytes`` count every ``torch.distributed.all_reduce`` that the wrapped hook issues
+    while it runs, measured on the tensor actually handed to ``all_reduce``: a compression hook
+    (``fp16_compress_hook``, or an inner hook wrapped by ``fp16_compress_wrapper``) is counted at
+    its compressed size, so the figure is what crossed the wire, not the bucket size. To see those
+    calls, ``torch.distributed.all_reduce`` is replaced by a counting pass-through only for the
+    duration of the hook call, and only calls from the hook's own thread are counted. Not seen:
+    collectives issued in a future's ``then`` callback after the hook returned (PowerSGD's second
+    all-reduce), calls made directly on a ``ProcessGroup`` object, and DDP's own bookkeeping
+    (unused-parameter map, bucket rebuild, buffer broadcast). ``rounds`` counts synchronized
+    backward passes (calls for the last bucket). Written by hand: torch offers no per-hook traffic
+    counter.
+
+    Args:
+        hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` means DDP's default,
+            torch's ``allreduce_hook`` (divide by the world size, all-reduce the bucket).
+
+    Raises:
+        TypeError: If ``hook`` is neither ``None`` nor callable.
+
+    Example::
+
+        >>> counter = CountingCommHook()
+        >>> counter.calls, counter.bytes, counter.rounds
+        (0, 0, 0)
+        >>> # ddp_model.register_comm_hook(state=None, hook=counter)
+    """
+
+    def __init__(self, hook: Callable[[Any, dist.GradBucket], torch.futures.Future] | None = None) -> None:
+        if hook is not None and not callable(hook):
+            raise ArgumentTypeError("hook", "a DDP communication hook (callable) or None", hook)
+        self.hook = hook if hook is not None else allreduce_hook
+        inner = getattr(self.hook, "__qualname__", type(self.hook).__name__)
+        # DDP and Lightning read these names when registering a hook
+        self.__name__ = "counting_comm_hook"
+        self.__qualname__ = f"CountingCommHook({inner})"
+        self.calls = 0
+        self.bytes = 0
+        self.rounds = 0
+
+    def __call__(self, state, bucket):  # type: ignore[no-untyped-def]
+        # no annotations: DDP compares them with the real classes, and this module's are strings
+        with count_collectives(("all_reduce",), this_thread=True) as counts:
+            future = self.hook(state, bucket)
+        self.calls += counts.calls["all_reduce"]
+        self.bytes += counts.bytes["all_reduce"]
+        if bucket.is_last():
+            self.rounds += 1
+        return future
+
+    def reset(self) -> None:
+        """Set every count back to zero."""
+        self.calls = self.bytes = self.rounds = 0
+
+
+def _powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """torch's ``powerSGD_hook``; on backends other than NCCL it returns once the bucket is reduced.
+
+    PowerSGD issues its second and third all-reduce from a future callback. On NCCL these are
+    ordered on the stream; on gloo the callbacks run on gloo's own threads whenever the previous
+    collective completes, so they can interleave differently on each rank with the next bucket's
+    all-reduce or with any other collective of the backward pass (SyncBatchNorm's), and gloo then
+    aborts on a collective mismatch. Waiting here keeps every rank's collectives in one order, at the
+    price of not overlapping this bucket's reduction with the rest of the backward pass. No type
+    annotations: DDP compares them with the real classes.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+    future = powerSGD_hook(state, bucket)
+    if dist.get_backend(state.process_group) != "nccl":
+        future.wait()
+    return future
+
+
+@dataclass
+class CollectiveCounts:
+    """Calls and bytes per collective name, filled by :func:`count_collectives`."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+
+_active: list[tuple[CollectiveCounts, tuple[str, ...], int | None]] = []
+_originals: dict[str, Callable[..., Any]] = {}
+_lock = threading.Lock()
+
+
+def _tensor_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes of the tensor a collective sends: the first tensor argument (or list of tensors)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
+            return sum(t.numel() * t.element_size() for t in value)
+    return 0
+
+
+def _counting(name: str) -> Callable[..., Any]:
+    original = _originals[name]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        thread = threading.get_ident()
+        for counts, names, only_thread in list(_active):
+            if name in names and only_thread in (None, thread):
+                counts.calls[name] += 1
+                counts.bytes[name] += _tensor_bytes(args, kwargs)
+        return original(*args, **kwargs)
+
+    return counting
+
+
+@contextlib.contextmanager
+def count_collectives(
+    names: Iterable[str] = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter"),
+    *,
+    this_thread: bool = False,
+) -> Iterator[CollectiveCounts]:
+    """Count the calls of ``torch.distributed`` collectives (and the bytes they send) while the body runs.
+
+    The named functions of ``torch.distributed`` are replaced by counting pass-throughs for the
+    duration of the outermost active counter, then restored; counters nest and may overlap across
+    threads. ``this_thread`` counts only calls from the calling thread. Calls made directly on a
+    ``ProcessGroup`` object, or through a reference taken before the body started, are not seen.
+    Written by hand: torch offers no per-call collective counter (its profiler records far more).
+
+    Example::
+
+        >>> with count_collectives(("all_reduce",)) as counts:
+        ...     pass
+        >>> counts.calls["all_reduce"], counts.bytes["all_reduce"]
+        (0, 0)
+    """
+    names = tuple(names)
+    for name in names:
+        if not callable(getattr(dist, name, None)):
+            raise ArgumentValueError("names", "names of torch.distributed collectives", name)
+    counts = CollectiveCounts()
+    entry = (counts, names, threading.get_ident() if this_thread else None)
+    with _lock:
+        for name in names:
+            if name not in _originals:
+                _originals[name] = getattr(dist, name)
+                setattr(dist, name, _counting(name))
+        _active.append(entry)
+    try:
+        yield counts
+    finally:
+        with _lock:
+            _active.remove(entry)
+            still = {n for _, active_names, _ in _active for n in active_names}
+            for name in [n for n in _originals if n not in still]:
+                setattr(dist, name, _originals.pop(name))

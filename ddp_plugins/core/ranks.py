@@ -1,0 +1,141 @@
+"""Ranks and rank-aware logging
+=============================
+
+The one rank lookup of the pack (:func:`get_rank`, right before and after the process group
+starts), :func:`get_world_size`, :func:`rank_zero_first` and :func:`setup_rank_logging`. Plain
+torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["get_rank", "get_world_size", "rank_zero_first", "setup_rank_logging"]
+
+
+def get_rank() -> int:
+    """The global rank: the process group's, else what the launcher put in the environment, else 0.
+
+    Before the process group starts, the rank comes from ``RANK`` (torchrun, Lightning's
+    spawners), ``SLURM_PROCID`` or ``JSM_NAMESPACE_RANK``; Lightning's own child ranks get only
+    ``LOCAL_RANK`` and ``NODE_RANK``, which give the global rank on node 0 and, elsewhere, with
+    ``LOCAL_WORLD_SIZE``. Without any of those the process is rank 0.
+
+    Example::
+
+        >>> get_rank()
+        0
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for key in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")) or 0)
+    return local + node * int(os.environ.get("LOCAL_WORLD_SIZE", str(local + 1)))
+
+
+def get_world_size() -> int:
+    """The world size, 1 when no process group is initialized.
+
+    Example::
+
+        >>> get_world_size()
+        1
+    """
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def rank_zero_first(timeout: float | None = None) -> Iterator[None]:
+    """Run the body on rank 0 first while the other ranks wait, then on the others.
+
+    Use it for work that must happen once before the others read it, such as preparing a data
+    cache. Without a process group it simply runs the body.
+
+    Args:
+        timeout: seconds to wait at each barrier; ``None`` uses the process group's timeout.
+            A rank that waits longer raises instead of hanging.
+
+    Example::
+
+        >>> with rank_zero_first():
+        ...     prepared = True
+        >>> prepared
+        True
+    """
+    if get_world_size() == 1:
+        yield
+        return
+
+    def barrier() -> None:
+        if timeout is None or dist.get_backend() != "gloo":
+            dist.barrier()
+        else:  # gloo supports a bounded barrier
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+
+    rank = get_rank()
+    if rank != 0:
+        barrier()
+    yield
+    if rank == 0:
+        barrier()
+
+
+class _RankFilter(logging.Filter):
+    """Adds ``record.rank``; passes ``level`` and above on rank 0, ``other_level`` and above elsewhere."""
+
+    def __init__(self, level: int, other_level: int) -> None:
+        super().__init__()
+        self.level, self.other_level = level, other_level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = get_rank()
+        return record.levelno >= (self.level if record.rank == 0 else self.other_level)
+
+
+def setup_rank_logging(
+    name: str | None = "ddp_plugins",
+    level: int = logging.INFO,
+    other_ranks_level: int = logging.WARNING,
+    fmt: str = "[rank %(rank)s] %(levelname)s %(name)s: %(message)s",
+) -> logging.Logger:
+    """Log ``level`` and above on rank 0 and ``other_ranks_level`` and above on the other ranks.
+
+    Adds one stderr handler to the logger ``name`` (``None``: the root logger) whose lines start
+    with the rank. The rank is read when a record is emitted, so it is right whether this is called
+    before or after the process group starts. Calling it again replaces the handler.
+
+    Returns:
+        The configured logger.
+
+    Example::
+
+        >>> logger = setup_rank_logging("example", fmt="%(levelname)s rank %(rank)s: %(message)s")
+        >>> logger.handlers[0].stream = sys.stdout
+        >>> logger.info("shown on rank 0 only")
+        INFO rank 0: shown on rank 0 only
+    """
+    logger = logging.getLogger(name)
+    for handler in [h for h in logger.handlers if getattr(h, "_ddp_plugins_rank_handler", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler._ddp_plugins_rank_handler = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(fmt))
+    handler.addFilter(_RankFilter(level, other_ranks_level))
+    logger.addHandler(handler)
+    logger.setLevel(min(level, other_ranks_level))
+    if name is not None:
+        logger.propagate = False  # one line per record, even when the root logger has handlers
+    return logger
+
+

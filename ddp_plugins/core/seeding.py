@@ -1,0 +1,193 @@
+"""Rank-aware seeding
+===================
+
+``lightning.seed_everything(s)`` gives every rank the same seed, so random augmentations, dropout
+masks and sampled noise repeat on every rank (Lightning issue 16166), and N ranks see less
+randomness than one process on the global batch would. :func:`seed_everything_rank_aware` seeds
+Python, NumPy and torch (CPU and every CUDA device) with the seed of ``(seed, global rank)``: the
+``rank``-th child of ``numpy.random.SeedSequence(seed)``. Children of a ``SeedSequence`` are
+designed to be statistically independent; ``seed + rank`` (timm's ``init_seeds(1 + rank)``) is
+not, since seed 1 rank 1 equals seed 2 rank 0.
+
+``PL_GLOBAL_SEED`` keeps the *base* seed on every rank (``DistributedSampler`` must shuffle alike
+on all ranks) and ``PL_SEED_WORKERS`` asks a Lightning Trainer to seed DataLoader workers per
+(seed, rank, worker id, epoch); both are plain environment variables, so the core needs no
+Lightning. :func:`collect_rng_states` / :func:`set_rng_states` use the generators' own public
+state functions (``random.getstate``, ``numpy.random.get_state``, ``torch.get_rng_state``,
+``torch.cuda.get_rng_state_all``); :func:`encode_rng_states` stores NumPy's state as a tensor,
+because ``torch.load(weights_only=True)`` refuses NumPy arrays. Plain torch and NumPy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddp_plugins.core.checks import check_bool, check_int
+from ddp_plugins.core.ranks import get_rank
+
+__all__ = [
+    "MAX_SEED",
+    "check_seed",
+    "collect_rng_states",
+    "decode_rng_states",
+    "encode_rng_states",
+    "rank_seed",
+    "seed_everything_rank_aware",
+    "seed_process",
+    "set_deterministic",
+    "set_rng_states",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_SEED = 2**32 - 1  # NumPy's legacy generator takes a uint32 seed; Python and torch accept more
+
+
+def seed_everything_rank_aware(
+    seed: int, workers: bool = True, deterministic: bool = False, *, rank: int | None = None
+) -> int:
+    """Seed Python, NumPy and torch in this process with a seed derived from ``(seed, rank)``.
+
+    Every rank gets a distinct, reproducible stream; one process is rank 0. ``PL_GLOBAL_SEED``
+    stays ``seed`` on every rank (Lightning's ``DistributedSampler`` must shuffle alike on all
+    ranks). With a Lightning Trainer use :class:`RankAwareSeed` instead: the DDP strategy reseeds
+    every rank with ``PL_GLOBAL_SEED`` when it sets up.
+
+    Args:
+        seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.
+        workers: set ``PL_SEED_WORKERS`` so the Trainer seeds DataLoader workers per
+            (seed, rank, worker id, epoch) with ``pl_worker_init_function``.
+        deterministic: also make torch use deterministic algorithms: ``torch.use_deterministic_algorithms``,
+            cuDNN deterministic and not benchmarking, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set.
+        rank: the global rank; by default :func:`ddp_plugins.core.get_rank` (the process group's,
+            else the launcher's environment, else 0).
+
+    Returns:
+        The seed this process was seeded with.
+
+    Raises:
+        TypeError: ``seed`` or ``rank`` not an integer, ``workers``/``deterministic`` not a bool.
+        ValueError: ``seed`` or ``rank`` out of range.
+
+    Example::
+
+        >>> s0 = seed_everything_rank_aware(42, rank=0)
+        >>> s1 = seed_everything_rank_aware(42, rank=1)
+        >>> s0 != s1 and s0 == seed_everything_rank_aware(42, rank=0)
+        True
+    """
+    seed = check_seed(seed)
+    check_bool("workers", workers)
+    check_bool("deterministic", deterministic)
+    rank = get_rank() if rank is None else check_int("rank", rank, 0)
+    if deterministic:
+        set_deterministic()
+    process_seed = rank_seed(seed, rank)
+    seed_process(seed, process_seed, workers)
+    log.info("[rank %d] Seed set to %d (seed %d, rank %d)", rank, process_seed, seed, rank)
+    return process_seed
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int when it is in ``[0, 2**32 - 1]``, the range NumPy's generator accepts."""
+    return check_int("seed", seed, 0, MAX_SEED)
+
+
+def rank_seed(seed: int, *key: int) -> int:
+    """The seed of the child of ``SeedSequence(seed)`` with spawn key ``key`` (e.g. ``(rank,)``).
+
+    Example::
+
+        >>> rank_seed(42, 0) != rank_seed(42, 1)
+        True
+    """
+    return int(np.random.SeedSequence(seed, spawn_key=key).generate_state(1, np.uint32)[0])
+
+
+def seed_process(base_seed: int, process_seed: int, workers: bool) -> None:
+    """Seed Python, NumPy and torch with ``process_seed``; ``PL_GLOBAL_SEED`` keeps ``base_seed``.
+
+    ``PL_GLOBAL_SEED`` is shared by every rank (``DistributedSampler`` and Lightning's
+    ``reset_seed()`` read it); ``PL_SEED_WORKERS`` makes a Lightning Trainer seed DataLoader workers.
+    """
+    random.seed(process_seed)
+    np.random.seed(process_seed)
+    torch.manual_seed(process_seed)  # every CUDA device too
+    os.environ["PL_GLOBAL_SEED"] = str(base_seed)
+    os.environ["PL_SEED_WORKERS"] = str(int(workers))
+
+
+def set_deterministic() -> None:
+    """The flags ``Trainer(deterministic=True)`` sets, available without a Trainer."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # ":16:8" is valid too; keep the user's
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def collect_rng_states(include_cuda: bool = True) -> dict[str, Any]:
+    """This process's Python, NumPy, torch (and CUDA) generator states, from their public getters.
+
+    Example::
+
+        >>> states = collect_rng_states()
+        >>> first = torch.rand(1)
+        >>> set_rng_states(states)
+        >>> torch.equal(torch.rand(1), first)
+        True
+    """
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if include_cuda:
+        states["torch.cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`collect_rng_states` (or :func:`decode_rng_states`) returned."""
+    torch.set_rng_state(states["torch"])
+    if "torch.cuda" in states:
+        torch.cuda.set_rng_state_all(states["torch.cuda"])
+    if "numpy" in states:
+        np.random.set_state(states["numpy"])
+    version, state, gauss = states["python"]
+    random.setstate((version, tuple(state), gauss))
+
+
+def encode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
+    """:func:`collect_rng_states` with NumPy's state as tensors and plain numbers (``weights_only``-loadable)."""
+    states = dict(states)
+    if "numpy" in states:
+        name, keys, pos, has_gauss, cached = states["numpy"]
+        states["numpy"] = {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    return states
+
+
+def decode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`encode_rng_states`; CUDA states saved with other devices are dropped."""
+    states = dict(states)
+    numpy_state = states.get("numpy")
+    if isinstance(numpy_state, dict):
+        keys = numpy_state["keys"].numpy().astype(np.uint32)
+        states["numpy"] = (
+            numpy_state["name"], keys, numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]
+        )
+    cuda_states = states.get("torch.cuda") or []
+    if len(cuda_states) != (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        states.pop("torch.cuda", None)  # saved with other CUDA devices: keep the torch.manual_seed ones
+    return states

@@ -1,0 +1,26 @@
+"""The Lightning adapters: callbacks, the LayerSync plugin, the DDP strategy and its launchers.
+
+Each wires one concept of :mod:`ddp_plugins.core` into a ``Trainer``. Importing this package
+registers the strategy names ``ddp_plugins``, ``ddp_plugins_spawn`` and ``ddp_plugins_notebook``
+in Lightning's ``StrategyRegistry``.
+"""
+
+from ddp_plugins.lightning.accumulation import AccumulationNoSync
+from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
+from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
+from ddp_plugins.lightning.network import apply_network_env
+from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
+from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
+from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+from ddp_plugins.lightning.sync_batchnorm import SyncBatchNormCallback
+
+__all__ = [
+    "AccumulationNoSync",
+    "AllReduceCounter",
+    "DDPPluginsStrategy",
+    "RankAwareSeed",
+    "SequentialEvaluation",
+    "SyncBatchNormCallback",
+    "SyncBatchNormPlugin",
+    "apply_network_env",
+]

@@ -1,0 +1,224 @@
+"""Accumulation-aware no_sync
+==========================
+
+With gradient accumulation over K micro-batches, DDP only needs to all-reduce the gradients on
+the K-th micro-batch; the others can run forward and backward without synchronization and let
+the gradients add up locally (``DistributedDataParallel.no_sync``). Lightning does this in
+automatic optimization. In manual optimization every ``manual_backward`` all-reduces,
+``Trainer(accumulate_grad_batches=K)`` is refused, and ``LightningOptimizer.toggle_model(
+sync_grad=False)`` also flips ``requires_grad`` on the other optimizers' parameters.
+:class:`AccumulationNoSync` fills that gap; :class:`~ddp_plugins.lightning.AllReduceCounter`
+shows what it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError
+
+__all__ = ["AccumulationNoSync"]
+
+
+class AccumulationNoSync(Callback):
+    """Skip the gradient all-reduce on non-boundary micro-batches of gradient accumulation.
+
+    A batch is a *boundary* when it is the K-th, 2K-th, ... batch of its epoch or the epoch's last
+    batch (Lightning's own rule, so a short last window still steps and synchronizes).
+
+    * Manual optimization: on non-boundary batches the DDP model's
+      ``require_backward_grad_sync`` is turned off before ``training_step`` (what
+      ``DistributedDataParallel.no_sync()`` does), so ``manual_backward`` only accumulates
+      locally; on boundary batches it stays on and every ``manual_backward`` all-reduces the
+      accumulated gradients. ``requires_grad`` is never changed, so several optimizers (a GAN)
+      work without ``toggle_model``. The module steps its optimizers when ``is_boundary`` is
+      true. Written by hand because Lightning has no manual-optimization equivalent: its only
+      switch, ``toggle_model(sync_grad=False)``, also toggles ``requires_grad``.
+    * Automatic optimization: K is handed to Lightning (``trainer.accumulate_grad_batches``, set at
+      each epoch start like :class:`~lightning.pytorch.callbacks.GradientAccumulationScheduler`),
+      whose loop already runs non-boundary batches under ``no_sync``.
+
+    Args:
+        accumulate_grad_batches: micro-batches per optimizer step, a positive int or a schedule
+            ``{epoch: K}`` (zero-indexed epochs; epochs before the first key use 1). With 1 (no
+            accumulation asked here) in automatic optimization, ``Trainer(accumulate_grad_batches)``
+            decides and this callback only reports it.
+
+    Raises:
+        ValueError: If ``accumulate_grad_batches`` is not a positive int or a non-empty schedule
+            of non-negative int epochs to positive ints; at ``setup`` if
+            ``Trainer(accumulate_grad_batches)`` or a ``GradientAccumulationScheduler`` also sets K,
+            or if manual optimization runs on a parallel strategy that is not DDP.
+
+    Example::
+
+        >>> import lightning.pytorch as pl
+        >>> class Model(pl.LightningModule):
+        ...     def training_step(self, batch, batch_idx):
+        ...         acc = AccumulationNoSync.of(self.trainer)
+        ...         loss = self.compute_loss(batch) / acc.accumulate_grad_batches
+        ...         self.manual_backward(loss)  # all-reduces only on boundary batches
+        ...         if acc.is_boundary:
+        ...             opt = self.optimizers()
+        ...             opt.step()
+        ...             opt.zero_grad()
+        >>> AccumulationNoSync(accumulate_grad_batches={0: 2, 3: 8}).scheduling
+        {0: 2, 3: 8}
+    """
+
+    def __init__(self, accumulate_grad_batches: int | Mapping[int, int]) -> None:
+        super().__init__()
+        self.scheduling = _parse_schedule(accumulate_grad_batches)
+        self.accumulate_grad_batches = self.scheduling_for(0)
+        self.is_boundary = True
+        self._manual = False
+        self._defer_to_trainer = False
+        self._applied_to_trainer: int | None = None
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer) -> AccumulationNoSync:
+        """The :class:`AccumulationNoSync` callback of ``trainer``, for use inside the LightningModule.
+
+        Raises:
+            ValueError: If ``trainer`` has no such callback.
+        """
+        for callback in trainer.callbacks:
+            if isinstance(callback, cls):
+                return callback
+        raise ValueError(
+            f"`Trainer(callbacks=...)` has no `{cls.__name__}`, got"
+            f" {[type(c).__name__ for c in trainer.callbacks]}. Add `{cls.__name__}(accumulate_grad_batches=K)`."
+        )
+
+    def scheduling_for(self, epoch: int) -> int:
+        """K for ``epoch``: the value of the largest schedule key not above it (1 before the first key)."""
+        keys = [key for key in self.scheduling if key <= epoch]
+        return self.scheduling[max(keys)] if keys else 1
+
+    def check_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The run-dependent checks of ``setup``: clashing accumulation settings, the strategy.
+
+        Raises:
+            ValueError: a ``GradientAccumulationScheduler`` or ``Trainer(accumulate_grad_batches)``
+                also sets K, or manual optimization runs on a parallel strategy that is not DDP.
+        """
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            raise ValueError(
+                "`AccumulationNoSync` and `GradientAccumulationScheduler` both set the accumulation factor."
+                " Remove the `GradientAccumulationScheduler`;"
+                " `AccumulationNoSync` takes the same `{epoch: K}` schedule."
+            )
+        strategy = trainer.strategy
+        if pl_module.automatic_optimization:
+            if trainer.accumulate_grad_batches not in (1, self._applied_to_trainer) and self.scheduling != {0: 1}:
+                raise ArgumentValueError(
+                    "accumulate_grad_batches",
+                    "1 here when `Trainer(accumulate_grad_batches)` sets K (set it in one place)",
+                    problem=f"got {self._describe()} with Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})",
+                )
+        elif isinstance(strategy, ParallelStrategy) and not isinstance(strategy, DDPStrategy):
+            raise ValueError(
+                "`AccumulationNoSync` with manual optimization supports DDP strategies ('ddp', 'ddp_spawn',"
+                f" 'ddp_notebook', `DDPStrategy` subclasses) and single-device ones, got {type(strategy).__name__}."
+            )
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.check_trainer(trainer, pl_module)
+        self._manual = not pl_module.automatic_optimization
+        self._defer_to_trainer = False
+        self.accumulate_grad_batches = self.scheduling_for(trainer.current_epoch)
+        if self._manual:
+            return
+        if trainer.accumulate_grad_batches not in (1, self._applied_to_trainer):
+            # this callback asks for no accumulation (check_trainer refused anything else): the Trainer's K rules
+            self._defer_to_trainer = True
+            self.accumulate_grad_batches = trainer.accumulate_grad_batches
+            return
+        self._apply_to_trainer(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._defer_to_trainer:
+            self.accumulate_grad_batches = trainer.accumulate_grad_batches
+            return
+        self.accumulate_grad_batches = self.scheduling_for(trainer.current_epoch)
+        if not self._manual:
+            self._apply_to_trainer(trainer)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        ready = progress.current.ready  # batches of this epoch so far, this one included
+        last = progress.is_last_batch or ready == trainer.num_training_batches
+        # Lightning's own rule (`_TrainingEpochLoop._should_accumulate`): a full window, or the
+        # epoch's last batch unless the strategy accumulates across epochs itself (DeepSpeed)
+        k = self.accumulate_grad_batches if self._manual else trainer.accumulate_grad_batches
+        self.is_boundary = ready % k == 0 or (last and not trainer.strategy.handles_gradient_accumulation)
+        if not self._manual:
+            return
+        ddp = _ddp_model(trainer)
+        if ddp is not None and not self.is_boundary:
+            # what `DistributedDataParallel.no_sync()` does; Lightning's `pre_backward` then skips
+            # `prepare_for_backward`, so the reducer's autograd hooks do not communicate
+            ddp.require_backward_grad_sync = False
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._restore_sync(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_sync(trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self._applied_to_trainer is not None:
+            trainer.accumulate_grad_batches = 1  # so a later `fit` on this Trainer passes the clash check
+            self._applied_to_trainer = None
+
+    def _apply_to_trainer(self, trainer: pl.Trainer) -> None:
+        trainer.accumulate_grad_batches = self.accumulate_grad_batches
+        self._applied_to_trainer = self.accumulate_grad_batches
+
+    def _restore_sync(self, trainer: pl.Trainer) -> None:
+        ddp = _ddp_model(trainer)
+        if self._manual and ddp is not None:
+            ddp.require_backward_grad_sync = True
+
+    def _describe(self) -> Any:
+        return self.scheduling[0] if list(self.scheduling) == [0] else self.scheduling
+
+
+def _ddp_model(trainer: pl.Trainer) -> DistributedDataParallel | None:
+    model = trainer.strategy.model
+    return model if isinstance(model, DistributedDataParallel) else None
+
+
+def _parse_schedule(value: Any) -> dict[int, int]:
+    def positive_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    if positive_int(value):
+        return {0: value}
+    if isinstance(value, Mapping) and value:
+        keys_ok = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in value)
+        if keys_ok and all(positive_int(v) for v in value.values()):
+            return dict(sorted((int(k), int(v)) for k, v in value.items()))
+    allowed = "a positive int or a non-empty dict {epoch (int >= 0): K (int >= 1)}"
+    if isinstance(value, Mapping) or (isinstance(value, int) and not isinstance(value, bool)):
+        raise ArgumentValueError("accumulate_grad_batches", allowed, value)
+    raise ArgumentTypeError("accumulate_grad_batches", allowed, value)

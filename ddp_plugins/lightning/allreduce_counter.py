@@ -1,0 +1,159 @@
+"""All-reduce counter callback
+============================
+
+:class:`AllReduceCounter` wraps the strategy's DDP communication hook in a
+:class:`ddp_plugins.core.CountingCommHook` and logs what every optimizer step sent, so users see
+what accumulation with ``no_sync`` (or a compression hook) saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from ddp_plugins import _compat
+from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool
+from ddp_plugins.core.comm_hooks import CountingCommHook
+
+__all__ = ["AllReduceCounter"]
+
+
+class AllReduceCounter(Callback):
+    """Count gradient all-reduce calls and bytes per optimizer step and log them.
+
+    In ``setup`` (before the strategy wraps the model in DDP) the strategy's communication hook
+    (``DDPStrategy(ddp_comm_hook=...)``, ``None`` for the default all-reduce) is wrapped in a
+    :class:`CountingCommHook`; the user's hook, state and wrapper keep working. Lightning's
+    ``DDPStrategy`` registers hooks only on CUDA, so in ``on_fit_start`` a DDP model without a
+    registered hook gets the counting hook (with the strategy's state and wrapper) registered here.
+    At every optimizer step it records what was sent since the previous step and logs
+    ``{prefix}/allreduce_calls``, ``{prefix}/allreduce_bytes``, ``{prefix}/allreduce_rounds`` and
+    their ``_total`` versions. Totals are also attributes (``calls``, ``bytes``, ``rounds``,
+    ``optimizer_steps``) and ``history`` holds one ``(calls, bytes, rounds)`` per optimizer step.
+
+    Args:
+        log: log the counts with ``LightningModule.log``.
+        prefix: metric name prefix.
+
+    Raises:
+        TypeError: If ``log`` is not a bool or ``prefix`` is not a non-empty str.
+
+    Example::
+
+        >>> counter = AllReduceCounter(prefix="comm")
+        >>> counter.calls, counter.optimizer_steps
+        (0, 0)
+        >>> # Trainer(strategy="ddp", accumulate_grad_batches=8, callbacks=[counter])
+    """
+
+    def __init__(self, log: bool = True, prefix: str = "comm") -> None:
+        super().__init__()
+        check_bool("log", log)
+        if not isinstance(prefix, str):
+            raise ArgumentTypeError("prefix", "a non-empty str", prefix)
+        if not prefix:
+            raise ArgumentValueError("prefix", "a non-empty str", prefix)
+        self.log = log
+        self.prefix = prefix
+        self.hook: CountingCommHook | None = None
+        self.optimizer_steps = 0
+        self.history: list[tuple[int, int, int]] = []
+        self._offset = (0, 0, 0)  # counts restored from a checkpoint
+        self._last = (0, 0, 0)
+        self._strategy: DDPStrategy | None = None
+        self._user_hook: Callable | None = None
+
+    @property
+    def calls(self) -> int:
+        """All-reduce calls so far."""
+        return self._totals()[0]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes handed to all-reduce so far (per rank)."""
+        return self._totals()[1]
+
+    @property
+    def rounds(self) -> int:
+        """Synchronized backward passes so far."""
+        return self._totals()[2]
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, DDPStrategy):
+            rank_zero_warn(
+                f"`AllReduceCounter` counts DDP gradient all-reduces, but the strategy is {type(strategy).__name__};"
+                " nothing will be counted."
+            )
+            return
+        current = _compat.strategy_comm_hook(strategy)
+        if isinstance(current, CountingCommHook):  # already wrapped (another fit)
+            self.hook = current
+            return
+        self._strategy, self._user_hook = strategy, current
+        self.hook = CountingCommHook(current)
+        self._last = (self.hook.calls, self.hook.bytes, self.hook.rounds)
+        _compat.set_strategy_comm_hook(strategy, self.hook)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = trainer.strategy.model
+        if self.hook is None or not isinstance(model, DistributedDataParallel):
+            return
+        state, wrapper = _compat.strategy_comm_state_and_wrapper(trainer.strategy)
+        hook = self.hook if wrapper is None else wrapper(self.hook)
+        try:
+            model.register_comm_hook(state, hook)
+        except RuntimeError as err:  # the strategy registered it already (on CUDA, or ours on every device)
+            if "only be called once" not in str(err):
+                raise
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.hook is None:
+            return
+        now = (self.hook.calls, self.hook.bytes, self.hook.rounds)
+        step = tuple(n - last for n, last in zip(now, self._last))
+        self._last = now
+        self.optimizer_steps += 1
+        self.history.append(step)  # type: ignore[arg-type]
+        if self.log:
+            totals = self._totals()
+            for name, value, total in zip(("calls", "bytes", "rounds"), step, totals):
+                pl_module.log(f"{self.prefix}/allreduce_{name}", float(value), on_step=True, on_epoch=False)
+                pl_module.log(f"{self.prefix}/allreduce_{name}_total", float(total), on_step=True, on_epoch=False)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self._strategy is not None:
+            _compat.set_strategy_comm_hook(self._strategy, self._user_hook)  # leave the strategy as it was given
+            self._strategy = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        calls, nbytes, rounds = self._totals()
+        return {"calls": calls, "bytes": nbytes, "rounds": rounds, "optimizer_steps": self.optimizer_steps}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        live = (self.hook.calls, self.hook.bytes, self.hook.rounds) if self.hook is not None else (0, 0, 0)
+        saved = (state_dict.get("calls", 0), state_dict.get("bytes", 0), state_dict.get("rounds", 0))
+        self._offset = tuple(s - n for s, n in zip(saved, live))  # type: ignore[assignment]
+        self.optimizer_steps = state_dict.get("optimizer_steps", 0)
+
+    def _totals(self) -> tuple[int, int, int]:
+        live = (self.hook.calls, self.hook.bytes, self.hook.rounds) if self.hook is not None else (0, 0, 0)
+        return tuple(n + o for n, o in zip(live, self._offset))  # type: ignore[return-value]

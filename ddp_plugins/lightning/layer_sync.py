@@ -1,0 +1,79 @@
+"""SyncBatchNorm as a Lightning ``LayerSync`` plugin
+==================================================
+
+:class:`SyncBatchNormPlugin` puts :func:`ddp_plugins.core.convert_sync_batchnorm` into the shape
+Lightning's strategies call: ``apply`` before DDP wraps the model (only when fitting), ``revert``
+in the strategy's teardown. Pass it as ``Trainer(plugins=[SyncBatchNormPlugin()])``;
+``DDPPluginsStrategy`` also installs it for ``Trainer(sync_batchnorm=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning.pytorch.plugins.layer_sync import LayerSync
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from ddp_plugins.core.sync_batchnorm import (
+    SyncBatchNormReport,
+    check_sync_batchnorm_args,
+    convert_sync_batchnorm,
+    normalize_extra_classes,
+    revert_sync_batchnorm,
+)
+
+__all__ = ["SyncBatchNormPlugin"]
+
+
+class SyncBatchNormPlugin(LayerSync):
+    """Lightning ``LayerSync`` plugin: :func:`convert_sync_batchnorm` before DDP wraps the model, revert after.
+
+    The strategy calls :meth:`apply` only when fitting and :meth:`revert` in its teardown. Pass it
+    as ``Trainer(plugins=[SyncBatchNormPlugin()])`` (not together with ``sync_batchnorm=True``), or
+    use :class:`~ddp_plugins.lightning.SyncBatchNormCallback`.
+
+    Args:
+        process_group: the group to synchronize over; ``None`` means the whole world.
+        group_size: synchronize within consecutive groups of this many ranks.
+        skip_frozen: leave layers in eval mode or without trainable parameters alone.
+        extra_classes: BN-like classes to convert as well (see :func:`convert_sync_batchnorm`).
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(accelerator="cpu", plugins=[SyncBatchNormPlugin()], logger=False)
+    """
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        group_size: int | None = None,
+        skip_frozen: bool = True,
+        extra_classes: Sequence[type | str] | Mapping[type | str, str] = (),
+    ) -> None:
+        check_sync_batchnorm_args(process_group, group_size, skip_frozen)
+        self.process_group = process_group
+        self.group_size = group_size
+        self.skip_frozen = skip_frozen
+        self.extra_classes = normalize_extra_classes(extra_classes)
+        self.report: SyncBatchNormReport | None = None
+
+    @override
+    def apply(self, model: nn.Module) -> nn.Module:
+        model, self.report = convert_sync_batchnorm(
+            model,
+            self.process_group,
+            group_size=self.group_size,
+            skip_frozen=self.skip_frozen,
+            extra_classes=self.extra_classes,
+            return_report=True,
+        )
+        rank_zero_info(str(self.report))
+        return model
+
+    @override
+    def revert(self, model: nn.Module) -> nn.Module:
+        return revert_sync_batchnorm(model)

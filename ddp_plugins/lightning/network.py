@@ -1,0 +1,90 @@
+"""Network presets
+===============
+
+:func:`apply_network_env` puts a preset of the ``network`` config group (NCCL/gloo timeouts,
+sockets, InfiniBand settings) into the environment before the process group starts, and
+:func:`restore_env` takes it back out; :func:`pin_gloo_to_loopback` keeps gloo's data connections
+on the loopback interface when every rank is on this machine.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["apply_network_env", "pin_gloo_to_loopback", "restore_env"]
+
+
+def apply_network_env(env: Mapping[str, Any] | None) -> dict[str, str]:
+    """Set a network preset's variables in ``os.environ`` before the process group starts.
+
+    A variable the user already set keeps the user's value. Child ranks inherit the result.
+
+    Returns:
+        The effective value of every variable the preset names.
+
+    Example::
+
+        >>> os.environ["EXAMPLE_TIMEOUT"] = "5"
+        >>> apply_network_env({"EXAMPLE_TIMEOUT": 22, "EXAMPLE_RETRY": 7})
+        {'EXAMPLE_TIMEOUT': '5', 'EXAMPLE_RETRY': '7'}
+    """
+    effective = {}
+    for key, value in (env or {}).items():
+        os.environ.setdefault(str(key), str(value))
+        effective[str(key)] = os.environ[str(key)]
+    return effective
+
+
+def restore_env(before: Mapping[str, str]) -> None:
+    """Make ``os.environ`` equal ``before`` again: added variables removed, changed ones restored.
+
+    Example::
+
+        >>> before = dict(os.environ)
+        >>> os.environ["EXAMPLE_ADDED"] = "1"
+        >>> restore_env(before)
+        >>> "EXAMPLE_ADDED" in os.environ
+        False
+    """
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)
+
+
+def pin_gloo_to_loopback(main_address: str) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` to the loopback interface when ``main_address`` is a loopback address.
+
+    A value the user set is kept. Returns the interface set, or ``None`` when nothing was set.
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ or not _is_loopback(main_address):
+        return None
+    loopback = _loopback_interface()
+    if loopback is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    return loopback
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP or a host name) is a loopback address of this machine."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(address, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), if there is one."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)

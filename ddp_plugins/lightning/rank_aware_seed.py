@@ -1,0 +1,202 @@
+"""Rank-aware seeding callback
+============================
+
+:class:`RankAwareSeed` is the Lightning adapter of :mod:`ddp_plugins.core.seeding`: the base seed
+while the model is set up, the rank's own stream from ``on_fit_start``, and every rank's RNG
+states in the checkpoint. Lightning's DDP strategy calls ``reset_seed()`` (base seed on every
+rank) when it sets up; that is why the switch to per-rank streams is done at ``on_fit_start`` and
+not by seeding before ``fit``.
+
+Exact resume holds for checkpoints saved at epoch ends (or after validation) with
+``persistent_workers=False``: persistent DataLoader workers keep their streams in their own
+processes, which no checkpoint can capture. Lightning 2.5.3+ also iterates the first resumed
+epoch of a shuffled DataLoader with workers in epoch 0's order (Lightning issue 21938), a data
+order bug no RNG state can fix; the callback warns when a resumed run meets it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from ddp_plugins.core.checks import check_bool
+from ddp_plugins.core.ranks import get_world_size
+from ddp_plugins.core.seeding import (
+    check_seed,
+    collect_rng_states,
+    decode_rng_states,
+    encode_rng_states,
+    rank_seed,
+    seed_process,
+    set_deterministic,
+    set_rng_states,
+)
+
+__all__ = ["RankAwareSeed"]
+
+
+class RankAwareSeed(Callback):
+    """Identical model initialization on every rank, then a distinct random stream per rank.
+
+    How the model stays identical on every rank:
+
+    1. ``setup`` seeds every rank with the base ``seed``, so whatever the ``setup`` and
+       ``configure_model`` hooks draw (lazy layers, sharded init) is the same on all ranks.
+    2. DDP broadcasts rank 0's parameters and buffers to all ranks when it wraps the model, so a
+       model built before ``fit`` is identical when training starts even if it was built under
+       different seeds. Seeding with ``lightning.seed_everything(seed)`` before building the model
+       keeps rank 0's initialization itself reproducible.
+
+    At ``on_fit_start`` (after DDP's broadcast, before the sanity check, which Lightning runs in
+    ``isolate_rng``, and before the first epoch's DataLoader iterator draws its worker base seed)
+    every rank switches to its own stream, seeded as :func:`seed_everything_rank_aware` does.
+    ``validate``, ``test`` and ``predict`` runs switch when their loop starts.
+
+    Every checkpoint stores the RNG states (Python, NumPy, torch, CUDA) of every rank, gathered
+    when the checkpoint is written; on resume each rank restores its own, so the resumed run draws
+    exactly what the uninterrupted run would have. A checkpoint written with another world size
+    (or without this callback) cannot be matched rank for rank: the run warns and starts fresh
+    per-rank streams keyed by ``(seed, rank, global_step)``, so it does not replay the streams of
+    the first epoch.
+
+    Args:
+        seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.
+        workers: seed DataLoader workers per (seed, rank, worker id, epoch), see
+            :func:`seed_everything_rank_aware`.
+        deterministic: also set torch's deterministic-algorithm flags in ``setup``.
+
+    Raises:
+        TypeError: ``seed`` not an integer, ``workers``/``deterministic`` not a bool.
+        ValueError: ``seed`` out of range.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(callbacks=[RankAwareSeed(seed=42)], logger=False)
+    """
+
+    def __init__(self, seed: int, workers: bool = True, deterministic: bool = False) -> None:
+        self.seed = check_seed(seed)
+        self.workers = check_bool("workers", workers)
+        self.deterministic = check_bool("deterministic", deterministic)
+        self._trainer: Trainer | None = None
+        self._started = False
+        self._resume_step: int | None = None
+        self._loaded: dict[str, Any] | None = None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer, self._started = trainer, False
+        if self.deterministic:
+            set_deterministic()
+        seed_process(self.seed, self.seed, self.workers)  # identical on every rank until fit starts
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._resume_step = int(checkpoint.get("global_step", 0))
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._started = True
+        self._start_streams(trainer)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning issue 21938 (2.5.3+): on resume, the first epoch's iterator is created before the
+        # sampler's epoch is set; with workers it draws the indices of epoch 0 at once.
+        if not self._resume_step:
+            return
+        stale: list[DataLoader] = []
+        apply_to_collection(
+            trainer.train_dataloader, DataLoader, lambda dl: stale.append(dl) if _stale_shuffle(dl, trainer) else None
+        )
+        if stale:
+            rank_zero_warn(
+                f"The random streams were restored, but Lightning iterates the first resumed epoch"
+                f" ({trainer.current_epoch}) of a shuffled DataLoader with `num_workers` > 0 in the order of"
+                " epoch 0 (Lightning issue 21938), so the run is not an exact continuation. Use"
+                " `num_workers=0` or a Lightning release with the fix for exact resume."
+            )
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:  # during fit the training stream continues
+            self._seed_rank(trainer.global_rank, 0)
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._seed_rank(trainer.global_rank, 0)
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._seed_rank(trainer.global_rank, 0)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer, self._started, self._resume_step, self._loaded = None, False, None, None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Called on every rank while the checkpoint is dumped (Trainer.save_checkpoint runs on all
+        # ranks); rank 0 writes the file, so it needs every rank's states.
+        states = encode_rng_states(collect_rng_states(include_cuda=True))
+        world_size = get_world_size()
+        if world_size > 1:
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, states)
+        else:
+            gathered = [states]
+        return {"seed": self.seed, "world_size": world_size, "rng_states": gathered}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = dict(state_dict)
+        if self._started and self._trainer is not None:  # strategies that restore after setup (FSDP, DeepSpeed)
+            self._start_streams(self._trainer)
+
+    def _start_streams(self, trainer: Trainer) -> None:
+        loaded, self._loaded = self._loaded, None
+        rank, world_size, step = trainer.global_rank, trainer.world_size, self._resume_step or 0
+        if loaded is None:
+            if step > 0:
+                rank_zero_warn(
+                    f"The checkpoint holds no `{type(self).__name__}` random states; starting fresh"
+                    f" per-rank streams (seed {self.seed}, step {step}), not an exact continuation."
+                )
+            self._seed_rank(rank, step)
+            return
+        states = loaded.get("rng_states") or []
+        if len(states) != world_size:
+            rank_zero_warn(
+                f"The checkpoint holds random states for {len(states)} ranks, this run has {world_size};"
+                f" starting fresh per-rank streams (seed {self.seed}, step {step}), not an exact continuation."
+            )
+            self._seed_rank(rank, step)
+            return
+        if loaded.get("seed", self.seed) != self.seed:
+            rank_zero_warn(
+                f"Resuming the random streams of seed {loaded.get('seed')} from the checkpoint;"
+                f" `seed`={self.seed} applies to fresh runs only."
+            )
+        set_rng_states(decode_rng_states(states[rank]))
+
+    def _seed_rank(self, rank: int, step: int) -> None:
+        key = (rank,) if step == 0 else (rank, step)
+        seed_process(self.seed, rank_seed(self.seed, *key), self.workers)
+
+
+def _stale_shuffle(dataloader: DataLoader, trainer: Trainer) -> bool:
+    sampler = getattr(dataloader.batch_sampler, "sampler", dataloader.sampler)
+    return (
+        dataloader.num_workers > 0
+        and getattr(sampler, "shuffle", False)
+        and getattr(sampler, "epoch", trainer.current_epoch) != trainer.current_epoch
+    )

@@ -1,0 +1,365 @@
+"""Sequential distributed evaluation callback
+===========================================
+
+Exact validation, test and predict results under DDP: every sample evaluated once, in dataset
+order, metrics computed on exactly the dataset. :class:`SequentialEvaluation` is the Lightning
+adapter of :class:`ddp_plugins.core.SequentialDistributedSampler` and
+:func:`ddp_plugins.core.distributed_concat`: it puts the sampler into the validation, test and
+predict dataloaders, collects what the step methods return, gathers it at epoch end, computes the
+torchmetrics metrics it is given on exactly the dataset's samples and logs them, and hands the
+results to the caller (rank 0 under ``ddp``; the calling process under ``ddp_plugins_spawn`` /
+``ddp_plugins_notebook``, whose launcher carries them back).
+
+Why: ``DistributedSampler`` pads the last shard with samples from the start of the dataset, so
+metrics reduced over ranks count duplicates (pytorch issue 25162, Lightning issue 7929); for
+``trainer.predict`` Lightning never gathers across ranks.
+
+Reused: Lightning's ``_update_dataloader`` to rebuild user DataLoaders with a new sampler,
+``Metric.clone``, ``self.log``. The one hook added by hand (Lightning has none): the sampler
+must be swapped where the loop requests the dataloader, since Lightning replaces every
+non-``DistributedSampler`` before any callback hook runs; that goes through
+:mod:`ddp_plugins._compat`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+from torchmetrics import Metric
+from typing_extensions import override
+
+from ddp_plugins import _compat
+from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_choice, check_number
+from ddp_plugins.core.collectives import concat_batches, distributed_concat, num_rows, to_cpu, truncate_rows
+from ddp_plugins.core.process import save_atomic
+from ddp_plugins.core.samplers import SequentialDistributedSampler
+
+__all__ = ["SequentialEvaluation"]
+
+_STAGES = ("validate", "test", "predict")
+_PREFIX = {"validate": "val", "test": "test", "predict": "predict"}
+_STEP = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
+
+
+class SequentialEvaluation(Callback):
+    """Exact, ordered validation, test and predict results and metrics under DDP.
+
+    Puts a :class:`SequentialDistributedSampler` into the dataloaders of ``stages``, collects what
+    ``validation_step`` / ``test_step`` / ``predict_step`` return (moved to CPU per batch),
+    gathers it at epoch end with :func:`distributed_concat` and drops the padding, so the results
+    are exactly the dataset's samples in dataset order. Step outputs must have one row per sample
+    (dim 0 is the batch): a tensor, a dict / tuple of tensors, lists of ids.
+
+    After ``trainer.validate/test/predict`` (and after each validation during ``fit``) the
+    results are in ``results["validate" | "test" | "predict"]`` (a list per dataloader when there
+    are several), or written to ``output_dir/<stage>.pt`` with the path in ``paths[stage]``; the
+    computed metrics are in ``metric_values[stage]``. They are kept on global rank 0 under
+    ``ddp`` and sent to the calling process under ``ddp_spawn`` / ``ddp_notebook``.
+
+    Args:
+        metrics: torchmetrics metrics by name, computed on the gathered ``preds_key`` and
+            ``target_key`` entries of the step outputs and logged as ``val/<name>`` and
+            ``test/<name>``. The objects given are cloned, never updated.
+        preds_key: key of the predictions in the step output dict.
+        target_key: key of the targets in the step output dict.
+        stages: which of ``'validate'``, ``'test'``, ``'predict'`` to handle.
+        output_dir: write each stage's results there (temporary name, then rename) on rank 0
+            instead of keeping them in memory.
+        pad_value: pad value for outputs whose trailing dimensions vary between batches or ranks
+            (variable length sequences); ``None`` makes such outputs an error.
+
+    Example::
+
+        >>> from torchmetrics.classification import MulticlassAccuracy
+        >>> callback = SequentialEvaluation(metrics={"acc": MulticlassAccuracy(num_classes=10)})
+        >>> # trainer = Trainer(strategy="ddp", devices=2, callbacks=[callback])
+        >>> # trainer.validate(model, dataloader); callback.results["validate"]["preds"]
+    """
+
+    def __init__(
+        self,
+        metrics: Mapping[str, Metric] | None = None,
+        preds_key: str = "preds",
+        target_key: str = "target",
+        stages: Sequence[str] = _STAGES,
+        output_dir: str | os.PathLike | None = None,
+        pad_value: float | None = None,
+    ) -> None:
+        metrics = dict(metrics.items()) if metrics is not None and hasattr(metrics, "items") else metrics
+        if metrics is not None and not isinstance(metrics, dict):
+            raise ArgumentTypeError("metrics", "a mapping of names to torchmetrics Metrics", metrics)
+        for name, metric in (metrics or {}).items():
+            if not isinstance(name, str) or not isinstance(metric, Metric):
+                raise ArgumentTypeError(
+                    "metrics",
+                    "a mapping of names (str) to torchmetrics.Metric instances",
+                    problem=f"got {name!r}: {type(metric).__name__}",
+                )
+        for arg, value in (("preds_key", preds_key), ("target_key", target_key)):
+            if not isinstance(value, str):
+                raise ArgumentTypeError(arg, "a str", value)
+        if isinstance(stages, str) or not isinstance(stages, Sequence) or not stages:
+            raise ArgumentValueError("stages", "a non-empty list of 'validate', 'test', 'predict'", stages)
+        for stage in stages:
+            check_choice("stages", stage, _STAGES)
+        if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
+            raise ArgumentTypeError("output_dir", "a path or None", output_dir)
+        check_number("pad_value", pad_value, allow_none=True)
+        self.metrics = metrics or {}
+        self.preds_key = preds_key
+        self.target_key = target_key
+        self.stages = tuple(stages)
+        self.output_dir = None if output_dir is None else str(output_dir)
+        self.pad_value = pad_value
+        self.results: dict[str, Any] = {}
+        self.paths: dict[str, str] = {}
+        self.metric_values: dict[str, Any] = {}
+        self._uid = uuid.uuid4().hex  # pairs this callback with its copy in spawned workers
+        self._samplers: dict[str, list[tuple[SequentialDistributedSampler, int]]] = {}
+        self._buffers: dict[int, list[Any]] = defaultdict(list)
+        self._batches: dict[int, int] = defaultdict(int)
+        self._sources: list[Any] = []
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        loops = {
+            "fit": [("validate", trainer.fit_loop.epoch_loop.val_loop)],
+            "validate": [("validate", trainer.validate_loop)],
+            "test": [("test", trainer.test_loop)],
+            "predict": [("predict", trainer.predict_loop)],
+        }
+        for name, loop in loops.get(stage, []):
+            if name in self.stages:
+                self._wrap_source(trainer, name, _compat.loop_data_source(loop))
+        if self.output_dir is not None and trainer.is_global_zero:
+            Path(self.output_dir).mkdir(parents=True, exist_ok=True)
+
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset()
+
+    @override
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._collect(trainer, "validate", outputs, dataloader_idx)
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, pl_module, "validate")
+
+    @override
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset()
+
+    @override
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._collect(trainer, "test", outputs, dataloader_idx)
+
+    @override
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, pl_module, "test")
+
+    @override
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset()
+
+    @override
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._collect(trainer, "predict", outputs, dataloader_idx)
+
+    @override
+    def on_predict_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, pl_module, "predict")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for source in self._sources:
+            vars(source).pop("dataloader", None)  # back to the class method
+        self._sources = []
+        self._reset()
+
+    def _wrap_source(self, trainer: Trainer, stage: str, source: Any) -> None:
+        """Swap samplers where Lightning requests the dataloaders, before it injects its own."""
+        if "dataloader" in vars(source):
+            return
+        original = source.dataloader
+
+        def dataloader() -> Any:
+            return self._sequential_loaders(trainer, stage, original())
+
+        source.dataloader = dataloader
+        self._sources.append(source)
+
+    def _sequential_loaders(self, trainer: Trainer, stage: str, dataloaders: Any) -> CombinedLoader:
+        combined = dataloaders if isinstance(dataloaders, CombinedLoader) else CombinedLoader(dataloaders, "sequential")
+        mode = _compat.combined_loader_mode(combined)
+        if mode != "sequential":
+            raise ValueError(
+                f"SequentialEvaluation needs `CombinedLoader(mode='sequential')` for {stage}, got mode {mode!r}."
+            )
+        hook = f"{_PREFIX[stage]}_dataloader"
+        swapped, self._samplers[stage] = [], []
+        for dl in combined.flattened:
+            sampler = SequentialDistributedSampler(
+                _check_replaceable(dl, hook), num_replicas=trainer.world_size, rank=trainer.global_rank
+            )
+            self._samplers[stage].append((sampler, dl.batch_size))
+            swapped.append(_compat.update_dataloader(dl, sampler))
+        combined.flattened = swapped
+        return combined
+
+    def _reset(self) -> None:
+        self._buffers = defaultdict(list)
+        self._batches = defaultdict(int)
+
+    def _collect(self, trainer: Trainer, stage: str, outputs: Any, dataloader_idx: int) -> None:
+        if trainer.sanity_checking or stage not in self._samplers:
+            return
+        self._batches[dataloader_idx] += 1
+        self._buffers[dataloader_idx].append(to_cpu(outputs))
+
+    def _finish(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.sanity_checking or stage not in self._samplers:
+            self._reset()
+            return
+        gathered_all, values = [], {}
+        several = len(self._samplers[stage]) > 1
+        for idx, (sampler, batch_size) in enumerate(self._samplers[stage]):
+            local, error = None, None
+            try:
+                local = self._rank_rows(stage, self._buffers.pop(idx, []), self._batches[idx], sampler, batch_size)
+            except (TypeError, ValueError, RuntimeError) as exc:  # raised on every rank by the gather below
+                error = str(exc)
+            gathered = distributed_concat(local, sampler.dataset_length, pad_value=self.pad_value, local_error=error)
+            gathered_all.append(gathered)
+            if self.metrics and stage != "predict":
+                suffix = f"/dataloader_idx_{idx}" if several else ""
+                values.update(self._log_metrics(pl_module, stage, gathered, suffix))
+        self._reset()
+        if values:
+            self.metric_values[stage] = values
+        if not trainer.is_global_zero:
+            return
+        result = gathered_all if several else gathered_all[0]
+        if self.output_dir is None:
+            self.results[stage] = result
+            return
+        path = save_atomic(result, Path(self.output_dir) / f"{stage}.pt")
+        self.paths[stage] = str(path)
+        self.results.pop(stage, None)
+
+    def _rank_rows(self, stage: str, batches: list[Any], num_batches: int, sampler: Any, batch_size: int) -> Any:
+        """This rank's outputs, concatenated over batches, without the sampler's padding."""
+        if all(out is None for out in batches):
+            return None
+        local = concat_batches(batches, self.pad_value, _STEP[stage])
+        rows = num_rows(local, _STEP[stage])
+        expected = min(len(sampler), num_batches * batch_size)
+        if rows != expected:
+            raise ValueError(
+                f"`{_STEP[stage]}` returned {rows} rows for the {expected} samples of this rank; SequentialEvaluation"
+                " needs one row per sample (dim 0 is the batch), e.g. `{'preds': logits, 'target': y}`."
+            )
+        if expected < len(sampler):
+            rank_zero_warn(
+                f"SequentialEvaluation: `limit_{_PREFIX[stage]}_batches` evaluates {expected} of {len(sampler)} samples"
+                " per rank, so the gathered results are a subset of the dataset and not in dataset order."
+            )
+        return truncate_rows(local, min(rows, sampler.num_real_samples))
+
+    def _log_metrics(self, pl_module: LightningModule, stage: str, gathered: Any, suffix: str) -> dict[str, Any]:
+        if not isinstance(gathered, Mapping) or self.preds_key not in gathered or self.target_key not in gathered:
+            found = sorted(gathered) if isinstance(gathered, Mapping) else type(gathered).__name__
+            raise ValueError(
+                f"`metrics` need `{_STEP[stage]}` to return a dict with keys {self.preds_key!r} and"
+                f" {self.target_key!r} (see `preds_key` / `target_key`), got {found}."
+            )
+        values = {}
+        for name, metric in self.metrics.items():
+            local = metric.clone()
+            local.reset()
+            local.distributed_available_fn = _never_distributed  # the data is already global
+            local.update(gathered[self.preds_key], gathered[self.target_key])
+            value = local.compute()
+            key = f"{_PREFIX[stage]}/{name}{suffix}"
+            values[key] = value
+            if isinstance(value, Tensor) and value.numel() == 1:
+                # every rank holds the same value; "max" keeps it bit-exact while keeping ranks in step
+                pl_module.log(key, value.float(), sync_dist=True, reduce_fx="max", add_dataloader_idx=False)
+        return values
+
+    def __getstate__(self) -> dict[str, Any]:
+        # copies sent to spawned workers start empty: results only ever travel back, never out
+        state = self.__dict__.copy()
+        state.update(results={}, paths={}, metric_values={}, _samplers={}, _sources=[])
+        state.update(_buffers=defaultdict(list), _batches=defaultdict(int))
+        return state
+
+    def _export(self) -> str:
+        """Write this rank's results to a temporary file; the path travels, not the bytes.
+
+        Like Lightning's own weights hand-off: the launcher's queue is read only after every
+        worker has exited, so a payload larger than a pipe buffer would block rank 0 forever.
+        """
+        fd, path = tempfile.mkstemp(prefix="ddp_plugins_eval_", suffix=".pt")
+        with os.fdopen(fd, "wb") as file:
+            torch.save({"results": self.results, "paths": self.paths, "metric_values": self.metric_values}, file)
+        return path
+
+    def _import(self, path: str) -> None:
+        try:
+            state = torch.load(path, weights_only=False)  # written by this class in our own worker
+        finally:
+            os.remove(path)
+        self.results.update(state["results"])
+        self.paths.update(state["paths"])
+        self.metric_values.update(state["metric_values"])
+
+
+def _check_replaceable(dl: Any, hook: str) -> Dataset:
+    """The dataset of ``dl`` if its sampler can be swapped without changing which samples are seen."""
+    if not isinstance(dl, DataLoader):
+        raise TypeError(f"SequentialEvaluation needs `{hook}` to return torch DataLoaders, got {type(dl).__name__}.")
+    dataset = dl.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            f"SequentialEvaluation cannot shard the {type(dataset).__name__} of `{hook}`: an IterableDataset has no"
+            " length to split into contiguous slices. Use a map-style dataset (`__len__` and `__getitem__`), or"
+            " shard the stream per rank yourself, gather with `ddp_plugins.distributed_concat` and leave this"
+            " stage out of `stages`."
+        )
+    if dl.batch_sampler is None or type(dl.batch_sampler) is not BatchSampler:
+        got = "batch_size=None" if dl.batch_sampler is None else type(dl.batch_sampler).__name__
+        raise TypeError(f"SequentialEvaluation needs `{hook}` to batch with `batch_size=...`, got {got}.")
+    if dl.batch_size is None:  # DataLoader(batch_sampler=BatchSampler(...)): Lightning cannot rebuild it
+        raise TypeError(
+            f"SequentialEvaluation needs `{hook}` to batch with `batch_size=...`, got"
+            f" `batch_sampler={type(dl.batch_sampler).__name__}(...)`. Pass `batch_size=` and `shuffle=`"
+            " (or `sampler=`) instead, or leave this stage out of `stages`."
+        )
+    if dl.drop_last:
+        raise ValueError(f"`{hook}` has `drop_last=True`, which skips samples; SequentialEvaluation needs every one.")
+    if type(dl.sampler) not in (SequentialSampler, RandomSampler, DistributedSampler, SequentialDistributedSampler):
+        raise TypeError(
+            f"`{hook}` uses the custom sampler {type(dl.sampler).__name__}, which SequentialEvaluation cannot replace"
+            " without changing which samples are evaluated. Allowed: no sampler, SequentialSampler, RandomSampler,"
+            " DistributedSampler. Drop the sampler, or leave this stage out of `stages`."
+        )
+    return dataset
+
+
+def _never_distributed() -> bool:
+    return False

@@ -1,0 +1,351 @@
+"""DDP strategy
+============
+
+:class:`DDPPluginsStrategy` is Lightning's ``DDPStrategy`` with what multi-node users fight for,
+registered in Lightning's ``StrategyRegistry`` as ``ddp_plugins`` (child processes re-run the
+script), ``ddp_plugins_spawn`` and ``ddp_plugins_notebook`` (fork):
+
+* ``backend``: ``auto`` (nccl on CUDA, gloo otherwise), ``gloo``, ``nccl`` or ``mpi``, checked
+  when the strategy is built, before any process starts.
+* ``comm_hook`` by name: ``none``, ``fp16``, ``bf16`` or ``powersgd`` (torch's own hooks from
+  ``torch.distributed.algorithms.ddp_comm_hooks``), registered on *every* device. Lightning's
+  ``DDPStrategy`` registers hooks only on CUDA and silently drops them on CPU, although fp16
+  compression and PowerSGD work on gloo; ``bf16`` needs NCCL 2.10+ and is refused elsewhere with
+  a one-line error before any process starts. On gloo, PowerSGD waits for each bucket's reduction
+  (``_powersgd_hook``): otherwise its follow-up all-reduces race with other collectives and gloo
+  aborts on a collective mismatch.
+* ``timeout``: the collective timeout in seconds (a number from config) or a ``timedelta``.
+* ``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``:
+  passed through to ``DistributedDataParallel``.
+* ``Trainer(sync_batchnorm=True)`` installs :class:`ddp_plugins.SyncBatchNormPlugin` (any device)
+  instead of torch's CUDA-only ``SyncBatchNorm``; this is why the module imports
+  :mod:`ddp_plugins.lightning.layer_sync`.
+* No hangs when a rank fails. Child ranks are watched every second: when one exits non-zero or is
+  killed by a signal, the launcher says which rank, how, and stops every rank (Lightning's own
+  watcher logs at INFO, which is usually hidden, and checks every 5 s). When rank 0 itself raises,
+  its child ranks are stopped instead of being left blocked in a collective. A rank whose
+  collective fails because a peer stopped gets that said in its error message.
+* Child ranks of a Hydra job re-run *this job* only: Lightning's launcher re-runs the whole
+  command line, so under ``--multirun`` every child rank re-ran the whole sweep into a second
+  multirun folder. Children get the job's own overrides and its output folder instead.
+* Every process ends through :func:`ddp_plugins.core.exit_process` (spawned children
+  included), which avoids the gloo abort at interpreter exit described there.
+
+Which interfaces listen (single node)
+-------------------------------------
+Two kinds of sockets exist. The rendezvous store (``torch.distributed.TCPStore``, started by rank
+0 on ``MASTER_PORT``) listens on *every* interface (``[::]``, IPv4 and IPv6) whatever
+``MASTER_ADDR`` says: torch offers no way to bind it to one address, so on a shared machine keep
+``MASTER_PORT`` firewalled or use a trusted network. The gloo data connections between ranks bind
+to one interface: when ``MASTER_ADDR`` is a loopback address (Lightning's default ``127.0.0.1`` on
+one node) and the user did not choose one, this strategy sets ``GLOO_SOCKET_IFNAME`` to the
+loopback interface, so gradients never leave the machine's loopback.
+
+Example::
+
+    >>> strategy = DDPPluginsStrategy(backend="gloo", comm_hook="fp16", timeout=120, bucket_cap_mb=50)
+    >>> strategy.comm_hook, strategy.process_group_backend, strategy._ddp_kwargs["bucket_cap_mb"]
+    ('fp16', 'gloo', 50)
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from ddp_plugins.core.checks import (
+    ArgumentValueError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+)
+from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
+from ddp_plugins.core.ranks import get_rank, get_world_size
+from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _JobSubprocessLauncher
+from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
+from ddp_plugins.lightning.network import pin_gloo_to_loopback
+
+__all__ = ["BACKENDS", "DDPPluginsStrategy", "check_backend"]
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# Messages of a collective that failed because a peer is gone (gloo, NCCL, the TCP store).
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+    "failed to recv",
+    "failed to send",
+)
+
+
+def check_backend(backend: Any, accelerator: str = "auto") -> None:
+    """Check that ``backend`` names a process-group backend this machine can run.
+
+    Raises:
+        ArgumentValueError: an unknown name, ``nccl`` without CUDA, ``mpi`` without an MPI-enabled torch.
+
+    Example::
+
+        >>> check_backend("foo")
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentValueError: `backend` should be one of 'auto', 'gloo', 'nccl', 'mpi', got 'foo'.
+    """
+    check_choice("backend", backend, BACKENDS)
+    allowed = "'auto' or 'gloo' (or a backend this machine can run)"
+    if backend == "nccl":
+        cuda = torch.cuda.is_available()
+        if not cuda or accelerator == "cpu":
+            raise ArgumentValueError(
+                "backend", allowed, problem=f"got 'nccl' without CUDA GPUs (cuda available: {cuda}, accelerator: {accelerator!r})"
+            )
+        if not dist.is_nccl_available():
+            raise ArgumentValueError("backend", allowed, problem="got 'nccl' with a torch built without NCCL")
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ArgumentValueError(
+            "backend",
+            allowed,
+            problem=f"got 'mpi' with a torch built without MPI ({torch.__version__}; torch.distributed.is_mpi_available() is False)",
+            hint="Use backend=gloo, or build torch from source against your MPI.",
+        )
+
+
+def _backend_synonym(backend: str, process_group_backend: Any) -> Any:
+    """``backend``, or Lightning's ``process_group_backend`` when that is the one given."""
+    if process_group_backend is None:
+        return backend
+    if backend not in ("auto", process_group_backend):
+        raise ArgumentValueError(
+            "process_group_backend", f"the same as `backend` ({backend!r}) or left out", process_group_backend
+        )
+    return process_group_backend
+
+
+def _check_world_size(environment: Any, num_processes: int, num_nodes: int) -> None:
+    """Lightning's message, before a bare ``IndexError``, when the launcher started more ranks than asked."""
+    if not environment.creates_processes_externally:
+        return
+    expected = num_processes * num_nodes
+    world_size = environment.world_size()
+    if world_size != expected:
+        raise ArgumentValueError(
+            "devices",
+            f"devices x num_nodes = the world size the launcher started ({world_size})",
+            problem=f"got devices={num_processes} x num_nodes={num_nodes} = {expected}",
+            hint="Match `Trainer(devices=..., num_nodes=...)` to torchrun's --nproc-per-node/--nnodes or Slurm's tasks.",
+        )
+
+
+class DDPPluginsStrategy(DDPStrategy):
+    """Lightning's DDP strategy with hooks by name on every backend, timeouts in seconds, no hangs.
+
+    Args:
+        backend: ``"auto"`` (nccl on CUDA, gloo otherwise), ``"gloo"``, ``"nccl"`` or ``"mpi"``;
+            ``process_group_backend=`` (``DDPStrategy``'s name) is the same argument.
+        timeout: timeout of collectives and of the rendezvous, in seconds or a ``timedelta``.
+        start_method: ``"popen"`` (children re-run the script), ``"spawn"``, ``"fork"``
+            (notebooks) or ``"forkserver"``.
+        comm_hook: ``"none"``, ``"fp16"``, ``"bf16"`` (nccl 2.10+ only) or ``"powersgd"``;
+            a hook given as ``ddp_comm_hook=callable`` needs ``comm_hook="none"``.
+        powersgd_rank: PowerSGD's matrix approximation rank.
+        powersgd_start_iter: the iteration from which PowerSGD compresses (plain all-reduce before).
+        bucket_cap_mb: DDP's gradient bucket size in MiB (``None``: torch's default, 25).
+        find_unused_parameters: let DDP find parameters that got no gradient.
+        static_graph: tell DDP the graph is the same every iteration.
+        gradient_as_bucket_view: gradients are views into DDP's buckets (saves a copy).
+        **kwargs: passed to Lightning's ``DDPStrategy`` and from there to
+            ``DistributedDataParallel``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an unknown backend, start method or hook, a backend this machine cannot run,
+            ``bf16`` on a backend without it, or a number out of range.
+
+    Example::
+
+        >>> DDPPluginsStrategy(backend="gloo", timeout=60).process_group_backend
+        'gloo'
+    """
+
+    strategy_name = "ddp_plugins"
+
+    def __init__(
+        self,
+        backend: str = "auto",
+        timeout: float | timedelta = 1800.0,
+        start_method: str = "popen",
+        comm_hook: str = "none",
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 1000,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        backend = _backend_synonym(backend, kwargs.pop("process_group_backend", None))
+        check_backend(backend, str(kwargs.get("accelerator") or "auto"))
+        check_choice("start_method", start_method, _START_METHODS)
+        if isinstance(timeout, timedelta):  # Lightning's own type for it
+            timeout = timeout.total_seconds()
+        check_number("timeout", timeout, 0, exclusive_minimum=True, what="seconds (or a datetime.timedelta)")
+        check_comm_hook(comm_hook, backend if backend in ("gloo", "mpi") else None)
+        check_int("powersgd_rank", powersgd_rank, 1)
+        check_int("powersgd_start_iter", powersgd_start_iter, 2)
+        check_number("bucket_cap_mb", bucket_cap_mb, 0, exclusive_minimum=True, what="MiB", allow_none=True)
+        check_bool("find_unused_parameters", find_unused_parameters)
+        check_bool("static_graph", static_graph)
+        check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+        if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
+            raise ArgumentValueError(
+                "comm_hook",
+                "'none' when `ddp_comm_hook` is given",
+                comm_hook,
+                hint="Give one: a name in `comm_hook`, or a callable in `ddp_comm_hook`.",
+            )
+        ddp_kwargs = {
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+        }
+        if bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        super().__init__(
+            process_group_backend=None if backend == "auto" else backend,
+            timeout=timedelta(seconds=timeout),
+            start_method=start_method,
+            **ddp_kwargs,
+            **kwargs,
+        )
+        self._backend = backend
+        self._timeout_s = float(timeout)
+        self._env_set: list[str] = []
+        self._comm_hook = comm_hook
+        self._powersgd_rank = powersgd_rank
+        self._powersgd_start_iter = powersgd_start_iter
+        if comm_hook != "none":
+            # set now so that callbacks (AllReduceCounter) can wrap it in `setup`; the state is
+            # built per fit in `configure_ddp`
+            self._ddp_comm_hook = build_comm_hook(comm_hook)[1]
+
+    @property
+    def comm_hook(self) -> str:
+        """The communication hook's name (``"none"`` when a callable was given or none at all)."""
+        return self._comm_hook
+
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        return self.__layer_sync
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin: LayerSync | None) -> None:
+        # `Trainer(sync_batchnorm=True)` hands every strategy torch's CUDA-only SyncBatchNorm plugin
+        # (through the accelerator connector); this strategy takes the device-agnostic one instead
+        self.__layer_sync = SyncBatchNormPlugin() if isinstance(plugin, TorchSyncBatchNorm) else plugin
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Lightning calls this once accelerator and devices are known, before any process starts
+        if self.accelerator is not None and self.parallel_devices:
+            check_comm_hook(self._comm_hook, self._get_process_group_backend())
+        _check_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self._start_method == "popen":
+            self._launcher = _JobSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _CleanExitMultiprocessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_distributed(self) -> None:
+        backend = self._get_process_group_backend()
+        check_comm_hook(self._comm_hook, backend)
+        if backend == "gloo" and os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+            # torch 2.13: DistributedDataParallel(...) segfaults in its construction logging when the
+            # debug level is DETAIL on gloo (even a bare nn.Linear); INFO keeps the other debug checks
+            rank_zero_warn(
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DistributedDataParallel on gloo with this torch"
+                f" ({torch.__version__}, a segfault while DDP is built); using INFO instead."
+            )
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO"
+            dist.set_debug_level(dist.DebugLevel.INFO)
+        if backend == "gloo":
+            assert self.cluster_environment is not None
+            if pin_gloo_to_loopback(self.cluster_environment.main_address):
+                self._env_set.append("GLOO_SOCKET_IFNAME")  # removed again in teardown
+        super().setup_distributed()
+
+    @override
+    def configure_ddp(self) -> None:
+        if self._comm_hook == "powersgd" and self._ddp_comm_state is None:
+            self._ddp_comm_state = build_comm_hook(
+                "powersgd", powersgd_rank=self._powersgd_rank, powersgd_start_iter=self._powersgd_start_iter
+            )[0]
+        super().configure_ddp()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning's version registers only when the root device is CUDA
+        assert isinstance(self.model, DistributedDataParallel)
+        if self._ddp_comm_hook is None:
+            return
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(self._ddp_comm_state, hook)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if get_world_size() == 1:
+            return
+        note = (
+            f"\n[ddp_plugins] rank {get_rank()}: a collective failed because another rank stopped (it raised,"
+            " was killed, or waits elsewhere). That rank's own error, printed by it, is the cause."
+        )
+        exception.args = tuple(
+            arg + note if isinstance(arg, str) and any(text in arg for text in _PEER_GONE) else arg
+            for arg in exception.args
+        )
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._comm_hook == "powersgd":
+            self._ddp_comm_state = None  # a fresh PowerSGD state for the next fit
+        for key in self._env_set:  # what this strategy put into the environment does not outlive fit
+            os.environ.pop(key, None)
+        self._env_set = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method, what in (
+            ("ddp_plugins", "popen", "child processes re-run the script"),
+            ("ddp_plugins_spawn", "spawn", "spawned child processes"),
+            ("ddp_plugins_notebook", "fork", "forked child processes, for notebooks"),
+        ):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"ddp_plugins DDP strategy: {what}",
+                start_method=start_method,
+                override=True,
+            )
+
+
+DDPPluginsStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,110 @@
+"""SyncBatchNorm callback
+======================
+
+:class:`SyncBatchNormCallback` synchronizes batch norm while fitting, on CPU (gloo) or GPU, with
+nothing but public Lightning hooks: the layers are converted in place when fitting starts and
+reverted when it ends. The conversion swaps each layer's class and keeps its tensors, so it may
+happen after DDP has wrapped the model (DDP holds the same parameters and buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from ddp_plugins.core.sync_batchnorm import check_group_divides, revert_sync_batchnorm
+from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
+
+__all__ = ["SyncBatchNormCallback"]
+
+
+class SyncBatchNormCallback(Callback):
+    """Synchronize batch norm while fitting, on CPU or GPU: ``Trainer(callbacks=[SyncBatchNormCallback()])``.
+
+    At ``on_fit_start`` every batch-norm layer of the LightningModule is converted in place (see
+    :func:`ddp_plugins.core.convert_sync_batchnorm`); at ``teardown`` (or when fitting raises) the
+    original classes come back, so checkpoints (same keys) load into the original model. With a
+    single-device strategy there is nothing to synchronize and it does nothing.
+
+    Args:
+        group_size: synchronize within consecutive groups of this many ranks (for example per
+            node) instead of the whole world; must divide the world size.
+        skip_frozen: leave layers in eval mode or without trainable parameters alone.
+        extra_classes: BN-like classes to convert as well: classes or import paths, or a mapping
+            from them to the method to replace (see :func:`convert_sync_batchnorm`).
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an invalid value; in ``setup``, a ``group_size`` that does not divide the world
+            size; at ``on_fit_start``, a model already synchronized by ``Trainer(sync_batchnorm=True)``
+            or a ``LayerSync`` plugin.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(callbacks=[SyncBatchNormCallback()], accelerator="cpu", logger=False)
+    """
+
+    def __init__(
+        self,
+        group_size: int | None = None,
+        skip_frozen: bool = True,
+        extra_classes: Sequence[type | str] | Mapping[type | str, str] = (),
+    ) -> None:
+        self.plugin = SyncBatchNormPlugin(group_size=group_size, skip_frozen=skip_frozen, extra_classes=extra_classes)
+        self._converted: nn.Module | None = None
+
+    @property
+    def report(self) -> Any:
+        """The report of the last conversion, ``None`` before fitting."""
+        return self.plugin.report
+
+    def check_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The run-dependent check of ``setup``: ``group_size`` must divide the Trainer's world size."""
+        check_group_divides(self.plugin.group_size, trainer.world_size)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.check_trainer(trainer, pl_module)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not isinstance(trainer.strategy, ParallelStrategy):
+            rank_zero_info(
+                f"SyncBatchNormCallback: {type(trainer.strategy).__name__} runs one device, nothing to synchronize."
+            )
+            return
+        synced = [name for name, layer in pl_module.named_modules() if _synchronized_elsewhere(layer)]
+        if synced:
+            raise ValueError(
+                f"`SyncBatchNormCallback` found layers already synchronized ({', '.join(synced[:3])}) by"
+                " `Trainer(sync_batchnorm=True)` or a LayerSync plugin. Use one of them: remove"
+                " `sync_batchnorm=True` / the plugin, or the callback."
+            )
+        self._converted = self.plugin.apply(pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._revert()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._revert()
+
+    def _revert(self) -> None:
+        if self._converted is not None:
+            revert_sync_batchnorm(self._converted)
+            self._converted = None
+
+
+def _synchronized_elsewhere(layer: nn.Module) -> bool:
+    """torch's SyncBatchNorm, or a layer converted by a plugin (the callback converts only on fit start)."""
+    return isinstance(layer, nn.SyncBatchNorm) or "_sync_batchnorm_original" in type(layer).__dict__
