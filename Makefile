@@ -1,10 +1,10 @@
-# The two commands of the README. Each one sets up .venv from the pinned lock file first.
+# The commands of the README. Each one sets up .venv from the pinned lock file first.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench clean
+.PHONY: train lint test bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -16,6 +16,15 @@ $(STAMP): pyproject.toml requirements.lock
 
 train: $(STAMP)
 	$(PY) -m ddp_plugins.train $(ARGS)
+
+# Lint scope: the package (ddp_plugins/ and its Hydra configs' conf/__init__.py); tests/ and
+# benchmarks/ are not linted yet.
+LINT_PATHS := ddp_plugins conf
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy ddp_plugins
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

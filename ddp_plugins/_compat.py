@@ -11,6 +11,8 @@ torch (imported at once: the core uses it and must not need Lightning):
 
 * ``torch.nn.modules._functions.SyncBatchNorm``: torch's CUDA SyncBatchNorm autograd function,
   used on CUDA tensors with nccl (no public functional form exists).
+* ``torch.nn.modules.batchnorm._BatchNorm``: the base class of every batch-norm layer, which
+  SyncBatchNorm subclasses and conversion looks for (torch's own SyncBatchNorm does the same).
 
 Lightning (imported when first used):
 
@@ -35,9 +37,11 @@ from __future__ import annotations
 from typing import Any
 
 from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
     "CHECKED",
+    "BatchNormBase",
     "TorchSyncBatchNormFunction",
     "basic_subprocess_cmd",
     "combined_loader_mode",
@@ -52,6 +56,7 @@ __all__ = [
 # (module, attribute path) of every private name used, for tests/test_compat.py.
 CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules._functions", "SyncBatchNorm"),
+    ("torch.nn.modules.batchnorm", "_BatchNorm"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.update_main_process_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function"),
@@ -67,7 +72,10 @@ CHECKED: tuple[tuple[str, str], ...] = (
 
 _LAZY = {
     "MultiProcessingLauncher": ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
-    "SubprocessScriptLauncher": ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+    "SubprocessScriptLauncher": (
+        "lightning.pytorch.strategies.launchers.subprocess_script",
+        "_SubprocessScriptLauncher",
+    ),
 }
 
 

@@ -2,7 +2,8 @@ import os
 
 import pytest
 
-from tests.helpers.multiprocess import LOOPBACK_ENV, DistributedPool
+from ddp_plugins.core.toolkit import LOOPBACK_ENV
+from tests.helpers.multiprocess import DistributedPool
 
 # Every process these tests start talks gloo over loopback with one thread per rank.
 os.environ.update(LOOPBACK_ENV)

@@ -31,7 +31,7 @@ import typing
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -46,6 +46,7 @@ __all__ = [
     "CONFIG_NAME",
     "PRECISIONS",
     "ConfigError",
+    "Precision",
     "build_objects",
     "check_config",
     "compose_config",
@@ -59,6 +60,8 @@ __all__ = [
 CONFIG_MODULE = "ddp_plugins.conf"
 CONFIG_NAME = "train"
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
+# What `resolve_precision` hands to `lightning.pytorch.Trainer(precision=...)`.
+Precision = Literal["32-true", "16-mixed", "bf16-mixed"]
 # Processes per CPU core that `trainer.devices` may ask for on a CPU: more only thrashes.
 CPU_PROCESSES_PER_CORE = 2
 # Trainer arguments the app sets from its own groups; `trainer.<these>` would clash.
@@ -74,8 +77,16 @@ class ConfigError(ValueError):
         super().__init__(_one_line(f"{key} {problem}, allowed: {allowed}"))
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _to_dict(node: Any, *, resolve: bool) -> dict[str, Any]:
+    """A config mapping node as a plain dict (the app's config keys are strings)."""
+    container = OmegaConf.to_container(node, resolve=resolve)
+    if not isinstance(container, dict):
+        raise TypeError(f"expected a mapping config node, got {type(container).__name__}")
+    return cast("dict[str, Any]", container)
 
 
 def _conf_dir() -> Path:
@@ -178,7 +189,7 @@ def compose_config(overrides: list[str] | None = None, config_flags: list[str] |
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    flags = dict(zip((config_flags or [])[::2], (config_flags or [])[1::2]))
+    flags = dict(zip((config_flags or [])[::2], (config_flags or [])[1::2], strict=False))
     name = flags.get("--config-name", flags.get("-cn", CONFIG_NAME))
     path = flags.get("--config-path", flags.get("-cp"))
     extra_dir = flags.get("--config-dir", flags.get("-cd"))
@@ -195,7 +206,9 @@ def compose_config(overrides: list[str] | None = None, config_flags: list[str] |
         with init:
             return compose(config_name=name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError("override", f"was refused by Hydra: {_one_line(err)}", "keys of the config (`--cfg job` lists them)") from None
+        raise ConfigError(
+            "override", f"was refused by Hydra: {_one_line(err)}", "keys of the config (`--cfg job` lists them)"
+        ) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -209,12 +222,11 @@ def check_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: the first problem found, as one line naming the config key.
     """
-    raw = OmegaConf.to_container(cfg, resolve=False)
+    raw = _to_dict(cfg, resolve=False)
     try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = _to_dict(cfg, resolve=True)
     except Exception as err:  # noqa: BLE001 - an interpolation or resolver error, reported as one line
         raise ConfigError("config", f"cannot be resolved: {_one_line(err)}", "valid ${...} interpolations") from None
-    assert isinstance(raw, dict) and isinstance(resolved, dict)
     _check_top_level(cfg, resolved, raw)
     build_objects(cfg)
 
@@ -296,7 +308,9 @@ def _import_target(key: str, target: str) -> type:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(
-            f"{key}._target_", f"got {target!r}, which cannot be imported ({_one_line(err)})", "an importable class path"
+            f"{key}._target_",
+            f"got {target!r}, which cannot be imported ({_one_line(err)})",
+            "an importable class path",
         ) from None
     if not isinstance(cls, type):
         raise ConfigError(f"{key}._target_", f"got {target!r}, which is not a class", "an importable class path")
@@ -311,7 +325,11 @@ def _init_params(cls: type) -> set[str] | None:
         if init is None:
             continue
         signature = inspect.signature(init)
-        params |= {p.name for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"}
+        params |= {
+            p.name
+            for p in signature.parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"
+        }
         if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
             return params
         if klass.__module__.startswith(("lightning", "torch")):
@@ -364,7 +382,9 @@ def _check_trainer_args(trainer: Mapping[str, Any]) -> None:
         if key in _APP_TRAINER_ARGS:
             raise ConfigError(f"trainer.{key}", "is set by the app from its own config group", "; ".join(allowed_keys))
         if key not in hints:
-            raise ConfigError(f"trainer.{key}", "is not an argument of lightning.pytorch.Trainer", ", ".join(allowed_keys))
+            raise ConfigError(
+                f"trainer.{key}", "is not an argument of lightning.pytorch.Trainer", ", ".join(allowed_keys)
+            )
         if not _fits(value, hints[key]):
             raise ConfigError(f"trainer.{key}", f"got {value!r}", _describe_type(hints[key]))
 
@@ -380,7 +400,11 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is type(None):
         return value is None
     if origin in (list, tuple):
-        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value) if args else isinstance(value, (list, tuple))
+        return (
+            isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value)
+            if args
+            else isinstance(value, (list, tuple))
+        )
     if origin in (dict, Mapping):
         return isinstance(value, Mapping)
     if hint is bool:
@@ -412,7 +436,7 @@ def _quiet() -> Iterator[None]:
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg, level in zip(loggers, levels):
+        for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
 
 
@@ -420,8 +444,7 @@ def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
     """The run's ``Trainer`` without its logger or checkpoints: Lightning's own checks run, nothing starts."""
     from lightning.pytorch import Trainer
 
-    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
-    assert isinstance(trainer_args, dict)
+    trainer_args = _to_dict(cfg.trainer, resolve=True)
     accelerator = str(trainer_args.get("accelerator", "auto"))
     precision = resolve_precision(str(cfg.precision.name), accelerator)
     env_before = dict(os.environ)
@@ -487,7 +510,7 @@ def resolve_backend(backend: str, accelerator: str = "auto") -> str:
     return backend
 
 
-def resolve_precision(precision: str, accelerator: str = "auto") -> str:
+def resolve_precision(precision: str, accelerator: str = "auto") -> Precision:
     """``auto`` -> ``bf16-mixed`` on CUDA (when supported), ``32-true`` otherwise.
 
     Raises:
@@ -505,12 +528,13 @@ def resolve_precision(precision: str, accelerator: str = "auto") -> str:
         return "bf16-mixed" if cuda and torch.cuda.is_bf16_supported() else "32-true"
     if precision == "16-mixed" and not cuda:
         raise ConfigError(
-            "precision", "got '16-mixed', which needs CUDA (float16 autocast with a GradScaler) on a CPU run",
+            "precision",
+            "got '16-mixed', which needs CUDA (float16 autocast with a GradScaler) on a CPU run",
             "'32-true', 'bf16-mixed' or 'auto' on CPU",
         )
     if precision == "bf16-mixed" and cuda and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision", "got 'bf16-mixed' on a GPU without bfloat16", "'16-mixed', '32-true' or 'auto'")
-    return precision
+    return cast(Precision, precision)  # one of PRECISIONS, not "auto"
 
 
 def max_cpu_processes() -> int:
@@ -525,8 +549,12 @@ def _check_devices(devices: Any, accelerator: str) -> None:
         available = torch.cuda.device_count()
         # Lightning also takes -1 (every GPU) and a list of GPU indices on CUDA.
         if isinstance(devices, (list, tuple)):
-            if not devices or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < available for d in devices):
-                raise ConfigError("trainer.devices", f"got {list(devices)!r}", f"GPU indices between 0 and {available - 1}")
+            if not devices or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < available for d in devices
+            ):
+                raise ConfigError(
+                    "trainer.devices", f"got {list(devices)!r}", f"GPU indices between 0 and {available - 1}"
+                )
             return
         if devices == -1:
             return
@@ -534,7 +562,9 @@ def _check_devices(devices: Any, accelerator: str) -> None:
         raise ConfigError("trainer.devices", f"got {devices!r}", "a positive integer or 'auto'")
     if _cuda_in_use(accelerator):
         if devices > available:
-            raise ConfigError("trainer.devices", f"got {devices}, more GPUs than this machine has ({available})", f"1 to {available}")
+            raise ConfigError(
+                "trainer.devices", f"got {devices}, more GPUs than this machine has ({available})", f"1 to {available}"
+            )
     elif devices > max_cpu_processes():
         raise ConfigError(
             "trainer.devices",

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -49,8 +49,10 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     checkpoint = ModelCheckpoint(
         dirpath=Path(output_dir) / "checkpoints", monitor=_accuracy_key(cfg), mode="max", save_last=True
     )
+    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(trainer_args, dict)
     return pl.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),
+        **cast("dict[str, Any]", trainer_args),
         strategy=strategy,
         precision=precision,
         callbacks=[*plugin_callbacks, checkpoint, *(callbacks or [])],

@@ -151,7 +151,12 @@ def check_number(
     else:
         low = "" if minimum is None else f"{'>' if exclusive_minimum else '>='} {_num(minimum)}"
         high = "" if maximum is None else f"{'<' if exclusive_maximum else '<='} {_num(maximum)}"
-        span = "a finite number" + (f" {low}" if low else "") + (" and" if low and high else "") + (f" {high}" if high else "")
+        span = (
+            "a finite number"
+            + (f" {low}" if low else "")
+            + (" and" if low and high else "")
+            + (f" {high}" if high else "")
+        )
     allowed = span + (f" of {what}" if what else "") + (" or None" if allow_none else "")
     if value is None and allow_none:
         return None

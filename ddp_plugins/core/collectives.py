@@ -154,14 +154,14 @@ def _pad(tensor: Tensor, shape: tuple, pad_value: float | None) -> Tensor:
 
 def concat_batches(batches: list[Any], pad_value: float | None, step: str) -> Any:
     """Concatenate one rank's per-batch outputs along dim 0, leaf by leaf."""
-    flat = []
+    flat: list[tuple[Any, list[Any]]] = []
     for i, out in enumerate(batches):
         spec, leaves = _flatten(out)
         if flat and spec != flat[0][0]:
             raise ValueError(f"`{step}` returned a different structure in batch {i} than in batch 0.")
         flat.append((spec, [leaf for _, leaf in leaves]))
     names = [name for name, _ in _flatten(batches[0])[1]]
-    merged = []
+    merged: list[Any] = []
     for j, name in enumerate(names):
         parts = [leaves[j] for _, leaves in flat]
         if not isinstance(parts[0], Tensor):
@@ -178,7 +178,7 @@ def concat_batches(batches: list[Any], pad_value: float | None, step: str) -> An
                     f"`{step}` returned {name} with shapes {sorted(trailing)} across batches; pass `pad_value` to pad"
                     " variable-length outputs."
                 )
-            width = tuple(max(sizes) for sizes in zip(*trailing))
+            width = tuple(max(sizes) for sizes in zip(*trailing, strict=True))
             parts = [_pad(part, (part.shape[0], *width), pad_value) for part in parts]
         merged.append(torch.cat(parts))
     return _unflatten(batches[0], iter(merged))
@@ -217,7 +217,8 @@ def _concat(
     """:func:`distributed_concat`, plus ``error``: a failure found on this rank, raised on every rank."""
     check_int("num_total_examples", num_total_examples, 0, allow_none=True)
     check_number("pad_value", pad_value, allow_none=True)
-    spec, leaves = None, []
+    spec: Any = None
+    leaves: list[tuple[str, Any]] = []
     if error is None:
         try:
             spec, leaves = _flatten(data)
@@ -238,7 +239,8 @@ def _concat(
             raise ValueError("; ".join(f"rank {rank}: {message}" for rank, message in failed))
         all_meta = [m[:3] for m in gathered_meta]
     _check_consistent(all_meta, [name for name, _ in leaves], pad_value)
-    outs, row_leaf = [], 0
+    outs: list[Any] = []
+    row_leaf = 0
     for j, (_, leaf) in enumerate(leaves):
         if _is_rows(leaf):
             outs.append([item for m in all_meta for item in m[2][row_leaf]])
@@ -254,7 +256,7 @@ def _concat(
 def _check_consistent(all_meta: list[Any], names: list[str], pad_value: float | None) -> None:
     def table() -> str:
         return "; ".join(
-            f"rank {rank}: " + ", ".join(f"{name} {_fmt(meta)}" for name, meta in zip(names, m[1]))
+            f"rank {rank}: " + ", ".join(f"{name} {_fmt(meta)}" for name, meta in zip(names, m[1], strict=False))
             for rank, m in enumerate(all_meta)
         )
 
@@ -282,7 +284,7 @@ def _gather_tensor(tensor: Tensor, shapes: list[tuple], pad_value: float | None,
     result is a view of that buffer.
     """
     filled = [shape for shape in shapes if shape[0] > 0] or shapes
-    trailing = tuple(max(sizes) for sizes in zip(*(shape[1:] for shape in filled)))
+    trailing = tuple(max(sizes) for sizes in zip(*(shape[1:] for shape in filled), strict=True))
     rows = [shape[0] for shape in shapes]
     if max(rows) == 0:
         return tensor.new_empty((0, *trailing))

@@ -102,7 +102,7 @@ def build_comm_hook(
     return state, _powersgd_hook
 
 
-def _powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
+def _powersgd_hook(state, bucket):
     """torch's ``powerSGD_hook``; on backends other than NCCL it returns once the bucket is reduced.
 
     PowerSGD issues its second and third all-reduce from a future callback. On NCCL these are
@@ -163,7 +163,7 @@ class CountingCommHook:
         self.bytes = 0
         self.rounds = 0
 
-    def __call__(self, state, bucket):  # type: ignore[no-untyped-def]
+    def __call__(self, state, bucket):
         # no annotations: DDP compares them with the real classes, and this module's are strings
         with count_collectives(("all_reduce",), this_thread=True) as counts:
             future = self.hook(state, bucket)
@@ -176,25 +176,6 @@ class CountingCommHook:
     def reset(self) -> None:
         """Set every count back to zero."""
         self.calls = self.bytes = self.rounds = 0
-
-
-def _powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
-    """torch's ``powerSGD_hook``; on backends other than NCCL it returns once the bucket is reduced.
-
-    PowerSGD issues its second and third all-reduce from a future callback. On NCCL these are
-    ordered on the stream; on gloo the callbacks run on gloo's own threads whenever the previous
-    collective completes, so they can interleave differently on each rank with the next bucket's
-    all-reduce or with any other collective of the backward pass (SyncBatchNorm's), and gloo then
-    aborts on a collective mismatch. Waiting here keeps every rank's collectives in one order, at the
-    price of not overlapping this bucket's reduction with the rest of the backward pass. No type
-    annotations: DDP compares them with the real classes.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
-
-    future = powerSGD_hook(state, bucket)
-    if dist.get_backend(state.process_group) != "nccl":
-        future.wait()
-    return future
 
 
 @dataclass

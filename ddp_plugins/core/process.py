@@ -40,7 +40,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-
 __all__ = ["exit_process", "run_main", "save_atomic"]
 
 

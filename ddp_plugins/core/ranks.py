@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -99,8 +98,9 @@ class _RankFilter(logging.Filter):
         self.level, self.other_level = level, other_level
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = get_rank()
-        return record.levelno >= (self.level if record.rank == 0 else self.other_level)
+        rank = get_rank()
+        record.__dict__["rank"] = rank  # what `extra={"rank": ...}` would set: read as %(rank)s
+        return record.levelno >= (self.level if rank == 0 else self.other_level)
 
 
 def setup_rank_logging(
@@ -120,6 +120,7 @@ def setup_rank_logging(
 
     Example::
 
+        >>> import sys
         >>> logger = setup_rank_logging("example", fmt="%(levelname)s rank %(rank)s: %(message)s")
         >>> logger.handlers[0].stream = sys.stdout
         >>> logger.info("shown on rank 0 only")
@@ -137,5 +138,3 @@ def setup_rank_logging(
     if name is not None:
         logger.propagate = False  # one line per record, even when the root logger has handlers
     return logger
-
-

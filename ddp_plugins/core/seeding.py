@@ -185,7 +185,11 @@ def decode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
     if isinstance(numpy_state, dict):
         keys = numpy_state["keys"].numpy().astype(np.uint32)
         states["numpy"] = (
-            numpy_state["name"], keys, numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]
+            numpy_state["name"],
+            keys,
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
         )
     cuda_states = states.get("torch.cuda") or []
     if len(cuda_states) != (torch.cuda.device_count() if torch.cuda.is_available() else 0):

@@ -42,14 +42,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from ddp_plugins._compat import BatchNormBase as _BatchNorm
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool, check_int
 from ddp_plugins.core.sync_batchnorm_function import sync_batch_norm
 
@@ -108,6 +107,7 @@ class SyncBatchNorm(_BatchNorm):
 
     Example::
 
+        >>> import torch
         >>> layer = SyncBatchNorm(3)
         >>> layer(torch.randn(4, 3, 5)).shape  # no process group: plain batch norm
         torch.Size([4, 3, 5])
@@ -155,13 +155,43 @@ class SyncBatchNormReport:
         return text
 
 
+@overload
 def convert_sync_batchnorm(
     module: nn.Module,
     process_group: Any = None,
     *,
     group_size: int | None = None,
     skip_frozen: bool = True,
-    extra_classes: Sequence[type | str] | Mapping[type | str, str] = (),
+    extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
+    return_report: Literal[False] = False,
+) -> nn.Module: ...
+@overload
+def convert_sync_batchnorm(
+    module: nn.Module,
+    process_group: Any = None,
+    *,
+    group_size: int | None = None,
+    skip_frozen: bool = True,
+    extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
+    return_report: Literal[True],
+) -> tuple[nn.Module, SyncBatchNormReport]: ...
+@overload
+def convert_sync_batchnorm(
+    module: nn.Module,
+    process_group: Any = None,
+    *,
+    group_size: int | None = None,
+    skip_frozen: bool = True,
+    extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
+    return_report: bool = False,
+) -> nn.Module | tuple[nn.Module, SyncBatchNormReport]: ...
+def convert_sync_batchnorm(
+    module: nn.Module,
+    process_group: Any = None,
+    *,
+    group_size: int | None = None,
+    skip_frozen: bool = True,
+    extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
     return_report: bool = False,
 ) -> nn.Module | tuple[nn.Module, SyncBatchNormReport]:
     """Synchronize every batch-norm layer of ``module`` in place, keeping each layer's class.
@@ -266,10 +296,10 @@ def _declared_forward(self: Any, input: Tensor) -> Tensor:
     return sync_batch_norm(self, input)
 
 
-_SYNCED_CLASSES: dict[tuple[type, str | None], type] = {}
+_SYNCED_CLASSES: dict[tuple[type, str | None], type[nn.Module]] = {}
 
 
-def _synced_class(original: type, method: str | None) -> type:
+def _synced_class(original: type, method: str | None) -> type[nn.Module]:
     """The generated class of a converted layer, cached so every layer of a class shares it."""
     key = (original, method)
     if key not in _SYNCED_CLASSES:
@@ -287,7 +317,8 @@ def _synced_class(original: type, method: str | None) -> type:
             bases = (SyncBatchNorm, original)
         else:  # SyncBatchNorm lands right before _BatchNorm in the MRO
             bases = (original, SyncBatchNorm)
-        _SYNCED_CLASSES[key] = type(original)(name, bases, namespace)
+        metaclass: type = type(original)  # the metaclass of the original class (usually `type`)
+        _SYNCED_CLASSES[key] = metaclass(name, bases, namespace)
     return _SYNCED_CLASSES[key]
 
 
@@ -396,9 +427,7 @@ def check_group_divides(group_size: int | None, world_size: int) -> None:
 
 def _new_group_of_size(group_size: int) -> Any:
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"`group_size` needs an initialized process group, got group_size={group_size} without one."
-        )
+        raise ValueError(f"`group_size` needs an initialized process group, got group_size={group_size} without one.")
     world_size = dist.get_world_size()
     check_group_divides(group_size, world_size)
     if group_size == world_size:

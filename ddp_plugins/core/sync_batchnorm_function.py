@@ -15,7 +15,7 @@ kernels (``batch_norm_stats`` and friends are CUDA-only).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,10 @@ from ddp_plugins import _compat
 __all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
 
 
+@overload
+def _upcast(tensor: Tensor, dtype: torch.dtype) -> Tensor: ...
+@overload
+def _upcast(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None: ...
 def _upcast(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """``tensor`` in ``dtype`` when it is a lower-precision float (float16, bfloat16), else as it is."""
     if tensor is None or tensor.dtype not in (torch.float16, torch.bfloat16):
@@ -38,7 +42,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over a process group: one all_reduce forward, one backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         input: Tensor,
         weight: Tensor | None,
@@ -84,8 +88,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if local > 0:
             # float16/bfloat16: normalize in float32 (as the plain layer's CPU kernel does), output in the input's dtype
             output = F.batch_norm(
-                _upcast(input, stat_dtype), mean, var, _upcast(weight, stat_dtype), _upcast(bias, stat_dtype),
-                False, 0.0, eps,
+                _upcast(input, stat_dtype),
+                mean,
+                var,
+                _upcast(weight, stat_dtype),
+                _upcast(bias, stat_dtype),
+                False,
+                0.0,
+                eps,
             ).to(input.dtype)
         else:
             output = torch.empty_like(input)
@@ -152,9 +162,7 @@ def sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
         group = group if group is not None else dist.group.WORLD
         world_size = dist.get_world_size(group)
     if world_size == 1:  # eval mode, no process group or a group of one: plain batch norm
-        return F.batch_norm(
-            input, running_mean, running_var, layer.weight, layer.bias, bn_training, factor, layer.eps
-        )
+        return F.batch_norm(input, running_mean, running_var, layer.weight, layer.bias, bn_training, factor, layer.eps)
     if input.is_cuda and dist.get_backend(group) == "nccl":  # torch's native kernel is faster there
         return _compat.TorchSyncBatchNormFunction.apply(
             input, layer.weight, layer.bias, running_mean, running_var, layer.eps, factor, group, world_size

@@ -113,7 +113,9 @@ def spawn(
             if dead and out.empty():
                 raise RuntimeError(f"rank {dead[0][0]} died with exit code {dead[0][1]} before returning a result")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks within {timeout}s")
+                raise TimeoutError(
+                    f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks within {timeout}s"
+                )
             time.sleep(0.01)
     finally:
         for proc in procs:

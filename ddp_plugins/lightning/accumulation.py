@@ -27,6 +27,12 @@ from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError
 __all__ = ["AccumulationNoSync"]
 
 
+def _callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """``trainer.callbacks``: public, but set by Lightning's callback connector, so not declared on ``Trainer``."""
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    return callbacks
+
+
 class AccumulationNoSync(Callback):
     """Skip the gradient all-reduce on non-boundary micro-batches of gradient accumulation.
 
@@ -89,12 +95,12 @@ class AccumulationNoSync(Callback):
         Raises:
             ValueError: If ``trainer`` has no such callback.
         """
-        for callback in trainer.callbacks:
+        for callback in _callbacks(trainer):
             if isinstance(callback, cls):
                 return callback
         raise ValueError(
             f"`Trainer(callbacks=...)` has no `{cls.__name__}`, got"
-            f" {[type(c).__name__ for c in trainer.callbacks]}. Add `{cls.__name__}(accumulate_grad_batches=K)`."
+            f" {[type(c).__name__ for c in _callbacks(trainer)]}. Add `{cls.__name__}(accumulate_grad_batches=K)`."
         )
 
     def scheduling_for(self, epoch: int) -> int:
@@ -109,7 +115,7 @@ class AccumulationNoSync(Callback):
             ValueError: a ``GradientAccumulationScheduler`` or ``Trainer(accumulate_grad_batches)``
                 also sets K, or manual optimization runs on a parallel strategy that is not DDP.
         """
-        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+        if any(isinstance(c, GradientAccumulationScheduler) for c in _callbacks(trainer)):
             raise ValueError(
                 "`AccumulationNoSync` and `GradientAccumulationScheduler` both set the accumulation factor."
                 " Remove the `GradientAccumulationScheduler`;"
@@ -121,7 +127,10 @@ class AccumulationNoSync(Callback):
                 raise ArgumentValueError(
                     "accumulate_grad_batches",
                     "1 here when `Trainer(accumulate_grad_batches)` sets K (set it in one place)",
-                    problem=f"got {self._describe()} with Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})",
+                    problem=(
+                        f"got {self._describe()} with"
+                        f" Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})"
+                    ),
                 )
         elif isinstance(strategy, ParallelStrategy) and not isinstance(strategy, DDPStrategy):
             raise ValueError(

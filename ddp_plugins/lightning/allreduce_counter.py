@@ -26,6 +26,16 @@ from ddp_plugins.core.comm_hooks import CountingCommHook
 __all__ = ["AllReduceCounter"]
 
 
+def _minus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    """``a - b``, element by element (calls, bytes, rounds)."""
+    return (a[0] - b[0], a[1] - b[1], a[2] - b[2])
+
+
+def _plus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    """``a + b``, element by element."""
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
+
+
 class AllReduceCounter(Callback):
     """Count gradient all-reduce calls and bytes per optimizer step and log them.
 
@@ -126,13 +136,13 @@ class AllReduceCounter(Callback):
         if self.hook is None:
             return
         now = (self.hook.calls, self.hook.bytes, self.hook.rounds)
-        step = tuple(n - last for n, last in zip(now, self._last))
+        step = _minus(now, self._last)
         self._last = now
         self.optimizer_steps += 1
-        self.history.append(step)  # type: ignore[arg-type]
+        self.history.append(step)
         if self.log:
             totals = self._totals()
-            for name, value, total in zip(("calls", "bytes", "rounds"), step, totals):
+            for name, value, total in zip(("calls", "bytes", "rounds"), step, totals, strict=True):
                 pl_module.log(f"{self.prefix}/allreduce_{name}", float(value), on_step=True, on_epoch=False)
                 pl_module.log(f"{self.prefix}/allreduce_{name}_total", float(total), on_step=True, on_epoch=False)
 
@@ -151,9 +161,9 @@ class AllReduceCounter(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         live = (self.hook.calls, self.hook.bytes, self.hook.rounds) if self.hook is not None else (0, 0, 0)
         saved = (state_dict.get("calls", 0), state_dict.get("bytes", 0), state_dict.get("rounds", 0))
-        self._offset = tuple(s - n for s, n in zip(saved, live))  # type: ignore[assignment]
+        self._offset = _minus(saved, live)
         self.optimizer_steps = state_dict.get("optimizer_steps", 0)
 
     def _totals(self) -> tuple[int, int, int]:
         live = (self.hook.calls, self.hook.bytes, self.hook.rounds) if self.hook is not None else (0, 0, 0)
-        return tuple(n + o for n, o in zip(live, self._offset))  # type: ignore[return-value]
+        return _plus(live, self._offset)

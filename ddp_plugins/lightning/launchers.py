@@ -77,8 +77,9 @@ def _job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
     if not HydraConfig.initialized():
         return list(_compat.basic_subprocess_cmd()), None
 
-    import __main__
     from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
 
     hydra_cfg = HydraConfig.get()
     if __main__.__spec__ is None:
@@ -123,7 +124,9 @@ class _RankWatcher(threading.Thread):
             codes = [proc.poll() for proc in self.procs]
             if all(code == 0 for code in codes):
                 return
-            failed = [(rank, proc, code) for rank, (proc, code) in enumerate(zip(self.procs, codes), 1) if code]
+            failed = [
+                (rank, proc, code) for rank, (proc, code) in enumerate(zip(self.procs, codes, strict=True), 1) if code
+            ]
             if failed and not self._halt.is_set():
                 rank, proc, code = failed[0]
                 print(

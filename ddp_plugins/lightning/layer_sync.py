@@ -52,7 +52,7 @@ class SyncBatchNormPlugin(LayerSync):
         process_group: Any = None,
         group_size: int | None = None,
         skip_frozen: bool = True,
-        extra_classes: Sequence[type | str] | Mapping[type | str, str] = (),
+        extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
     ) -> None:
         check_sync_batchnorm_args(process_group, group_size, skip_frozen)
         self.process_group = process_group

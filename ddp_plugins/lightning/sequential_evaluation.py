@@ -136,7 +136,7 @@ class SequentialEvaluation(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        loops = {
+        loops: dict[str, list[tuple[str, Any]]] = {
             "fit": [("validate", trainer.fit_loop.epoch_loop.val_loop)],
             "validate": [("validate", trainer.validate_loop)],
             "test": [("test", trainer.test_loop)],

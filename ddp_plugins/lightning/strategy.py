@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,8 @@ from ddp_plugins.lightning.network import pin_gloo_to_loopback
 __all__ = ["BACKENDS", "DDPPluginsStrategy", "check_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+_START_METHODS: tuple[_StartMethod, ...] = ("popen", "spawn", "fork", "forkserver")
 # Messages of a collective that failed because a peer is gone (gloo, NCCL, the TCP store).
 _PEER_GONE = (
     "Connection closed by peer",
@@ -112,7 +113,9 @@ def check_backend(backend: Any, accelerator: str = "auto") -> None:
         cuda = torch.cuda.is_available()
         if not cuda or accelerator == "cpu":
             raise ArgumentValueError(
-                "backend", allowed, problem=f"got 'nccl' without CUDA GPUs (cuda available: {cuda}, accelerator: {accelerator!r})"
+                "backend",
+                allowed,
+                problem=f"got 'nccl' without CUDA GPUs (cuda available: {cuda}, accelerator: {accelerator!r})",
             )
         if not dist.is_nccl_available():
             raise ArgumentValueError("backend", allowed, problem="got 'nccl' with a torch built without NCCL")
@@ -120,7 +123,10 @@ def check_backend(backend: Any, accelerator: str = "auto") -> None:
         raise ArgumentValueError(
             "backend",
             allowed,
-            problem=f"got 'mpi' with a torch built without MPI ({torch.__version__}; torch.distributed.is_mpi_available() is False)",
+            problem=(
+                f"got 'mpi' with a torch built without MPI ({torch.__version__};"
+                " torch.distributed.is_mpi_available() is False)"
+            ),
             hint="Use backend=gloo, or build torch from source against your MPI.",
         )
 
@@ -147,7 +153,9 @@ def _check_world_size(environment: Any, num_processes: int, num_nodes: int) -> N
             "devices",
             f"devices x num_nodes = the world size the launcher started ({world_size})",
             problem=f"got devices={num_processes} x num_nodes={num_nodes} = {expected}",
-            hint="Match `Trainer(devices=..., num_nodes=...)` to torchrun's --nproc-per-node/--nnodes or Slurm's tasks.",
+            hint=(
+                "Match `Trainer(devices=..., num_nodes=...)` to torchrun's --nproc-per-node/--nnodes or Slurm's tasks."
+            ),
         )
 
 
@@ -218,7 +226,7 @@ class DDPPluginsStrategy(DDPStrategy):
                 comm_hook,
                 hint="Give one: a name in `comm_hook`, or a callable in `ddp_comm_hook`.",
             )
-        ddp_kwargs = {
+        ddp_kwargs: dict[str, Any] = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -228,7 +236,7 @@ class DDPPluginsStrategy(DDPStrategy):
         super().__init__(
             process_group_backend=None if backend == "auto" else backend,
             timeout=timedelta(seconds=timeout),
-            start_method=start_method,
+            start_method=cast(_StartMethod, start_method),  # checked against _START_METHODS above
             **ddp_kwargs,
             **kwargs,
         )

@@ -56,7 +56,7 @@ class SyncBatchNormCallback(Callback):
         self,
         group_size: int | None = None,
         skip_frozen: bool = True,
-        extra_classes: Sequence[type | str] | Mapping[type | str, str] = (),
+        extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
     ) -> None:
         self.plugin = SyncBatchNormPlugin(group_size=group_size, skip_frozen=skip_frozen, extra_classes=extra_classes)
         self._converted: nn.Module | None = None

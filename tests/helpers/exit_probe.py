@@ -3,7 +3,7 @@
 ``python -m tests.helpers.exit_probe {plain|clean} RANK WORLD_SIZE PORT``: three DDP training
 steps on a linear model. ``plain`` then calls ``destroy_process_group()`` and lets the interpreter
 finalize, as the usual scripts do (the gloo abort at exit can strike); ``clean`` leaves through
-:func:`ddp_plugins.distributed.run_main`, as every ddp_plugins entry point does.
+:func:`ddp_plugins.core.run_main`, as every ddp_plugins entry point does.
 """
 
 import os
@@ -24,7 +24,7 @@ def _work(rank: int, world_size: int, port: int) -> None:
 if __name__ == "__main__":
     mode, rank, world_size, port = sys.argv[1], *map(int, sys.argv[2:5])
     if mode == "clean":
-        from ddp_plugins.distributed import run_main
+        from ddp_plugins.core import run_main
 
         run_main(lambda: _work(rank, world_size, port))
     else:

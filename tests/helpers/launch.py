@@ -7,13 +7,11 @@ every child rank.
 """
 
 import importlib
-import os
 import pickle
 import sys
 from pathlib import Path
 
-
-from ddp_plugins.distributed import get_rank, run_main, save_atomic
+from ddp_plugins.core import get_rank, run_main, save_atomic
 
 
 def _main() -> None:
@@ -22,10 +20,8 @@ def _main() -> None:
     func = getattr(importlib.import_module(module_name), func_name)
     args = pickle.loads((out_dir / "args.pkl").read_bytes())
     result = func(str(out_dir), *args)
-    import torch.distributed as dist
-
-    rank = get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
-    save_atomic(result, out_dir / f"rank{rank}.pt")
+    # the process group's rank, or the launcher's LOCAL_RANK/NODE_RANK once the group is gone
+    save_atomic(result, out_dir / f"rank{get_rank()}.pt")
 
 
 if __name__ == "__main__":

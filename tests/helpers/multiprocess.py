@@ -1,6 +1,7 @@
 """Run test code on N gloo CPU processes on 127.0.0.1 with a hard timeout.
 
-Two tools:
+The loopback environment and free ports come from :mod:`ddp_plugins.core.toolkit`, the one
+toolkit the tests, benchmarks and notebooks share. Two tools on top of it:
 
 * :class:`DistributedPool` keeps ``world_size`` spawned workers with a live gloo process group
   and runs many small module-level ``_test_*`` functions on all of them (torchmetrics' pattern),
@@ -17,7 +18,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,24 +28,20 @@ from typing import Any
 
 import torch
 
+from ddp_plugins.core.toolkit import LOOPBACK_ENV, free_port
+from ddp_plugins.core.toolkit import loopback_env as _toolkit_loopback_env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LOOPBACK_ENV = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def loopback_env(**extra: str) -> dict[str, str]:
-    """The current environment pinned to loopback gloo, one thread per rank, repo importable."""
-    env = {**os.environ, **LOOPBACK_ENV, **extra}
+    """:func:`ddp_plugins.core.toolkit.loopback_env` of this environment, with the repo importable.
+
+    The checkout goes first on ``PYTHONPATH`` so child processes started from another folder (a
+    script in ``tmp_path``, a notebook kernel) import ``tests.*``.
+    """
+    env = _toolkit_loopback_env(**extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT"):
-        if key not in extra:
-            env.pop(key, None)
     return env
 
 

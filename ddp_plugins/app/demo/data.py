@@ -38,7 +38,9 @@ class _TensorDataModule(pl.LightningDataModule):
         self.train_set = TensorDataset(x[train], y[train])
         self.val_set = TensorDataset(x[val], y[val])
 
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: TensorDataset | None, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"Call `{type(self).__name__}.setup()` before asking for a dataloader.")
         return DataLoader(
             dataset,
             batch_size=self.batch_size,

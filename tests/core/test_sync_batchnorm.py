@@ -1,4 +1,7 @@
-"""SyncBatchNorm on CPU/gloo equals single-process BatchNorm on the global batch; conversion keeps classes."""
+"""SyncBatchNorm (core) on CPU/gloo equals single-process BatchNorm on the global batch; conversion keeps classes.
+
+The Lightning callback and plugin are tested in tests/lightning/test_sync_batchnorm.py.
+"""
 
 import copy
 import pickle
@@ -9,14 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_plugins.sync_batchnorm import (
-    SyncBatchNorm,
-    SyncBatchNormCallback,
-    SyncBatchNormPlugin,
-    convert_sync_batchnorm,
-    revert_sync_batchnorm,
-)
-from tests.helpers.multiprocess import run_lightning
+from ddp_plugins.core.comm_hooks import count_collectives
+from ddp_plugins.core.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 CHANNELS = 3
@@ -142,28 +139,6 @@ def _all_reduce_list(tensors):
         dist.all_reduce(t)
 
 
-def _count_collectives(target):
-    """Replace ``target``'s all_reduce/all_gather with counting wrappers; returns the counts and an undo."""
-    counts = {"all_reduce": 0, "all_gather": 0}
-    originals = {name: getattr(dist, name) for name in counts}
-
-    def wrap(name):
-        def counted(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return counted
-
-    for name in counts:
-        setattr(target, name, wrap(name))
-
-    def undo():
-        for name, fn in originals.items():
-            setattr(target, name, fn)
-
-    return counts, undo
-
-
 # --- distributed equivalence ---
 
 
@@ -171,12 +146,9 @@ def _test_train_steps(rank, world_size, kind, sizes, momentum, affine, track, st
     _, feature_shape, memory_format = SHAPES[kind]
     layer = convert_sync_batchnorm(_make_layer(kind, momentum, affine, track))
     data = [(x[_slice(sizes, rank)], g[_slice(sizes, rank)]) for x, g in _global_batch(sizes, feature_shape, steps)]
-    counts, undo = _count_collectives(dist)
-    try:
+    with count_collectives(("all_reduce", "all_gather")) as counts:
         record, buffers = _train(layer, data, memory_format, _all_reduce_list)
-    finally:
-        undo()
-    return record, buffers, counts
+    return record, buffers, {"all_reduce": counts.calls["all_reduce"], "all_gather": counts.calls["all_gather"]}
 
 
 CASES = [
@@ -229,17 +201,11 @@ def _test_eval_mode_communicates_nothing(rank, world_size):
     layer.running_var.fill_(2.0)
     layer.eval()
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a collective ran in eval mode")
-
-    original, dist.all_reduce = dist.all_reduce, forbidden
-    try:
-        x = torch.randn(2 + 3 * rank, CHANNELS, 4, 3)  # different sizes: a collective would fail
+    with count_collectives() as counts:
+        x = torch.randn(2 + 3 * rank, CHANNELS, 4, 3)  # different sizes on the two ranks
         y = layer(x).detach()
-    finally:
-        dist.all_reduce = original
     dist.barrier()  # keeps one call per rank in the pool
-    return x, y
+    return x, y, sum(counts.calls.values())
 
 
 def test_eval_mode_uses_running_stats_without_communication(dist_pool):
@@ -247,7 +213,8 @@ def test_eval_mode_uses_running_stats_without_communication(dist_pool):
     reference.running_mean.fill_(0.5)
     reference.running_var.fill_(2.0)
     reference.eval()
-    for x, y in dist_pool.run(_test_eval_mode_communicates_nothing):
+    for x, y, collectives in dist_pool.run(_test_eval_mode_communicates_nothing):
+        assert collectives == 0, f"{collectives} collective(s) ran in eval mode"
         torch.testing.assert_close(y, reference(x), **TOL)
 
 
@@ -297,7 +264,7 @@ def test_group_size_one_synchronizes_within_each_rank_only(dist_pool):
 
 def test_group_size_that_does_not_divide_the_world_fails_on_every_rank(dist_pool):
     for message in dist_pool.run(_test_group_size, 3):
-        assert message == "`group_size` should divide the world size 2, got 3.", message
+        assert message == "`group_size` should be a divisor of the world size 2, got 3.", message
 
 
 # --- conversion in one process ---
@@ -374,132 +341,16 @@ def test_converted_model_trains_and_its_state_dict_loads_into_the_original():
 def test_declared_class_without_statistics_is_a_clear_error():
     with pytest.raises(ValueError, match=r"declares NotANorm as batch norm, but layer '0' lacks what SyncBatchNorm"):
         convert_sync_batchnorm(nn.Sequential(NotANorm()), extra_classes=[NotANorm])
-    with pytest.raises(ValueError, match=r"names method 'normalise' of GainNorm, which it does not have"):
+    with pytest.raises(ValueError, match=r"`extra_classes` should be the name of a method of GainNorm .* got 'normalise'\."):
         convert_sync_batchnorm(nn.Sequential(GainNorm(2)), extra_classes={GainNorm: "normalise"})
-    with pytest.raises(ValueError, match=r"entry 'tests.nowhere.Norm' cannot be imported"):
-        SyncBatchNormCallback(extra_classes=["tests.nowhere.Norm"])
+    with pytest.raises(ValueError, match=r"`extra_classes` should be importable classes, got 'tests.nowhere.Norm', which"):
+        convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(2)), extra_classes=["tests.nowhere.Norm"])
 
 
 def test_bad_group_arguments_are_clear_errors():
-    with pytest.raises(ValueError, match=r"`group_size` should be a positive integer or None, got 0\."):
-        SyncBatchNormCallback(group_size=0)
+    with pytest.raises(ValueError, match=r"`group_size` should be an integer >= 1 or None, got 0\."):
+        convert_sync_batchnorm(nn.BatchNorm1d(2), group_size=0)
     with pytest.raises(ValueError, match=r"`group_size` needs an initialized process group"):
         convert_sync_batchnorm(nn.BatchNorm1d(2), group_size=2)
-    with pytest.raises(ValueError, match=r"`process_group` and `group_size` should not both be set"):
-        SyncBatchNormPlugin(process_group=object(), group_size=2)
-
-
-def test_callback_refuses_to_run_next_to_lightning_sync_batchnorm():
-    from lightning.pytorch import LightningModule, Trainer
-
-    trainer = Trainer(accelerator="cpu", devices=1, strategy="ddp", sync_batchnorm=True, logger=False)
-    with pytest.raises(ValueError, match=r"already synchronizing layers with TorchSyncBatchNorm"):
-        SyncBatchNormCallback().setup(trainer, LightningModule(), "fit")
-
-
-def test_hydra_config_instantiates_the_callback():
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    from tests.helpers.multiprocess import REPO_ROOT
-
-    config = OmegaConf.load(REPO_ROOT / "conf" / "callbacks" / "sync_batchnorm.yaml")
-    callback = instantiate(config)
-    assert isinstance(callback, SyncBatchNormCallback)
-    assert callback.plugin.group_size is None and callback.plugin.skip_frozen is True
-    declared = instantiate(config, extra_classes={"tests.test_sync_batchnorm.GainNorm": "normalize"})
-    assert declared.plugin.extra_classes == {GainNorm: "normalize"}
-
-
-# --- Lightning on 2 CPU processes ---
-
-
-def _lightning_data():
-    gen = torch.Generator().manual_seed(7)
-    return torch.randn(16, 2, 4, 4, generator=gen), torch.randn(16, generator=gen)
-
-
-def _lightning_net():
-    torch.manual_seed(11)
-    return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1), BNAct(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 1),
-    )  # fmt: skip
-
-
-def _fit_on_two_cpus(out_dir):
-    import os
-
-    from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Regressor(LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _lightning_net()
-            self.classes_seen, self.indices = None, []
-
-        def on_train_batch_start(self, batch, batch_idx):
-            self.classes_seen = self.classes_seen or [type(m).__name__ for m in self.net]
-
-        def training_step(self, batch, batch_idx):
-            x, y, index = batch
-            self.indices.append(index)  # the sampler shuffles: the reference replays these batches
-            return F.mse_loss(self.net(x).squeeze(1), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    loader = DataLoader(TensorDataset(*_lightning_data(), torch.arange(16)), batch_size=4)
-    common = dict(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, enable_progress_bar=False,
-                  logger=False, enable_model_summary=False)  # fmt: skip
-
-    # 1. Lightning's own flag on CPU
-    try:
-        Trainer(sync_batchnorm=True, enable_checkpointing=False, **common).fit(Regressor(), loader)
-        plain_error = None
-    except Exception as err:  # noqa: BLE001 - the failure is what this run records
-        plain_error = f"{type(err).__name__}: {err}"
-
-    # 2. the callback, with a checkpoint written while the model is converted
-    callback, model = SyncBatchNormCallback(), Regressor()
-    checkpoint = ModelCheckpoint(dirpath=out_dir, filename="last")
-    Trainer(callbacks=[callback, checkpoint], **common).fit(model, loader)
-    restored = _lightning_net()
-    state = torch.load(os.path.join(out_dir, "last.ckpt"), weights_only=True)["state_dict"]
-    restored.load_state_dict({k.removeprefix("net."): v for k, v in state.items()}, strict=True)
-    return {
-        "plain_error": plain_error,
-        "indices": model.indices,
-        "classes_during_fit": model.classes_seen,
-        "classes_after_fit": [type(m).__name__ for m in model.net],
-        "report": str(callback.report),
-        "state": {k: v.clone() for k, v in model.net.state_dict().items()},
-        "checkpoint_state": restored.state_dict(),
-    }
-
-
-@pytest.mark.slow
-def test_lightning_fit_on_cpu_with_the_callback_equals_one_process():
-    results = run_lightning(_fit_on_two_cpus, world_size=2, timeout=240)
-    # the single-process reference: the same 2 steps on global batches of 8 (both ranks' samples together)
-    net = _lightning_net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    x, y = _lightning_data()
-    assert [len(r["indices"]) for r in results] == [2, 2]
-    for step in range(2):
-        rows = torch.cat([r["indices"][step] for r in results])
-        assert sorted(rows.tolist()) == sorted(set(rows.tolist())), "ranks should see disjoint samples"
-        optimizer.zero_grad()
-        F.mse_loss(net(x[rows]).squeeze(1), y[rows]).backward()
-        optimizer.step()
-    for rank, result in enumerate(results):
-        assert result["plain_error"] is not None, "Trainer(sync_batchnorm=True) was expected to fail on CPU"
-        assert "GPU" in result["plain_error"], result["plain_error"]
-        assert result["classes_during_fit"][1:4] == ["SyncBNAct", "Conv2d", "SyncBatchNorm2d"]
-        assert result["classes_after_fit"][1:4] == ["BNAct", "Conv2d", "BatchNorm2d"], "not reverted after fit"
-        assert result["report"] == "SyncBatchNorm: converted 2 layer(s)"
-        for key, want in net.state_dict().items():
-            torch.testing.assert_close(result["state"][key], want, **TOL, msg=f"{key} on rank {rank}")
-            torch.testing.assert_close(result["checkpoint_state"][key], want, **TOL, msg=f"checkpoint {key}")
+    with pytest.raises(ValueError, match=r"`group_size` should be None when `process_group` is given, got 2\."):
+        convert_sync_batchnorm(nn.BatchNorm1d(2), process_group=object(), group_size=2)

@@ -1,4 +1,4 @@
-"""Accumulation-aware no_sync and the all-reduce counter, against single-process references."""
+"""Accumulation-aware no_sync and the all-reduce counter (Lightning adapters), against single-process references."""
 
 import lightning.pytorch as pl
 import pytest
@@ -6,18 +6,14 @@ import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-    allreduce_hook,
-    fp16_compress_hook,
-    fp16_compress_wrapper,
-)
 from torch.func import functional_call
 from torch.nn.functional import binary_cross_entropy_with_logits as bce
 from torch.nn.functional import mse_loss
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ddp_plugins.accumulation import AccumulationNoSync, AllReduceCounter, CountingCommHook
+from ddp_plugins.lightning.accumulation import AccumulationNoSync
+from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
+from tests.core.test_comm_hooks import _user_hook
 from tests.helpers.multiprocess import run_lightning
 
 BATCH = 4  # per rank
@@ -233,13 +229,11 @@ def test_schedule_follows_gradient_accumulation_scheduler_rule():
     assert AccumulationNoSync(3).scheduling == {0: 3}
 
 
-def test_counter_and_hook_check_their_arguments():
+def test_counter_checks_its_arguments():
     with pytest.raises(TypeError, match="`log` should be True or False, got 'yes'"):
         AllReduceCounter(log="yes")
     with pytest.raises(TypeError, match="`prefix` should be a non-empty str, got ''"):
         AllReduceCounter(prefix="")
-    with pytest.raises(TypeError, match="`hook` should be a DDP communication hook"):
-        CountingCommHook(hook=3)
 
 
 # ---------------------------------------------------------------- single-process Trainer: boundaries and clashes
@@ -302,78 +296,6 @@ def test_of_without_the_callback_names_what_to_add():
     expected = r"has no `AccumulationNoSync`.*Add `AccumulationNoSync\(accumulate_grad_batches=K\)`"
     with pytest.raises(ValueError, match=expected):
         AccumulationNoSync.of(trainer)
-
-
-# ---------------------------------------------------------------- CountingCommHook on raw DDP (fast pool)
-
-
-def _user_hook(state, bucket):
-    """A user's own hook: records that it ran, then does the default all-reduce."""
-    _user_hook.seen += 1
-    return allreduce_hook(state, bucket)
-
-
-_user_hook.seen = 0
-
-
-def _test_counting_hook(rank, world_size, which):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    numel = sum(p.numel() for p in net.parameters())
-    ddp = DistributedDataParallel(net)
-    _user_hook.seen = 0
-    if which == "default":
-        counter = CountingCommHook()
-        ddp.register_comm_hook(None, counter)
-    elif which == "user":
-        counter = CountingCommHook(_user_hook)
-        ddp.register_comm_hook(None, counter)
-    elif which == "fp16":
-        counter = CountingCommHook(fp16_compress_hook)
-        ddp.register_comm_hook(None, counter)
-    else:  # a wrapper around the counter, as Lightning's `ddp_comm_wrapper` composes hooks
-        counter = CountingCommHook()
-        ddp.register_comm_hook(None, fp16_compress_wrapper(counter))
-    torch.manual_seed(10 + rank)
-    x = torch.randn(4, 8)
-    with ddp.no_sync():
-        ddp(x).sum().backward()  # accumulated locally, nothing sent
-    after_no_sync = counter.calls
-    for _ in range(3):
-        ddp(x).sum().backward()
-    return after_no_sync, counter.calls, counter.bytes, counter.rounds, _user_hook.seen, numel, [
-        p.grad.clone() for p in net.parameters()
-    ]
-
-
-def test_counting_hook_counts_calls_and_bytes_and_keeps_the_default_math(dist_pool):
-    results = dist_pool.run(_test_counting_hook, "default")
-    # one process: both ranks' inputs, summed losses / world size, four backward passes (1 no_sync + 3)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    for rank in range(WORLD):
-        torch.manual_seed(10 + rank)
-        x = torch.randn(4, 8)
-        (net(x).sum() * 4 / WORLD).backward()
-    for after_no_sync, calls, nbytes, rounds, _, numel, grads in results:
-        assert after_no_sync == 0, "no_sync step sent something"
-        assert (calls, rounds) == (3, 3), "one bucket per synchronized backward"
-        assert nbytes == 3 * numel * 4, "fp32 bucket bytes"
-        for g, e in zip(grads, [p.grad for p in net.parameters()]):
-            torch.testing.assert_close(g, e)
-
-
-@pytest.mark.parametrize("which", ["user", "fp16", "fp16_wrapper"])
-def test_counting_hook_composes_with_user_hooks_and_counts_compressed_bytes(dist_pool, which):
-    results = dist_pool.run(_test_counting_hook, which)
-    for after_no_sync, calls, nbytes, rounds, user_seen, numel, _ in results:
-        assert (after_no_sync, calls, rounds) == (0, 3, 3)
-        if which == "user":
-            assert user_seen == 3, "the user's hook did not run on every synchronized backward"
-            assert nbytes == 3 * numel * 4
-        else:
-            assert nbytes == 3 * numel * 2, "fp16 compression should halve the bytes on the wire"
-    torch.testing.assert_close(results[0][-1], results[1][-1], msg="ranks disagree after sync")
 
 
 # ---------------------------------------------------------------- Trainer-level runs on 2 ranks

@@ -1,13 +1,12 @@
-"""Rank helpers and the clean process exit that avoids the gloo abort at interpreter exit."""
+"""The clean process exit (``run_main`` / ``exit_process``) that avoids the gloo abort at interpreter exit."""
 
 import subprocess
 import sys
 
 import pytest
-import torch.distributed as dist
 
-from ddp_plugins.distributed import get_rank, get_world_size, rank_zero_first
-from tests.helpers.multiprocess import free_port, loopback_env
+from ddp_plugins.core.toolkit import free_port
+from tests.helpers.multiprocess import loopback_env
 
 ROUNDS_PLAIN_MAX = 60
 ROUNDS_CLEAN = 30
@@ -61,7 +60,7 @@ def test_plain_exit_aborts_sometimes_and_run_main_never_does():
 
 def test_run_main_keeps_exit_codes_and_flushes_output():
     code = (
-        "import sys; from ddp_plugins.distributed import run_main\n"
+        "import sys; from ddp_plugins.core import run_main\n"
         "def main():\n"
         "    print('flushed', end='')\n"
         "    sys.exit(int(sys.argv[1]))\n"
@@ -71,40 +70,14 @@ def test_run_main_keeps_exit_codes_and_flushes_output():
         result = subprocess.run([sys.executable, "-c", code, str(wanted)], capture_output=True, text=True, timeout=60)
         assert result.returncode == wanted
         assert result.stdout == "flushed", "stdout lost by the hard exit"
-    raising = "from ddp_plugins.distributed import run_main\ndef main():\n    raise RuntimeError('boom')\nrun_main(main)\n"
+    raising = "from ddp_plugins.core import run_main\ndef main():\n    raise RuntimeError('boom')\nrun_main(main)\n"
     result = subprocess.run([sys.executable, "-c", raising], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "RuntimeError: boom" in result.stderr
     atexit_code = (
-        "import atexit; from ddp_plugins.distributed import run_main\n"
+        "import atexit; from ddp_plugins.core import run_main\n"
         "atexit.register(lambda: print('atexit ran'))\n"
         "run_main(lambda: None)\n"
     )
     result = subprocess.run([sys.executable, "-c", atexit_code], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout.strip()) == (0, "atexit ran")
-
-
-def _test_rank_zero_first_orders_ranks(rank, world_size, path):
-    import time
-    from pathlib import Path
-
-    marker = Path(path)
-    with rank_zero_first(timeout=30):
-        if rank == 0:
-            time.sleep(0.5)
-            marker.write_text("prepared")
-        seen = marker.exists()
-    return get_rank(), get_world_size(), seen
-
-
-def test_rank_zero_first_lets_rank_zero_finish_first(dist_pool, tmp_path):
-    results = dist_pool.run(_test_rank_zero_first_orders_ranks, str(tmp_path / "marker"))
-    assert results == [(0, 2, True), (1, 2, True)], "rank 1 entered before rank 0 had prepared"
-
-
-def test_single_process_helpers():
-    assert not dist.is_initialized()
-    assert (get_rank(), get_world_size()) == (0, 1)
-    with rank_zero_first():
-        ran = True
-    assert ran

@@ -23,83 +23,6 @@ from ddp_plugins import AllReduceCounter, SyncBatchNorm, SyncBatchNormPlugin, se
 from ddp_plugins.strategy import DDPPluginsStrategy, apply_network_env, build_comm_hook
 from tests.helpers.multiprocess import free_port, loopback_env, run_command, run_lightning
 
-# ---------------------------------------------------------------- communication hooks on 2 gloo ranks
-
-STEPS = 4
-PER_RANK = 8
-
-
-def _data(world_size):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(STEPS, world_size * PER_RANK, 32, generator=g)
-    y = torch.randn(STEPS, world_size * PER_RANK, 8, generator=g)
-    return x, y
-
-
-def _net():
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
-
-
-def _train(model, x, y, lo, hi):
-    """SGD steps on rows [lo, hi) of each step's global batch; grads and losses of every step."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    grads, losses = [], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x[step, lo:hi]), y[step, lo:hi])
-        loss.backward()
-        grads.append([p.grad.detach().clone() for p in model.parameters()])
-        losses.append(loss.item())
-        opt.step()
-    return grads, losses
-
-
-def _test_hook_trains(rank, world_size, name):
-    x, y = _data(world_size)
-    model = DistributedDataParallel(_net())
-    state, hook = build_comm_hook(name, powersgd_rank=1, powersgd_start_iter=2)
-    if hook is not None:
-        model.register_comm_hook(state, hook)
-    return _train(model, x, y, rank * PER_RANK, (rank + 1) * PER_RANK)
-
-
-@pytest.mark.parametrize("name", ["none", "fp16"])
-def test_allreduce_and_fp16_hooks_equal_single_process_gradients(dist_pool, name):
-    results = dist_pool.run(_test_hook_trains, name)
-    x, y = _data(2)
-    ref_grads, _ = _train(_net(), x, y, 0, 2 * PER_RANK)  # one process, the global batch
-    tol = {"none": {"rtol": 1e-5, "atol": 1e-6}, "fp16": {"rtol": 2e-3, "atol": 2e-4}}[name]
-    for rank, (grads, _) in enumerate(results):
-        for step, (got, ref) in enumerate(zip(grads, ref_grads)):
-            for g, r in zip(got, ref):
-                torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{name}, rank {rank}, step {step}: {m}")
-    if name == "fp16":  # the compression is real: not bit-identical to the exact all-reduce
-        assert any(not torch.equal(g, r) for g, r in zip(results[0][0][-1], ref_grads[-1]))
-
-
-def test_powersgd_is_exact_before_its_start_iteration_then_a_rank_one_projection(dist_pool):
-    results = dist_pool.run(_test_hook_trains, "powersgd")
-    x, y = _data(2)
-    ref_grads, _ = _train(_net(), x, y, 0, 2 * PER_RANK)
-    (grads0, losses0), (grads1, _) = results
-    for step in range(STEPS):
-        for g0, g1 in zip(grads0[step], grads1[step]):
-            torch.testing.assert_close(g0, g1, rtol=0, atol=0, msg="replicas got different gradients")
-    for step in (0, 1):  # plain all-reduce before start_powerSGD_iter=2
-        for g, r in zip(grads0[step], ref_grads[step]):
-            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
-    # step 2: same parameters as the reference; the 32x32 weight is compressed to P P^T M, a rank-1
-    # orthogonal projection of the single-process gradient M; 1-D biases go uncompressed
-    weight, ref_weight = grads0[2][0], ref_grads[2][0]
-    assert torch.linalg.matrix_rank(weight, rtol=1e-4).item() == 1, "PowerSGD rank-1 gradient expected"
-    torch.testing.assert_close((weight * ref_weight).sum(), (weight * weight).sum(), rtol=1e-4, atol=1e-7)
-    torch.testing.assert_close(grads0[2][1], ref_grads[2][1], rtol=1e-5, atol=1e-6)
-    # later steps (with error feedback) stay rank-1 and finite
-    assert all(torch.linalg.matrix_rank(grads0[step][0], rtol=1e-4).item() == 1 for step in range(2, STEPS))
-    assert all(torch.isfinite(torch.tensor(losses0)))
-
-
 # ---------------------------------------------------------------- arguments, registry, SyncBN
 
 
@@ -251,39 +174,6 @@ def test_network_preset_sets_exactly_its_variables_and_keeps_the_users(preset, m
         if key != user_key:
             monkeypatch.delenv(key)
     assert apply_network_env(env)[user_key] == "user-value" and os.environ[user_key] == "user-value"
-
-
-def test_rank_logging_info_on_rank_zero_warning_elsewhere(monkeypatch):
-    stream = io.StringIO()
-    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    logger = setup_rank_logging("ddp_plugins.test_rank_logging")
-    logger.handlers[0].stream = stream
-    logger.info("info on zero")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    logger.info("info on one")
-    logger.warning("warning on one")
-    assert stream.getvalue().splitlines() == [
-        "[rank 0] INFO ddp_plugins.test_rank_logging: info on zero",
-        "[rank 1] WARNING ddp_plugins.test_rank_logging: warning on one",
-    ]
-    assert len(setup_rank_logging("ddp_plugins.test_rank_logging").handlers) == 1, "a second call adds a handler"
-
-
-def _test_rank_logging_follows_the_process_group(rank, world_size):
-    stream = io.StringIO()
-    logger = setup_rank_logging("ddp_plugins.test_pool_logging")
-    logger.handlers[0].stream = stream
-    logger.info("effective network env")
-    logger.warning("careful")
-    return stream.getvalue().splitlines()
-
-
-def test_rank_logging_uses_the_process_group_rank(dist_pool):
-    rank0, rank1 = dist_pool.run(_test_rank_logging_follows_the_process_group)
-    assert rank0 == ["[rank 0] INFO ddp_plugins.test_pool_logging: effective network env",
-                     "[rank 0] WARNING ddp_plugins.test_pool_logging: careful"]
-    assert rank1 == ["[rank 1] WARNING ddp_plugins.test_pool_logging: careful"]
 
 
 def test_rendezvous_store_listens_on_every_interface_as_documented():

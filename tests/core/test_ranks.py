@@ -1,0 +1,89 @@
+"""Rank helpers: the rank and world size with and without a process group, rank-zero-first, rank logging."""
+
+import io
+
+import pytest
+import torch.distributed as dist
+
+from ddp_plugins.core.ranks import get_rank, get_world_size, rank_zero_first, setup_rank_logging
+
+_RANK_KEYS = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def _test_rank_zero_first_orders_ranks(rank, world_size, path):
+    import time
+    from pathlib import Path
+
+    marker = Path(path)
+    with rank_zero_first(timeout=30):
+        if rank == 0:
+            time.sleep(0.5)
+            marker.write_text("prepared")
+        seen = marker.exists()
+    return get_rank(), get_world_size(), seen
+
+
+def test_rank_zero_first_lets_rank_zero_finish_first(dist_pool, tmp_path):
+    results = dist_pool.run(_test_rank_zero_first_orders_ranks, str(tmp_path / "marker"))
+    assert results == [(0, 2, True), (1, 2, True)], "rank 1 entered before rank 0 had prepared"
+
+
+def test_single_process_helpers():
+    assert not dist.is_initialized()
+    assert (get_rank(), get_world_size()) == (0, 1)
+    with rank_zero_first():
+        ran = True
+    assert ran
+
+
+@pytest.mark.parametrize(
+    ("env", "rank"),
+    [
+        ({}, 0),
+        ({"RANK": "3"}, 3),
+        ({"SLURM_PROCID": "5"}, 5),
+        ({"LOCAL_RANK": "1"}, 1),
+        ({"LOCAL_RANK": "1", "NODE_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 9),
+        ({"RANK": "2", "LOCAL_RANK": "1"}, 2),
+    ],
+)
+def test_rank_without_a_process_group_comes_from_the_launcher_environment(monkeypatch, env, rank):
+    for key in _RANK_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert not dist.is_initialized()
+    assert get_rank() == rank
+
+
+def test_rank_logging_info_on_rank_zero_warning_elsewhere(monkeypatch):
+    stream = io.StringIO()
+    for key in _RANK_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    logger = setup_rank_logging("ddp_plugins.test_rank_logging")
+    logger.handlers[0].stream = stream
+    logger.info("info on zero")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    logger.info("info on one")
+    logger.warning("warning on one")
+    assert stream.getvalue().splitlines() == [
+        "[rank 0] INFO ddp_plugins.test_rank_logging: info on zero",
+        "[rank 1] WARNING ddp_plugins.test_rank_logging: warning on one",
+    ]
+    assert len(setup_rank_logging("ddp_plugins.test_rank_logging").handlers) == 1, "a second call adds a handler"
+
+
+def _test_rank_logging_follows_the_process_group(rank, world_size):
+    stream = io.StringIO()
+    logger = setup_rank_logging("ddp_plugins.test_pool_logging")
+    logger.handlers[0].stream = stream
+    logger.info("effective network env")
+    logger.warning("careful")
+    return stream.getvalue().splitlines()
+
+
+def test_rank_logging_uses_the_process_group_rank(dist_pool):
+    rank0, rank1 = dist_pool.run(_test_rank_logging_follows_the_process_group)
+    assert rank0 == ["[rank 0] INFO ddp_plugins.test_pool_logging: effective network env",
+                     "[rank 0] WARNING ddp_plugins.test_pool_logging: careful"]
+    assert rank1 == ["[rank 1] WARNING ddp_plugins.test_pool_logging: careful"]

@@ -1,0 +1,36 @@
+"""docs/API.md lists every public name with an example, and its examples run."""
+
+import doctest
+import re
+
+import ddp_plugins
+import ddp_plugins.core
+import ddp_plugins.lightning
+from tests.helpers.multiprocess import REPO_ROOT
+
+API = REPO_ROOT / "docs" / "API.md"
+
+
+def _sections() -> dict[str, str]:
+    parts = re.split(r"^### `(\w+)`$", API.read_text(), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_every_public_name_has_a_section_with_an_example():
+    sections = _sections()
+    public = set(ddp_plugins.__all__) | set(ddp_plugins.core.__all__) | set(ddp_plugins.lightning.__all__)
+    missing = sorted(public - set(sections))
+    assert missing == [], f"public names missing from docs/API.md: {missing}"
+    without_example = sorted(name for name in public if ">>> " not in sections[name])
+    assert without_example == [], f"docs/API.md sections without an example: {without_example}"
+    stale = sorted(set(sections) - public)
+    assert stale == [], f"docs/API.md documents names that are not public: {stale}"
+
+
+def test_the_examples_run():
+    failures, tried = doctest.testfile(str(API), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert tried > 40 and failures == 0, f"{failures} of {tried} examples in docs/API.md failed"
+
+
+def test_the_readme_links_the_api_reference():
+    assert "docs/API.md" in (REPO_ROOT / "README.md").read_text()
