@@ -1,0 +1,34 @@
+"""DDPPluginsStrategy takes what Lightning's DDPStrategy takes, with the same meaning."""
+
+from datetime import timedelta
+
+import pytest
+
+from ddp_plugins.lightning import DDPPluginsStrategy
+
+
+def test_process_group_backend_is_a_synonym_of_backend():
+    assert DDPPluginsStrategy(process_group_backend="gloo").process_group_backend == "gloo"
+    assert DDPPluginsStrategy(backend="gloo", process_group_backend="gloo").process_group_backend == "gloo"
+    with pytest.raises(ValueError, match=r"`process_group_backend` should be the same as `backend` \('gloo'\)"):
+        DDPPluginsStrategy(backend="gloo", process_group_backend="nccl")
+
+
+def test_timeout_in_seconds_or_as_a_timedelta():
+    assert DDPPluginsStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(seconds=120)
+    assert DDPPluginsStrategy(timeout=90)._timeout == timedelta(seconds=90)
+    with pytest.raises(ValueError, match="`timeout` should be a positive finite number of seconds"):
+        DDPPluginsStrategy(timeout=timedelta(seconds=-1))
+    with pytest.raises(TypeError, match="`timeout` should be"):
+        DDPPluginsStrategy(timeout="soon")
+
+
+def test_more_ranks_than_devices_under_torchrun_is_a_clear_error(monkeypatch):
+    from lightning.pytorch import Trainer
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
+    for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "4",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"`devices` should be devices x num_nodes = the world size the launcher started \(4\)"):
+        Trainer(accelerator="cpu", devices=2, strategy=DDPPluginsStrategy(backend="gloo"), logger=False)
