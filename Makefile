@@ -33,4 +33,4 @@ bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache

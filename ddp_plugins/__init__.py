@@ -48,6 +48,16 @@ From the command line to the DDP call
    ``core.comm_hooks.build_comm_hook("fp16")``; the callbacks (``conf/callbacks/``) convert
    SyncBN, skip all-reduces in accumulation, count them, gather exact metrics, seed per rank.
 4. Every process leaves through ``core.process.exit_process`` (no gloo abort at exit).
+
+Example::
+
+    >>> import ddp_plugins
+    >>> ddp_plugins.__version__
+    '0.2.0'
+    >>> ddp_plugins.get_world_size()  # no process group: a single process
+    1
+    >>> ddp_plugins.SyncBatchNormCallback.__module__  # an adapter, loaded on first access
+    'ddp_plugins.lightning.sync_batchnorm'
 """
 
 from __future__ import annotations

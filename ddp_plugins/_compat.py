@@ -30,6 +30,12 @@ Lightning (imported when first used):
   the strategy, which AllReduceCounter wraps before DDP registers it.
 * Overridden private methods of ``DDPStrategy``: ``_configure_launcher``, ``_register_ddp_hooks``,
   ``_get_process_group_backend`` and the ``_layer_sync`` attribute (``sync_batchnorm=True``).
+
+Example::
+
+    >>> import functools, importlib
+    >>> all(functools.reduce(getattr, path.split("."), importlib.import_module(module)) for module, path in CHECKED)
+    True
 """
 
 from __future__ import annotations
@@ -103,7 +109,16 @@ def set_num_threads_if_needed(num_processes: int) -> None:
 
 
 def update_dataloader(dataloader: Any, sampler: Any) -> Any:
-    """``dataloader`` rebuilt with ``sampler`` (every other argument kept), as Lightning does it."""
+    """``dataloader`` rebuilt with ``sampler`` (every other argument kept), as Lightning does it.
+
+    Example::
+
+        >>> from torch.utils.data import DataLoader, SequentialSampler
+        >>> data = list(range(10))
+        >>> loader = update_dataloader(DataLoader(data, batch_size=4), SequentialSampler(data[:6]))
+        >>> loader.batch_size, [batch.tolist() for batch in loader]
+        (4, [[0, 1, 2, 3], [4, 5]])
+    """
     from lightning.pytorch.utilities.data import _update_dataloader
 
     return _update_dataloader(dataloader, sampler)
@@ -115,7 +130,14 @@ def loop_data_source(loop: Any) -> Any:
 
 
 def combined_loader_mode(combined: Any) -> str:
-    """The mode of a ``CombinedLoader`` ("sequential", "max_size_cycle", ...)."""
+    """The mode of a ``CombinedLoader`` ("sequential", "max_size_cycle", ...).
+
+    Example::
+
+        >>> from lightning.pytorch.utilities import CombinedLoader
+        >>> combined_loader_mode(CombinedLoader([[1, 2], [3]], mode="sequential"))
+        'sequential'
+    """
     return str(combined._mode)
 
 

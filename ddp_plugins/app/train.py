@@ -37,7 +37,17 @@ log = logging.getLogger("ddp_plugins.train")  # not __name__: "__main__" under p
 
 
 def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: list[Any] | None = None) -> Any:
-    """The Lightning ``Trainer`` a config describes, writing logs and checkpoints to ``output_dir``."""
+    """The Lightning ``Trainer`` a config describes, writing logs and checkpoints to ``output_dir``.
+
+    Example::
+
+        >>> import tempfile
+        >>> from ddp_plugins.app.checks import compose_config
+        >>> cfg = compose_config(["trainer.accelerator=cpu", "trainer.devices=1", "trainer.max_epochs=2"])
+        >>> trainer = build_trainer(cfg, tempfile.mkdtemp())
+        >>> trainer.max_epochs, type(trainer.strategy).__name__, trainer.logger.name
+        (2, 'DDPPluginsStrategy', 'metrics')
+    """
     import lightning.pytorch as pl
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint

@@ -191,8 +191,19 @@ _originals: dict[str, Callable[..., Any]] = {}
 _lock = threading.Lock()
 
 
-def _tensor_bytes(args: tuple, kwargs: dict) -> int:
-    """Bytes of the tensor a collective sends: the first tensor argument (or list of tensors)."""
+# Collectives whose first argument is the output: what they send is their second argument.
+_SENT_ARGUMENT = {
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "reduce_scatter": (1, "input_list"),
+}
+
+
+def _tensor_bytes(args: tuple, kwargs: dict, name: str = "") -> int:
+    """Bytes of the tensor a collective sends: its input (the first tensor argument, or list of tensors)."""
+    if name in _SENT_ARGUMENT:
+        index, key = _SENT_ARGUMENT[name]
+        args, kwargs = ((args[index],) if len(args) > index else ()), {key: kwargs[key]} if key in kwargs else {}
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value.numel() * value.element_size()
@@ -209,7 +220,7 @@ def _counting(name: str) -> Callable[..., Any]:
         for counts, names, only_thread in list(_active):
             if name in names and only_thread in (None, thread):
                 counts.calls[name] += 1
-                counts.bytes[name] += _tensor_bytes(args, kwargs)
+                counts.bytes[name] += _tensor_bytes(args, kwargs, name)
         return original(*args, **kwargs)
 
     return counting

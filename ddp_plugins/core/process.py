@@ -48,6 +48,15 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
 
     Writes to a temporary name in the same folder, flushes it to disk, then renames it over
     ``path`` (atomic on POSIX); on failure the temporary file is removed and ``path`` is untouched.
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> path = save_atomic({"step": 3}, Path(tempfile.mkdtemp()) / "state.pt")
+        >>> torch.load(path)
+        {'step': 3}
+        >>> [p.name for p in path.parent.iterdir()]  # no temporary file left behind
+        ['state.pt']
     """
     import torch
 
@@ -91,6 +100,13 @@ def run_main(main: Callable[[], Any]) -> NoReturn:
 
     ``SystemExit`` keeps its code (a message goes to stderr with code 1, as Python does), an
     uncaught exception prints its traceback and exits 1, ``KeyboardInterrupt`` exits 130.
+
+    Example::
+
+        >>> import subprocess
+        >>> script = "from ddp_plugins.core.process import run_main; run_main(lambda: exit(3))"
+        >>> subprocess.run([sys.executable, "-c", script]).returncode
+        3
     """
     code = 0
     try:

@@ -142,7 +142,18 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
 
 def sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
-    """``_BatchNorm.forward`` with the statistics of the whole process group while training."""
+    """``_BatchNorm.forward`` with the statistics of the whole process group while training.
+
+    Example::
+
+        >>> from torch import nn
+        >>> x = torch.randn(8, 3, 5)
+        >>> layer, plain = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+        >>> torch.allclose(sync_batch_norm(layer, x), plain(x))  # no process group: plain batch norm
+        True
+        >>> torch.allclose(layer.running_mean, plain.running_mean), int(layer.num_batches_tracked)
+        (True, 1)
+    """
     if input.dim() < 2:
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
     if input.size(1) == 0:

@@ -3,6 +3,13 @@
 Each wires one concept of :mod:`ddp_plugins.core` into a ``Trainer``. Importing this package
 registers the strategy names ``ddp_plugins``, ``ddp_plugins_spawn`` and ``ddp_plugins_notebook``
 in Lightning's ``StrategyRegistry``.
+
+Example::
+
+    >>> import ddp_plugins.lightning
+    >>> from lightning.pytorch.strategies import StrategyRegistry
+    >>> sorted(name for name in StrategyRegistry.available_strategies() if name.startswith("ddp_plugins"))
+    ['ddp_plugins', 'ddp_plugins_notebook', 'ddp_plugins_spawn']
 """
 
 from ddp_plugins.lightning.accumulation import AccumulationNoSync
