@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train lint test bench clean
+.PHONY: train lint test matrix bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -29,8 +29,32 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The version matrix: the pinned set is `make test`; `make matrix` runs the fast suite and the
+# Trainer-level seeding, evaluation and strategy tests on the oldest Lightning the pyproject allows,
+# on the same pinned torch, in a venv of its own. The other direct dependencies keep their pins;
+# what Lightning caps itself (packaging, fsspec) resolves freely.
+OLDEST_LIGHTNING := $(shell sed -n 's/.*"lightning>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+MATRIX_VENV := .venv-lightning-$(OLDEST_LIGHTNING)
+MATRIX_PY := $(MATRIX_VENV)/bin/python
+MATRIX_PINS := torch|torchmetrics|hydra-core|omegaconf|numpy|scikit-learn|typing_extensions|lightning-utilities|pytest|pytest-timeout|nbclient|nbformat|ipykernel|matplotlib
+MATRIX_SLOW := tests/lightning/test_rank_aware_seed.py tests/lightning/test_sequential_evaluation.py tests/lightning/test_strategy.py
+
+$(MATRIX_VENV)/.installed: pyproject.toml requirements.lock
+	test -x $(MATRIX_PY) || $(PYTHON) -m venv $(MATRIX_VENV)
+	$(MATRIX_PY) -m pip install -q $$(grep '^torch==' requirements.lock)
+	grep -E '^($(MATRIX_PINS))==' requirements.lock > $(MATRIX_VENV)/constraints.txt
+	$(MATRIX_PY) -m pip install -q -c $(MATRIX_VENV)/constraints.txt -e '.[test]' 'lightning==$(OLDEST_LIGHTNING)'
+	touch $@
+
+matrix: $(STAMP) $(MATRIX_VENV)/.installed
+	@echo "== version matrix: $$($(PY) -c 'import lightning, torch; print("lightning", lightning.__version__, "torch", torch.__version__)') -> make test"
+	@echo "== version matrix: $$($(MATRIX_PY) -c 'import lightning, torch; print("lightning", lightning.__version__, "torch", torch.__version__)') -> fast suite + Trainer-level seeding, evaluation, strategy tests"
+	$(MATRIX_PY) -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	$(MATRIX_PY) -m pytest -m slow -p no:cacheprovider $(MATRIX_SLOW) $(PYTEST_ARGS)
+	@echo "== version matrix: lightning $(OLDEST_LIGHTNING) passed"
+
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-lightning-* outputs multirun .pytest_cache .mypy_cache .ruff_cache

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ddp_plugins import AccumulationNoSync, AllReduceCounter
-from ddp_plugins.distributed import run_main
+from ddp_plugins.core import LOOPBACK_ENV, run_main
+from ddp_plugins.lightning import AccumulationNoSync, AllReduceCounter
 
 K = 8
 STEPS = 8  # optimizer steps per fit; the first is warm-up and not timed
@@ -80,8 +80,7 @@ def _fit(no_sync: bool) -> tuple[list[float], AllReduceCounter]:
 
 
 def main() -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update(LOOPBACK_ENV)  # gloo over loopback, one thread per rank; the child rank inherits it
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -2,32 +2,29 @@
 
 ``.venv/bin/python benchmarks/bench_comm_hooks.py``: trains the same ~4.2M-parameter MLP with DDP
 (no hook, the anchor), ``fp16`` and ``powersgd`` (rank 4, compressing from step 2), built by
-:func:`ddp_plugins.build_comm_hook`, in one run. Bytes are every ``torch.distributed.all_reduce``
-tensor during the timed steps, counted in all threads (PowerSGD issues two of its three
-all-reduces from future callbacks, which the per-hook ``CountingCommHook`` does not see); the anchor
-uses torch's ``allreduce_hook``, the Python twin of DDP's built-in all-reduce, so it is counted too. Prints
-ratios against the anchor and a markdown table for the README.
+:func:`ddp_plugins.core.build_comm_hook`, in one run, on ranks started by
+:func:`ddp_plugins.core.spawn`. Bytes are every ``torch.distributed.all_reduce`` tensor during the
+timed steps, counted in all threads by :func:`ddp_plugins.core.count_collectives` (PowerSGD issues
+two of its three all-reduces from future callbacks, which the per-hook ``CountingCommHook`` does
+not see); the anchor uses torch's ``allreduce_hook``, the Python twin of DDP's built-in all-reduce,
+so it is counted too. Prints ratios against the anchor and a markdown table for the README.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_plugins.distributed import exit_process  # noqa: E402
-from ddp_plugins.strategy import build_comm_hook  # noqa: E402
+from ddp_plugins.core import build_comm_hook, count_collectives, run_main, spawn
 
 HOOKS = ("none", "fp16", "powersgd")
 WARMUP, STEPS, BATCH = 3, 12, 32
@@ -39,31 +36,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
-class _Counter:
-    """Counts the bytes of every ``dist.all_reduce`` while installed (all threads)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.lock = threading.Lock()
-        self.original = dist.all_reduce
-
-    def __enter__(self) -> _Counter:
-        def counting(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
-            with self.lock:
-                self.bytes += tensor.numel() * tensor.element_size()
-            return self.original(tensor, *args, **kwargs)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self.original
-
-
-def _worker(rank: int, world_size: int, port: int, queue: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _worker(rank: int, world_size: int) -> dict:
+    """One rank (started by ``ddp_plugins.core.spawn``, process group ready): each hook's step time and bytes."""
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(BATCH, 1024, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
     results = {}
@@ -75,7 +49,7 @@ def _worker(rank: int, world_size: int, port: int, queue: mp.Queue) -> None:
         model.register_comm_hook(state, hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-        def step() -> None:
+        def step(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
@@ -83,34 +57,20 @@ def _worker(rank: int, world_size: int, port: int, queue: mp.Queue) -> None:
         for _ in range(WARMUP):
             step()
         times = []
-        with _Counter() as counter:
+        with count_collectives(("all_reduce",)) as counts:  # every thread: PowerSGD's callbacks too
             for _ in range(STEPS):
                 dist.barrier()
                 start = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - start)
-        results[name] = (statistics.median(times), counter.bytes / STEPS)
+        results[name] = (statistics.median(times), counts.bytes["all_reduce"] / STEPS)
     results["numel"] = sum(p.numel() for p in _model().parameters())
-    if rank == 0:
-        queue.put(results)
     dist.barrier()
-    exit_process(0)
+    return results
 
 
 def main() -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(rank, 2, port, queue)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    results = queue.get(timeout=300)
-    for proc in procs:
-        proc.join(60)
+    results = spawn(_worker, world_size=2, timeout=300)[0]  # rank 0's figures
     base_time, base_bytes = results["none"]
     print(f"model: {results['numel'] / 1e6:.2f}M parameters, 2 gloo CPU ranks, batch {BATCH} per rank,"
           f" median of {STEPS} steps")
@@ -124,4 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -6,7 +6,8 @@ processes, interleaved; time is the median over repeats, peak memory is the rise
 process's resident set during one call (``VmHWM`` reset through ``/proc/self/clear_refs``, with
 glibc told to map every large block afresh so that freed memory does not hide the peak).
 A third row per size shows ``distributed_concat`` with uneven shards (rank 0 one row more),
-which the raw anchor cannot do. Run: ``.venv/bin/python benchmarks/bench_evaluation.py``.
+which the raw anchor cannot do. The ranks are started by :func:`ddp_plugins.core.spawn`.
+Run: ``.venv/bin/python benchmarks/bench_evaluation.py``.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddp_plugins.distributed import run_main  # noqa: E402
-from ddp_plugins.evaluation import distributed_concat  # noqa: E402
+from ddp_plugins.core import distributed_concat, run_main, spawn
 
 SIZES = (10_000, 1_000_000)
 CLASSES = 10
@@ -70,10 +69,8 @@ def _seconds(fn, t: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world_size: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _worker(rank: int, world_size: int) -> list:
+    """One rank (started by ``ddp_plugins.core.spawn``, gloo group ready): time and peak memory per size."""
     rows = []
     for n in SIZES:
         shard = torch.randn(n // world_size, CLASSES)
@@ -89,24 +86,14 @@ def _worker(rank: int, world_size: int, port: int, queue) -> None:
             sec["ours"].append(_seconds(_ours, shard, REPEATS[n]))
             sec["uneven"].append(_seconds(_ours, uneven, REPEATS[n]))
         rows.append((n, {k: min(v) for k, v in sec.items()}, mem))
-    if rank == 0:
-        queue.put(rows)
     dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     # every large tensor a fresh mmap, returned at once when freed: the resident set then shows the true peak
     os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(2, port, queue), nprocs=2, start_method="spawn")
-    rows = queue.get()
+    rows = spawn(_worker, world_size=2, timeout=600)[0]  # rank 0's figures
     mb = lambda n: n * CLASSES * 4 / 2**20  # noqa: E731
     print(f"distributed_concat vs raw all_gather + cat, 2 gloo ranks, float32 x {CLASSES} classes\n")
     print("| samples | gathered | raw time | concat time | time ratio | raw peak | concat peak | peak ratio |"

@@ -2,11 +2,12 @@
 
 A 4-conv net with 4 ``BatchNorm2d`` layers, per-rank batches of 8 and 32 images of 3x32x32. The
 anchor is the same net with plain (unsynchronized, local-statistics) ``BatchNorm2d``; ours is that
-net after :func:`ddp_plugins.convert_sync_batchnorm`. Where CUDA and nccl exist (not on a CPU
+net after :func:`ddp_plugins.core.convert_sync_batchnorm`. Where CUDA and nccl exist (not on a CPU
 machine) torch's ``nn.SyncBatchNorm`` is timed as a third column. No DDP wrapper: only the
 normalization differs, so the ratio is the cost of synchronizing batch norm. The variants alternate
 in rounds in one run (so load on the machine hits them alike); time is the median step. Collectives
-are counted by wrapping ``torch.distributed``'s functions during one step.
+are counted with :func:`ddp_plugins.core.count_collectives` during one step; the ranks are started
+by :func:`ddp_plugins.core.spawn`.
 
     .venv/bin/python benchmarks/bench_sync_batchnorm.py
 """
@@ -14,27 +15,22 @@ are counted by wrapping ``torch.distributed``'s functions during one step.
 from __future__ import annotations
 
 import copy
-import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddp_plugins.distributed import exit_process, run_main  # noqa: E402
-from ddp_plugins.sync_batchnorm import convert_sync_batchnorm  # noqa: E402
+from ddp_plugins.core import convert_sync_batchnorm, count_collectives, run_main, spawn
 
 BATCHES = (8, 32)
 ROUNDS = 5
 STEPS_PER_ROUND = 6
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
 
 
 def _net() -> nn.Module:
@@ -68,32 +64,14 @@ def _bare_all_reduces(count: int) -> float:
     return time.perf_counter() - start
 
 
-def _count_collectives(net: nn.Module, x: torch.Tensor) -> int:
-    counts = {"n": 0}
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counted(fn):
-        def wrapper(*args, **kwargs):
-            counts["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(fn))
-    try:
+def _collectives_per_step(net: nn.Module, x: torch.Tensor) -> int:
+    with count_collectives() as counts:  # all_reduce, all_gather(_into_tensor), broadcast, reduce_scatter
         _step(net, x)
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-    return counts["n"]
+    return sum(counts.calls.values())
 
 
-def _worker(rank: int, world_size: int, port: int, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-    )
+def _worker(rank: int, world_size: int) -> tuple:
+    """One rank (started by ``ddp_plugins.core.spawn``, gloo group ready): the timings of every variant."""
     cuda = torch.cuda.device_count() >= world_size and dist.is_nccl_available()  # torch's SyncBN: a GPU per rank
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     base = _net().to(device)
@@ -116,21 +94,14 @@ def _worker(rank: int, world_size: int, port: int, queue) -> None:
                 times[name] += [_step(net, x) for _ in range(STEPS_PER_ROUND)]
             dist.barrier()
             times["latency"] += [_bare_all_reduces(2 * layers) for _ in range(STEPS_PER_ROUND)]
-        per_layer = {name: _count_collectives(net, x) / layers for name, net in variants.items()}
+        per_layer = {name: _collectives_per_step(net, x) / layers for name, net in variants.items()}
         rows.append((batch, {name: statistics.median(t) for name, t in times.items()}, per_layer))
-    if rank == 0:
-        queue.put((rows, layers, str(device)))  # SimpleQueue: written before returning
     dist.barrier()
-    exit_process(0)  # see ddp_plugins/distributed.py: no interpreter finalization with gloo threads alive
+    return rows, layers, str(device)
 
 
 def main() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(2, port, queue), nprocs=2, start_method="spawn")
-    rows, layers, device = queue.get()
+    rows, layers, device = spawn(_worker, world_size=2, timeout=600, pg_timeout=120)[0]  # rank 0's figures
     has_torch = "torch" in rows[0][1]
     print(
         f"SyncBatchNorm forward+backward, conv net with {layers} BatchNorm2d layers, 2 ranks (gloo), {device},"

@@ -1,6 +1,6 @@
 """Helpers shared by the notebooks: hand per-rank results from the DDP workers back to the notebook.
 
-With ``strategy="ddp_notebook"`` the ranks are forked workers; what they compute stays in their
+With ``strategy="ddp_plugins_notebook"`` the ranks are forked workers; what they compute stays in their
 processes except rank 0's final weights and ``callback_metrics``. A rank writes what the notebook
 should see with :func:`save_rank` (temporary name, then rename) and the notebook reads every rank's
 file, ordered by rank, with :func:`load_ranks`.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ddp_plugins.distributed import save_atomic
+from ddp_plugins.core import save_atomic
 
 __all__ = ["load_ranks", "save_rank"]
 

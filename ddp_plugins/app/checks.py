@@ -184,7 +184,10 @@ def compose_config(overrides: list[str] | None = None, config_flags: list[str] |
         >>> cfg.backend.name, cfg.trainer.max_epochs
         ('gloo', 1)
     """
-    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra import compose, version
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -193,18 +196,20 @@ def compose_config(overrides: list[str] | None = None, config_flags: list[str] |
     name = flags.get("--config-name", flags.get("-cn", CONFIG_NAME))
     path = flags.get("--config-path", flags.get("-cp"))
     extra_dir = flags.get("--config-dir", flags.get("-cd"))
-    overrides = list(overrides or [])
+    # The search path Hydra's own command line builds (hydra._internal.utils._run_hydra): a
+    # `hydra.searchpath` override instead would not find a primary config that only --config-dir has.
+    search_path = create_config_search_path(f"file://{Path(path).resolve()}" if path else f"pkg://{CONFIG_MODULE}")
     if extra_dir:
-        overrides.append(f"hydra.searchpath=[file://{Path(extra_dir).resolve()}]")
+        search_path.prepend(
+            provider="command-line",
+            path=f"file://{Path(extra_dir).resolve()}",
+            anchor=SearchPathQuery(provider="schema"),
+        )
     GlobalHydra.instance().clear()
-    init = (
-        initialize_config_dir(config_dir=str(Path(path).resolve()), version_base="1.3")
-        if path
-        else initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3")
-    )
+    version.setbase("1.3")
     try:
-        with init:
-            return compose(config_name=name, overrides=overrides)
+        Hydra.create_main_hydra2(task_name="app", config_search_path=search_path)
+        return compose(config_name=name, overrides=list(overrides or []))
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(
             "override", f"was refused by Hydra: {_one_line(err)}", "keys of the config (`--cfg job` lists them)"

@@ -122,7 +122,7 @@ def setup_rank_logging(
 
         >>> import sys
         >>> logger = setup_rank_logging("example", fmt="%(levelname)s rank %(rank)s: %(message)s")
-        >>> logger.handlers[0].stream = sys.stdout
+        >>> logger.handlers[-1].stream = sys.stdout  # the handler this call added
         >>> logger.info("shown on rank 0 only")
         INFO rank 0: shown on rank 0 only
     """

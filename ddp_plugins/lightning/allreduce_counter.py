@@ -118,14 +118,20 @@ class AllReduceCounter(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        model = trainer.strategy.model
+        strategy = trainer.strategy
+        model = strategy.model
         if self.hook is None or not isinstance(model, DistributedDataParallel):
             return
-        state, wrapper = _compat.strategy_comm_state_and_wrapper(trainer.strategy)
+        registers = getattr(type(strategy), "_register_ddp_hooks", None)
+        if strategy.root_device.type == "cuda" or registers is not DDPStrategy._register_ddp_hooks:
+            # registered by the strategy already: Lightning's on CUDA, an override (ours) on every device.
+            # A second `register_comm_hook` fails, and DDP would still list the hook twice.
+            return
+        state, wrapper = _compat.strategy_comm_state_and_wrapper(strategy)
         hook = self.hook if wrapper is None else wrapper(self.hook)
         try:
             model.register_comm_hook(state, hook)
-        except RuntimeError as err:  # the strategy registered it already (on CUDA, or ours on every device)
+        except RuntimeError as err:  # a strategy that registered it some other way
             if "only be called once" not in str(err):
                 raise
 

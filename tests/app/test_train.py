@@ -1,17 +1,82 @@
-"""The training app end to end: `make train`'s job, Hydra multirun with DDP, two torchrun nodes, the wheel."""
+"""The training app end to end: `make train`'s job, Hydra multirun with DDP, two torchrun nodes, the wheel.
 
+Also the command line's answers that start nothing (bad input, --help) and the job helpers of
+:mod:`ddp_plugins.app.train`.
+"""
+
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.multiprocess import REPO_ROOT, check_ok, free_port, loopback_env, run_command
+from ddp_plugins.app.checks import compose_config
+from ddp_plugins.app.train import _accuracy_key, _reset_job_state
+from ddp_plugins.core.toolkit import free_port
+from tests.app.test_checks import BAD_INPUTS, GROUPS
+from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
+
+
+def test_checkpoint_monitors_the_exact_accuracy_when_sequential_evaluation_is_on():
+    assert _accuracy_key(compose_config([])) == "val/exact_acc"
+    assert _accuracy_key(compose_config(["callbacks=none"])) == "val/acc"
+
+
+def test_a_sweep_job_leaves_no_environment_behind(monkeypatch):
+    monkeypatch.setenv("KEPT", "user")
+    before = dict(os.environ)
+    monkeypatch.setenv("MASTER_PORT", "12345")  # set by the launcher during the job
+    monkeypatch.setenv("NCCL_IB_TIMEOUT", "22")  # set by the job's network preset
+    monkeypatch.setenv("KEPT", "changed")
+    _reset_job_state(before)
+    environ = os.environ
+    assert "MASTER_PORT" not in environ and "NCCL_IB_TIMEOUT" not in environ
+    assert environ["KEPT"] == "user"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [BAD_INPUTS[0], BAD_INPUTS[2], BAD_INPUTS[3], BAD_INPUTS[6], BAD_INPUTS[8], BAD_INPUTS[1]],
+)
+def test_cli_bad_input_is_one_line_fast_and_writes_nothing(argv, message, tmp_path):
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "ddp_plugins.train", *argv],
+        cwd=tmp_path,
+        env=loopback_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
+    assert lines[0].startswith(f"error: {message}"), lines[0]
+    assert list(tmp_path.iterdir()) == [], "a failed start must not create a run folder"
+    assert elapsed < 30, f"the error took {elapsed:.1f}s; it must come before any process starts"
+
+
+def test_help_lists_the_groups(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "ddp_plugins.train", "--help"],
+        cwd=tmp_path,
+        env=loopback_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    for group in GROUPS:
+        assert f"{group}:" in result.stdout, f"--help does not list the {group} group"
+
 
 
 def _single_folder(root: Path, depth: int) -> Path:
@@ -117,7 +182,8 @@ def test_installed_wheel_finds_its_configs(tmp_path):
     junk = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", "outputs", "multirun")
     shutil.copytree(REPO_ROOT, source, ignore=junk)
     pip = [sys.executable, "-m", "pip"]
-    check_ok(run_command([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(source)], timeout=300))
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(source)]
+    check_ok(run_command(build, timeout=300))
     wheel = next(wheel_dir.glob("ddp_plugins-*.whl"))
     check_ok(run_command([*pip, "install", "--no-deps", "-q", "--target", str(target), str(wheel)], timeout=300))
     assert (target / "ddp_plugins" / "conf" / "train.yaml").is_file(), "configs not shipped in the wheel"
@@ -129,4 +195,4 @@ def test_installed_wheel_finds_its_configs(tmp_path):
     result = check_ok(run_command([*APP, "backend=gloo", "--cfg", "job"], timeout=120, env=env, cwd=tmp_path))
     assert "name: gloo" in result.stdout and "DigitsCNN" in result.stdout
     bad = run_command([*APP, "backend=foo"], timeout=120, env=env, cwd=tmp_path)
-    assert bad.returncode == 2 and "got 'foo'" in bad.stderr
+    assert bad.returncode == 2 and "error: backend got 'foo', allowed: one of" in bad.stderr

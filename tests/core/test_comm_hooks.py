@@ -67,7 +67,8 @@ def test_allreduce_and_fp16_hooks_equal_single_process_gradients(dist_pool, name
     for rank, (grads, _) in enumerate(results):
         for step, (got, ref) in enumerate(zip(grads, ref_grads)):
             for g, r in zip(got, ref):
-                torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{name}, rank {rank}, step {step}: {m}")
+                where = f"{name}, rank {rank}, step {step}"
+                torch.testing.assert_close(g, r, **tol, msg=lambda m, where=where: f"{where}: {m}")
     if name == "fp16":  # the compression is real: not bit-identical to the exact all-reduce
         assert any(not torch.equal(g, r) for g, r in zip(results[0][0][-1], ref_grads[-1]))
 
@@ -172,12 +173,36 @@ def test_counting_hook_composes_with_user_hooks_and_counts_compressed_bytes(dist
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda: build_comm_hook("fp8"), ValueError, "`comm_hook` should be one of 'none', 'fp16', 'bf16', 'powersgd', got 'fp8'."),
-        (lambda: check_comm_hook("bf16", "gloo"), ValueError, "or 'bf16' with the nccl backend and NCCL 2.10+, got 'bf16' with the gloo backend."),
-        (lambda: build_comm_hook("powersgd", powersgd_rank=0), ValueError, "`powersgd_rank` should be an integer >= 1, got 0."),
-        (lambda: build_comm_hook("powersgd", powersgd_start_iter=1), ValueError, "`powersgd_start_iter` should be an integer >= 2, got 1."),
-        (lambda: CountingCommHook(hook=3), TypeError, "`hook` should be a DDP communication hook (callable) or None, got 3."),
-        (lambda: count_collectives(("nope",)).__enter__(), ValueError, "`names` should be names of torch.distributed collectives, got 'nope'."),
+        (
+            lambda: build_comm_hook("fp8"),
+            ValueError,
+            "`comm_hook` should be one of 'none', 'fp16', 'bf16', 'powersgd', got 'fp8'.",
+        ),
+        (
+            lambda: check_comm_hook("bf16", "gloo"),
+            ValueError,
+            "or 'bf16' with the nccl backend and NCCL 2.10+, got 'bf16' with the gloo backend.",
+        ),
+        (
+            lambda: build_comm_hook("powersgd", powersgd_rank=0),
+            ValueError,
+            "`powersgd_rank` should be an integer >= 1, got 0.",
+        ),
+        (
+            lambda: build_comm_hook("powersgd", powersgd_start_iter=1),
+            ValueError,
+            "`powersgd_start_iter` should be an integer >= 2, got 1.",
+        ),
+        (
+            lambda: CountingCommHook(hook=3),
+            TypeError,
+            "`hook` should be a DDP communication hook (callable) or None, got 3.",
+        ),
+        (
+            lambda: count_collectives(("nope",)).__enter__(),
+            ValueError,
+            "`names` should be names of torch.distributed collectives, got 'nope'.",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_errors_naming_the_argument(call, error, message):

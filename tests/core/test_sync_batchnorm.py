@@ -341,9 +341,9 @@ def test_converted_model_trains_and_its_state_dict_loads_into_the_original():
 def test_declared_class_without_statistics_is_a_clear_error():
     with pytest.raises(ValueError, match=r"declares NotANorm as batch norm, but layer '0' lacks what SyncBatchNorm"):
         convert_sync_batchnorm(nn.Sequential(NotANorm()), extra_classes=[NotANorm])
-    with pytest.raises(ValueError, match=r"`extra_classes` should be the name of a method of GainNorm .* got 'normalise'\."):
+    with pytest.raises(ValueError, match=r"`extra_classes` should be the name of a method of GainNorm .*'normalise'"):
         convert_sync_batchnorm(nn.Sequential(GainNorm(2)), extra_classes={GainNorm: "normalise"})
-    with pytest.raises(ValueError, match=r"`extra_classes` should be importable classes, got 'tests.nowhere.Norm', which"):
+    with pytest.raises(ValueError, match=r"`extra_classes` should be importable classes, got 'tests.nowhere.Norm', "):
         convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(2)), extra_classes=["tests.nowhere.Norm"])
 
 

@@ -1,5 +1,7 @@
 """Accumulation-aware no_sync and the all-reduce counter (Lightning adapters), against single-process references."""
 
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -215,9 +217,16 @@ def _assert_params_close(got, expected, what):
 # ---------------------------------------------------------------- argument checks (no processes)
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4", {}, {0: 0}, {-1: 2}, {0: 2, "1": 3}, None])
-def test_bad_accumulate_grad_batches_is_one_clear_error(bad):
-    with pytest.raises(ValueError, match=r"`accumulate_grad_batches` should be a positive int or .* got"):
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        *[(bad, ValueError) for bad in (0, -2, {}, {0: 0}, {-1: 2}, {0: 2, "1": 3})],
+        *[(bad, TypeError) for bad in (1.5, True, "4", None)],
+    ],
+)
+def test_bad_accumulate_grad_batches_is_one_clear_error(bad, error):
+    message = rf"`accumulate_grad_batches` should be a positive int or .* got {re.escape(repr(bad))}\.$"
+    with pytest.raises(error, match=message):
         AccumulationNoSync(accumulate_grad_batches=bad)
 
 
@@ -232,7 +241,7 @@ def test_schedule_follows_gradient_accumulation_scheduler_rule():
 def test_counter_checks_its_arguments():
     with pytest.raises(TypeError, match="`log` should be True or False, got 'yes'"):
         AllReduceCounter(log="yes")
-    with pytest.raises(TypeError, match="`prefix` should be a non-empty str, got ''"):
+    with pytest.raises(ValueError, match="`prefix` should be a non-empty str, got ''"):
         AllReduceCounter(prefix="")
 
 
@@ -281,14 +290,33 @@ def test_boundaries_agree_with_lightning_in_automatic_optimization(callback_k, t
     assert trainer.accumulate_grad_batches == trainer_k, "the Trainer's own K is left as it was given"
 
 
+K_TWICE = (
+    r"`accumulate_grad_batches` should be 1 here when `Trainer\(accumulate_grad_batches\)` sets K \(set it in one"
+    r" place\), got 4 with Trainer\(accumulate_grad_batches=2\)\."
+)
+
+
 def test_k_set_twice_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"`Trainer\(accumulate_grad_batches=2\)` and `AccumulationNoSync\("):
+    with pytest.raises(ValueError, match=K_TWICE):
         _trainer([AccumulationNoSync(4)], 1, strategy="auto", devices=1, accumulate_grad_batches=2).fit(
             _AutoRegression()
         )
     with pytest.raises(ValueError, match="both set the accumulation factor"):
         callbacks = [AccumulationNoSync(4), GradientAccumulationScheduler({0: 2})]
         _trainer(callbacks, 1, strategy="auto", devices=1).fit(_AutoRegression())
+
+
+def test_check_trainer_finds_the_clashes_without_fitting():
+    """The checks `setup` makes, callable on a Trainer that has not started (the app's up-front check)."""
+    model = _AutoRegression()
+    trainer = _trainer([AccumulationNoSync(4)], 1, strategy="auto", devices=1, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=K_TWICE):
+        AccumulationNoSync(4).check_trainer(trainer, model)
+    callbacks = [AccumulationNoSync(4), GradientAccumulationScheduler({0: 2})]
+    with pytest.raises(ValueError, match="both set the accumulation factor"):
+        callbacks[0].check_trainer(_trainer(callbacks, 1, strategy="auto", devices=1), model)
+    AccumulationNoSync(4).check_trainer(_trainer([], 1, strategy="auto", devices=1), model)  # no clash
+    AccumulationNoSync(1).check_trainer(trainer, model)  # K=1 leaves the Trainer's K in charge
 
 
 def test_of_without_the_callback_names_what_to_add():

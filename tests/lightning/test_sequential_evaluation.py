@@ -1,7 +1,8 @@
-"""Sequential distributed evaluation: exact, ordered results and metrics, equal to one process.
+"""SequentialEvaluation (the Lightning adapter): exact, ordered results and metrics, equal to one process.
 
 Every distributed result is compared with a single-process reference computed here: the same
-model run on the whole dataset in this process.
+model run on the whole dataset in this process. The sampler and the gather it builds on are tested
+in tests/core/test_samplers.py and tests/core/test_collectives.py.
 """
 
 import doctest
@@ -10,16 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 from torchmetrics.classification import MulticlassAccuracy
 
-import ddp_plugins.evaluation
-from ddp_plugins import SequentialDistributedSampler, SequentialEvaluation, distributed_concat
-from ddp_plugins.distributed import exit_process
+import ddp_plugins.lightning.sequential_evaluation
+from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command, run_lightning
 
 NUM_CLASSES, FEATURES, PAD = 10, 8, -100
@@ -113,142 +110,15 @@ def _assert_predictions_equal_reference(predict: dict, ref: dict, n: int) -> Non
     assert torch.equal(predict["out"]["tokens"], ref["tokens"]), "ragged tokens differ from one process"
 
 
-# ---------------------------------------------------------------- sampler (no process group needed)
-
-
-@pytest.mark.parametrize("n", [0, 1, 3, 5, 1001])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_sampler_gives_contiguous_equal_shards_that_concatenate_to_the_dataset(n, world_size):
-    samplers = [SequentialDistributedSampler(range(n), num_replicas=world_size, rank=r) for r in range(world_size)]
-    shards = [list(s) for s in samplers]
-    assert len({len(shard) for shard in shards}) == 1, "every rank must run the same number of samples"
-    assert all(len(shard) == len(s) for shard, s in zip(shards, samplers))
-    assert sum(s.num_real_samples for s in samplers) == n, "real samples must cover the dataset exactly once"
-    flat = [i for shard in shards for i in shard]
-    assert flat[:n] == list(range(n)), "concatenated shards are not the dataset in order"
-    for shard, s in zip(shards, samplers):
-        assert shard[: s.num_real_samples] == sorted(set(shard[: s.num_real_samples])), "a shard is not contiguous"
-
-
-def test_sampler_rejects_an_iterable_dataset():
-    class Stream(IterableDataset):
-        def __iter__(self):
-            yield from range(3)
-
-    with pytest.raises(TypeError, match="IterableDataset cannot be split"):
-        SequentialDistributedSampler(Stream(), num_replicas=2, rank=0)
-
-
-# ---------------------------------------------------------------- distributed_concat on 2 gloo ranks
-
-
-def _test_sampler_then_concat(rank, world_size, n):
-    sampler = SequentialDistributedSampler(range(n))  # world size and rank from the process group
-    rows = torch.tensor(list(sampler))
-    return distributed_concat({"idx": rows, "ids": [f"s{i}" for i in sampler]}, n), sampler.num_real_samples
-
-
-@pytest.mark.parametrize("n", [1001, 1])
-def test_concat_of_sampler_shards_is_the_dataset_in_order(dist_pool, n):
-    results = dist_pool.run(_test_sampler_then_concat, n)
-    for gathered, _ in results:
-        assert torch.equal(gathered["idx"], torch.arange(n)), "padding not dropped or order wrong"
-        assert gathered["ids"] == [f"s{i}" for i in range(n)]
-    assert sum(real for _, real in results) == n
-    if n == 1:
-        assert results[1][1] == 0, "the dataset is smaller than the world: rank 1 holds only padding"
-
-
-def _rank_data(rank):
-    """Uneven nested data: rank 0 has 3 rows, rank 1 none."""
-    rows = 3 if rank == 0 else 0
-    base = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + 100 * rank
-    return {
-        "a": {"x": base, "mask": base > 5},
-        "pair": (base.long(), base.to(torch.bfloat16)),
-        "ids": [f"r{rank}-{i}" for i in range(rows)],
-    }
-
-
-def _test_concat_uneven_nested(rank, world_size):
-    return distributed_concat(_rank_data(rank))
-
-
-def test_concat_handles_uneven_rows_zero_rows_nested_structures_dtypes_and_strings(dist_pool):
-    results = dist_pool.run(_test_concat_uneven_nested)
-    parts = [_rank_data(r) for r in range(2)]  # what one process would concatenate
-    for got in results:
-        assert torch.equal(got["a"]["x"], torch.cat([p["a"]["x"] for p in parts]))
-        assert torch.equal(got["a"]["mask"], torch.cat([p["a"]["mask"] for p in parts]))
-        assert got["a"]["mask"].dtype == torch.bool
-        assert torch.equal(got["pair"][0], torch.cat([p["pair"][0] for p in parts]))
-        assert got["pair"][1].dtype == torch.bfloat16
-        assert torch.equal(got["pair"][1], torch.cat([p["pair"][1] for p in parts]))
-        assert isinstance(got["pair"], tuple)
-        assert got["ids"] == ["r0-0", "r0-1", "r0-2"]
-
-
-def _ragged(rank):
-    return torch.arange(6).reshape(2, 3) if rank == 0 else torch.arange(15).reshape(3, 5) + 50
-
-
-def _test_concat_ragged(rank, world_size):
-    return distributed_concat(_ragged(rank), 4, pad_value=PAD)
-
-
-def test_concat_pads_variable_length_rows_and_truncates(dist_pool):
-    expected = torch.full((5, 5), PAD)
-    expected[:2, :3] = _ragged(0)
-    expected[2:, :] = _ragged(1)
-    for got in dist_pool.run(_test_concat_ragged):
-        assert torch.equal(got, expected[:4]), "variable-length rows not padded and truncated like one process"
-
-
-def _test_concat_errors(rank, world_size):
-    cases = {
-        "dtype": torch.zeros(2, 3, dtype=torch.float32 if rank == 0 else torch.float64),
-        "structure": {"a": torch.zeros(2)} if rank == 0 else {"b": torch.zeros(2)},
-        "trailing": torch.zeros(2, 3 + rank),
-        "type": {"a": torch.zeros(2), "n": 3} if rank == 1 else {"a": torch.zeros(2), "n": [3, 4]},
-    }
-    messages = {}
-    for name, data in cases.items():
-        try:
-            distributed_concat(data)
-            messages[name] = None
-        except (ValueError, TypeError) as exc:
-            messages[name] = str(exc)
-    still_in_step = torch.ones(1)
-    dist.all_reduce(still_in_step)  # the group survives every error: no rank is left inside a collective
-    return messages, still_in_step.item()
-
-
-def test_concat_mismatches_raise_a_clear_error_on_every_rank_without_hanging(dist_pool):
-    results = dist_pool.run(_test_concat_errors)
-    for messages, total in results:
-        assert total == 2.0, "ranks fell out of step after an error"
-        assert "rank 0: data float32[2, 3]" in messages["dtype"] and "rank 1: data float64[2, 3]" in messages["dtype"]
-        assert "different structure" in messages["structure"] and "'a'" in messages["structure"]
-        assert "pad_value" in messages["trailing"] and "float32[2, 4]" in messages["trailing"]
-        assert "rank 1" in messages["type"] and "got int" in messages["type"]
-    assert results[0][0] == results[1][0], "both ranks must raise the same error"
-
-
-def test_concat_without_process_group_truncates_and_validates():
-    assert distributed_concat([torch.arange(3)], 2)[0].tolist() == [0, 1]
-    with pytest.raises(ValueError, match="`num_total_examples` should be an int >= 0 or None, got -1"):
-        distributed_concat(torch.arange(3), -1)
-
-
 # ---------------------------------------------------------------- the callback, in-process checks
 
 
 def test_callback_checks_its_arguments():
-    with pytest.raises(ValueError, match="`stages` should hold only 'validate', 'test', 'predict', got 'fit'"):
+    with pytest.raises(ValueError, match=r"^`stages` should be one of 'validate', 'test', 'predict', got 'fit'\.$"):
         SequentialEvaluation(stages=["fit"])
-    with pytest.raises(TypeError, match="`metrics` should map names .* got 'acc': float"):
+    with pytest.raises(TypeError, match=r"^`metrics` should be a mapping of names .* got 'acc': float\.$"):
         SequentialEvaluation(metrics={"acc": 0.5})
-    with pytest.raises(TypeError, match="`pad_value` should be a number or None, got 'x'"):
+    with pytest.raises(TypeError, match=r"^`pad_value` should be a finite number or None, got 'x'\.$"):
         SequentialEvaluation(pad_value="x")
 
 
@@ -265,7 +135,7 @@ class _EveryOther(Sampler):
 
 class _Stream(IterableDataset):
     def __iter__(self):
-        for i in range(8):
+        for _ in range(8):
             yield {"x": torch.zeros(FEATURES), "y": torch.tensor(0)}
 
 
@@ -275,6 +145,12 @@ class _Stream(IterableDataset):
         (lambda: _loader(20, sampler=_EveryOther(20)), TypeError, "custom sampler _EveryOther"),
         (lambda: DataLoader(_Stream(), batch_size=4), TypeError, "IterableDataset has no length.*distributed_concat"),
         (lambda: _loader(20, drop_last=True), ValueError, "drop_last=True"),
+        (
+            lambda: DataLoader(_Data(20), batch_sampler=BatchSampler(SequentialSampler(range(20)), 4, False)),
+            TypeError,
+            r"^SequentialEvaluation needs `val_dataloader` to batch with `batch_size=...`,"
+            r" got `batch_sampler=BatchSampler\(...\)`",
+        ),
     ],
 )
 def test_callback_refuses_dataloaders_it_cannot_make_exact(loader, error, match):
@@ -282,18 +158,19 @@ def test_callback_refuses_dataloaders_it_cannot_make_exact(loader, error, match)
         accelerator="cpu", devices=1, callbacks=[SequentialEvaluation()], logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as err:
         trainer.validate(_Model(), loader(), verbose=False)
+    assert "\n" not in str(err.value), "the refusal must be one line"
 
 
 def test_docstring_examples_run():
-    assert doctest.testmod(ddp_plugins.evaluation).failed == 0
+    assert doctest.testmod(ddp_plugins.lightning.sequential_evaluation).failed == 0
 
 
 def test_hydra_config_instantiates_the_callback():
     from hydra.utils import instantiate
 
-    from ddp_plugins.train import compose_config
+    from ddp_plugins.app.checks import compose_config
 
     path = REPO_ROOT / "conf" / "callbacks" / "sequential_evaluation.yaml"
     assert path.read_text().startswith("# @package callbacks.sequential_evaluation\n")
@@ -363,31 +240,13 @@ def test_ddp_results_and_metrics_equal_one_process_where_plain_lightning_does_no
     assert rank0["fit_acc"].item() == ranks[1]["fit_acc"].item() == trained["acc"].item()
 
 
-# ---------------------------------------------------------------- ddp_notebook and ddp_spawn: the calling process
-
-
-class _CleanExitLauncher(_MultiProcessingLauncher):
-    """Lightning's launcher; spawned children leave through exit_process (the gloo exit abort)."""
-
-    def _wrapping_function(self, *args, **kwargs):
-        super()._wrapping_function(*args, **kwargs)
-        exit_process(0)
-
-
-class _SpawnStrategy(DDPStrategy):
-    """``strategy="ddp_spawn"`` with the clean-exit launcher (a subclass, as project strategies are)."""
-
-    def __init__(self):
-        super().__init__(start_method="spawn")
-
-    def _configure_launcher(self):
-        self._launcher = _CleanExitLauncher(self, start_method=self._start_method)
+# ---------------------------------------------------------------- ddp_plugins_notebook / _spawn: the calling process
 
 
 def _run_launched(out_file, n, output_dir):
     metric = MulticlassAccuracy(NUM_CLASSES, average="micro")
     report = {}
-    for strategy, kwargs in (("ddp_notebook", {}), (_SpawnStrategy(), {"output_dir": output_dir})):
+    for strategy, kwargs in (("ddp_plugins_notebook", {}), ("ddp_plugins_spawn", {"output_dir": output_dir})):
         callback = SequentialEvaluation(metrics={"acc": metric}, pad_value=PAD, **kwargs)
         trainer = Trainer(
             accelerator="cpu", devices=2, strategy=strategy, callbacks=[callback], logger=False,
@@ -395,7 +254,7 @@ def _run_launched(out_file, n, output_dir):
         )  # fmt: skip
         trainer.validate(_Model(), _loader(n), verbose=False)
         trainer.predict(_Model(), _loader(n), return_predictions=False)
-        report["ddp_notebook" if strategy == "ddp_notebook" else "ddp_spawn"] = {
+        report[strategy] = {
             "val_acc": trainer.callback_metrics["val/acc"],
             "metric_values": callback.metric_values,
             "results": callback.results,
@@ -405,10 +264,11 @@ def _run_launched(out_file, n, output_dir):
 
 
 @pytest.mark.slow
-def test_results_reach_the_calling_process_under_ddp_notebook_and_ddp_spawn(tmp_path):
+def test_results_reach_the_calling_process_under_our_notebook_and_spawn_strategies(tmp_path):
     n, out_file = 4001, tmp_path / "report.pt"  # results of ~1 MB: more than a pipe buffer holds
     code = (
-        "import sys\nfrom ddp_plugins.distributed import run_main\nfrom tests.test_evaluation import _run_launched\n"
+        "import sys\nfrom ddp_plugins.core import run_main\n"
+        "from tests.lightning.test_sequential_evaluation import _run_launched\n"
         "if __name__ == '__main__':\n    run_main(lambda: _run_launched(sys.argv[1], int(sys.argv[2]), sys.argv[3]))\n"
     )
     script = tmp_path / "launch_eval.py"
@@ -417,13 +277,13 @@ def test_results_reach_the_calling_process_under_ddp_notebook_and_ddp_spawn(tmp_
     check_ok(run_command(cmd, timeout=240, env=loopback_env()))
     report, ref = torch.load(out_file, weights_only=False), _reference(n)
 
-    notebook = report["ddp_notebook"]
+    notebook = report["ddp_plugins_notebook"]
     _assert_predictions_equal_reference(notebook["results"]["predict"], ref, n)
     torch.testing.assert_close(notebook["results"]["validate"]["preds"], ref["logits"])
     assert notebook["val_acc"].item() == ref["acc"].item()
     assert notebook["metric_values"]["validate"]["val/acc"].item() == ref["acc"].item()
 
-    spawn = report["ddp_spawn"]
+    spawn = report["ddp_plugins_spawn"]
     assert spawn["results"] == {}, "with output_dir the results live in files, not in memory"
     assert Path(spawn["paths"]["predict"]).parent == tmp_path / "results"
     _assert_predictions_equal_reference(torch.load(spawn["paths"]["predict"], weights_only=False), ref, n)
