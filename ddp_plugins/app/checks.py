@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddp_plugins.core.checks import ArgumentError, check_bool
 from ddp_plugins.core.seeding import check_seed
 from ddp_plugins.lightning.launchers import split_config_flags
+from ddp_plugins.lightning.network import restore_env
 from ddp_plugins.lightning.strategy import check_backend
 
 __all__ = [
@@ -474,9 +475,7 @@ def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
         got = f"got {trainer_args[key]!r}: " if key else ""
         raise ConfigError(where, f"{got}{message}", "what lightning.pytorch.Trainer accepts") from None
     finally:
-        for key in set(os.environ) - set(env_before):
-            del os.environ[key]
-        os.environ.update(env_before)
+        restore_env(env_before)
 
 
 def _culprit(trainer_args: Mapping[str, Any]) -> str | None:

@@ -22,7 +22,7 @@ from ddp_plugins.core.seeding import (
     seed_everything_rank_aware,
     set_rng_states,
 )
-from tests.helpers.rng import Isolated, assert_all_differ, draw, same
+from tests.helpers.rng import BAD_SEEDS, Isolated, assert_all_differ, draw, same
 
 # ---------------------------------------------------------------------------------------------
 # 2 gloo ranks (dist_pool)
@@ -79,10 +79,7 @@ def test_deterministic_sets_torch_flags(isolated):
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
-@pytest.mark.parametrize(
-    ("seed", "error"),
-    [(-1, ValueError), (2**32, ValueError), (1.5, TypeError), ("42", TypeError), (True, TypeError), (None, TypeError)],
-)
+@pytest.mark.parametrize(("seed", "error"), BAD_SEEDS)
 def test_seed_out_of_range_is_a_clear_error(seed, error):
     message = rf"^`seed` should be an integer in \[0, 4294967295\], got {re.escape(repr(seed))}\.$"
     with pytest.raises(error, match=message):

@@ -58,3 +58,7 @@ def assert_all_differ(a: dict, b: dict, what: str) -> None:
     assert not torch.equal(a["torch"], b["torch"]), f"torch draws equal {what}, expected distinct streams"
     assert not np.array_equal(a["numpy"], b["numpy"]), f"NumPy draws equal {what}, expected distinct streams"
     assert a["python"] != b["python"], f"Python draws equal {what}, expected distinct streams"
+
+
+# Seeds every seeding entry point refuses, with the exception each must raise.
+BAD_SEEDS = [(-1, ValueError), (2**32, ValueError), (1.5, TypeError), ("42", TypeError), (True, TypeError), (None, TypeError)]

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from ddp_plugins.core.seeding import seed_everything_rank_aware
 from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
 from tests.helpers.multiprocess import REPO_ROOT
-from tests.helpers.rng import Isolated, assert_all_differ, draw, same
+from tests.helpers.rng import BAD_SEEDS, Isolated, assert_all_differ, draw, same
 
 CONF_DIR = REPO_ROOT / "conf"
 
@@ -142,10 +142,7 @@ def test_callback_setup_sets_the_deterministic_flags(isolated):
     assert torch.are_deterministic_algorithms_enabled(), "the callback's setup did not set the flags"
 
 
-@pytest.mark.parametrize(
-    ("seed", "error"),
-    [(-1, ValueError), (2**32, ValueError), (1.5, TypeError), ("42", TypeError), (True, TypeError), (None, TypeError)],
-)
+@pytest.mark.parametrize(("seed", "error"), BAD_SEEDS)
 def test_seed_out_of_range_is_a_clear_error(seed, error):
     message = rf"^`seed` should be an integer in \[0, 4294967295\], got {re.escape(repr(seed))}\.$"
     with pytest.raises(error, match=message):
