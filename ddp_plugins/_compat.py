@@ -30,6 +30,9 @@ Lightning (imported when first used):
   the strategy, which AllReduceCounter wraps before DDP registers it.
 * Overridden private methods of ``DDPStrategy``: ``_configure_launcher``, ``_register_ddp_hooks``,
   ``_get_process_group_backend`` and the ``_layer_sync`` attribute (``sync_batchnorm=True``).
+* ``_AcceleratorConnector.__init__``'s ``plugins`` argument, read from its frame while it hands
+  the strategy its ``_layer_sync``: the connector keeps no record of which plugins the user passed,
+  and only the ``TorchSyncBatchNorm`` made for ``sync_batchnorm=True`` may be swapped for ours.
 
 Example::
 
@@ -51,6 +54,7 @@ __all__ = [
     "TorchSyncBatchNormFunction",
     "basic_subprocess_cmd",
     "combined_loader_mode",
+    "explicit_trainer_plugins",
     "loop_data_source",
     "set_num_threads_if_needed",
     "set_strategy_comm_hook",
@@ -74,6 +78,7 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._configure_launcher"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._register_ddp_hooks"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend"),
+    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector.__init__"),
 )
 
 _LAZY = {
@@ -154,3 +159,29 @@ def set_strategy_comm_hook(strategy: Any, hook: Any) -> None:
 def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:
     """The hook state and hook wrapper a ``DDPStrategy`` was given."""
     return strategy._ddp_comm_state, strategy._ddp_comm_wrapper
+
+
+def explicit_trainer_plugins() -> list[Any]:
+    """The plugins the user passed to the ``Trainer`` being built (empty outside its construction).
+
+    Read from the frame of ``_AcceleratorConnector.__init__`` on the call stack: the connector
+    does not keep its ``plugins`` argument.
+
+    Example::
+
+        >>> explicit_trainer_plugins()
+        []
+    """
+    import sys
+
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _AcceleratorConnector.__init__.__code__:
+            plugins = frame.f_locals.get("plugins")
+            if plugins is None:
+                return []
+            return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        frame = frame.f_back  # type: ignore[assignment]
+    return []

@@ -62,6 +62,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ddp_plugins._compat import explicit_trainer_plugins
 from ddp_plugins.core.checks import (
     ArgumentValueError,
     check_bool,
@@ -263,8 +264,10 @@ class DDPPluginsStrategy(DDPStrategy):
     @_layer_sync.setter
     def _layer_sync(self, plugin: LayerSync | None) -> None:
         # `Trainer(sync_batchnorm=True)` hands every strategy torch's CUDA-only SyncBatchNorm plugin
-        # (through the accelerator connector); this strategy takes the device-agnostic one instead
-        self.__layer_sync = SyncBatchNormPlugin() if isinstance(plugin, TorchSyncBatchNorm) else plugin
+        # (through the accelerator connector); this strategy takes the device-agnostic one instead.
+        # A plugin the user passed in `plugins=` (torch's own or a subclass) is kept as given.
+        made_for_flag = type(plugin) is TorchSyncBatchNorm and not any(p is plugin for p in explicit_trainer_plugins())
+        self.__layer_sync = SyncBatchNormPlugin() if made_for_flag else plugin
 
     @override
     def _configure_launcher(self) -> None:

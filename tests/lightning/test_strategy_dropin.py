@@ -4,7 +4,10 @@ from datetime import timedelta
 
 import pytest
 
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
 from ddp_plugins.lightning import DDPPluginsStrategy
+from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 
 
 def test_process_group_backend_is_a_synonym_of_backend():
@@ -32,3 +35,30 @@ def test_more_ranks_than_devices_under_torchrun_is_a_clear_error(monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=r"`devices` should be devices x num_nodes = the world size the launcher started \(4\)"):
         Trainer(accelerator="cpu", devices=2, strategy=DDPPluginsStrategy(backend="gloo"), logger=False)
+
+
+class _UserSyncBatchNorm(TorchSyncBatchNorm):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"sync_batchnorm": True}, SyncBatchNormPlugin),  # the documented swap
+        ({"plugins": [TorchSyncBatchNorm()]}, TorchSyncBatchNorm),  # an explicit plugin is kept
+        ({"plugins": TorchSyncBatchNorm()}, TorchSyncBatchNorm),
+        ({"plugins": [_UserSyncBatchNorm()]}, _UserSyncBatchNorm),
+        ({"plugins": [_UserSyncBatchNorm()], "sync_batchnorm": True}, _UserSyncBatchNorm),
+        ({"plugins": [TorchSyncBatchNorm()], "sync_batchnorm": True}, TorchSyncBatchNorm),
+        ({}, type(None)),
+    ],
+)
+def test_only_sync_batchnorm_true_swaps_in_our_plugin(kwargs, expected):
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPPluginsStrategy(backend="gloo"), logger=False, **kwargs)
+    layer_sync = trainer.strategy._layer_sync
+    assert type(layer_sync) is expected
+    explicit = kwargs.get("plugins")
+    if explicit is not None:
+        assert layer_sync is (explicit[0] if isinstance(explicit, list) else explicit), "the user's own object"
