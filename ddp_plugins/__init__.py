@@ -10,7 +10,9 @@ Module map
     ``ranks``                    get_rank, get_world_size, rank_zero_first, setup_rank_logging
     ``process``                  run_main / exit_process (the clean exit), save_atomic
     ``collectives``              distributed_concat and its row helpers
-    ``samplers``                 SequentialDistributedSampler
+    ``samplers``                 SequentialDistributedSampler, ResumableSampler (exact mid-epoch resume)
+    ``preemption``               signal flags, agreement at a step boundary, Preempted, Slurm requeue
+    ``checkpoints``              per-rank state gathered at save, the latest checkpoint, metrics rows
     ``sync_batchnorm_function``  the SyncBN autograd function (one all_reduce forward, one backward)
     ``sync_batchnorm``           SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
     ``comm_hooks``               build_comm_hook, CountingCommHook, count_collectives
@@ -21,6 +23,9 @@ Module map
     ``allreduce_counter``        AllReduceCounter
     ``sequential_evaluation``    SequentialEvaluation
     ``rank_aware_seed``          RankAwareSeed
+    ``preemption``               PreemptionCheckpoint (stop on a signal at one step, step checkpoints)
+    ``checkpoint_io``            AtomicCheckpointIO (a checkpoint file is whole or absent)
+    ``csv_logger``               ResumableCSVLogger (a resumed run continues metrics.csv)
     ``strategy``                 DDPPluginsStrategy (backend, timeout, comm hooks, DDP options)
     ``launchers``                child-rank launchers (job-scoped commands, rank watcher, clean exit)
     ``network``                  network presets into the environment, gloo on loopback
@@ -91,6 +96,7 @@ _ADAPTERS = {
     "AccumulationNoSync": "ddp_plugins.lightning.accumulation",
     "AllReduceCounter": "ddp_plugins.lightning.allreduce_counter",
     "DDPPluginsStrategy": "ddp_plugins.lightning.strategy",
+    "PreemptionCheckpoint": "ddp_plugins.lightning.preemption",
     "RankAwareSeed": "ddp_plugins.lightning.rank_aware_seed",
     "SequentialEvaluation": "ddp_plugins.lightning.sequential_evaluation",
     "SyncBatchNormCallback": "ddp_plugins.lightning.sync_batchnorm",
@@ -103,6 +109,7 @@ __all__ = [
     "AllReduceCounter",
     "CountingCommHook",
     "DDPPluginsStrategy",
+    "PreemptionCheckpoint",
     "RankAwareSeed",
     "SequentialDistributedSampler",
     "SequentialEvaluation",

@@ -36,7 +36,8 @@ from typing import Any, Literal, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_plugins.core.checks import ArgumentError, check_bool
+from ddp_plugins.core.checks import ArgumentError, ArgumentTypeError, ArgumentValueError, check_bool, check_int
+from ddp_plugins.core.preemption import stable_run_name
 from ddp_plugins.core.seeding import check_seed
 from ddp_plugins.lightning.launchers import split_config_flags
 from ddp_plugins.lightning.network import restore_env
@@ -50,15 +51,31 @@ __all__ = [
     "Precision",
     "build_objects",
     "check_config",
+    "check_resume",
     "compose_config",
     "group_options",
     "max_cpu_processes",
     "precheck",
     "resolve_backend",
     "resolve_precision",
+    "run_dir",
 ]
 
 CONFIG_MODULE = "ddp_plugins.conf"
+
+
+def run_dir(default: str) -> str:
+    """The run folder: ``outputs/slurm-<job>`` / ``outputs/torchrun-<run id>`` when the job has a
+    stable id (so a requeued or restarted job finds its checkpoints), else ``default``.
+
+    Registered as the ``ddp_plugins_run_dir`` resolver of ``hydra.run.dir`` in ``conf/train.yaml``.
+    """
+    name = stable_run_name()
+    return f"outputs/{name}" if name else default
+
+
+if not OmegaConf.has_resolver("ddp_plugins_run_dir"):
+    OmegaConf.register_new_resolver("ddp_plugins_run_dir", run_dir)
 CONFIG_NAME = "train"
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
 # What `resolve_precision` hands to `lightning.pytorch.Trainer(precision=...)`.
@@ -237,12 +254,47 @@ def check_config(cfg: DictConfig) -> None:
     build_objects(cfg)
 
 
+CHECKPOINT_KEYS = ("every_n_train_steps", "keep")
+
+
+def check_resume(resume: Any) -> str:
+    """``resume``: ``"auto"``, ``"never"`` or the path of an existing checkpoint file.
+
+    Example::
+
+        >>> check_resume("auto")
+        'auto'
+        >>> check_resume("no/such.ckpt")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentValueError: `resume` should be ... got 'no/such.ckpt' (no such file).
+    """
+    allowed = "'auto', 'never' or the path of a checkpoint file"
+    if not isinstance(resume, str):
+        raise ArgumentTypeError("resume", allowed, resume)
+    if resume in ("auto", "never"):
+        return resume
+    if not Path(resume).is_file():
+        raise ArgumentValueError("resume", allowed, problem=f"got {resume!r} (no such file)")
+    return resume
+
+
 def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, Any]) -> None:
     with _as_config_error("seed", raw):
         check_seed(resolved.get("seed"))
     with _as_config_error("deterministic", raw):
         check_bool("deterministic", resolved.get("deterministic"))
-    known = set(_groups()) | {"seed", "deterministic", "hydra"}
+    with _as_config_error("resume", raw):
+        check_resume(resolved.get("resume", "auto"))
+    checkpoint = resolved.get("checkpoint") or {}
+    for key in checkpoint:
+        if key not in CHECKPOINT_KEYS:
+            raise ConfigError(f"checkpoint.{key}", "is not a key of the app's config", _choices(CHECKPOINT_KEYS))
+    with _as_config_error("checkpoint.every_n_train_steps", raw):
+        check_int("every_n_train_steps", checkpoint.get("every_n_train_steps", 0), 0)
+    with _as_config_error("checkpoint.keep", raw):
+        check_int("keep", checkpoint.get("keep", 2), 1)
+    known = set(_groups()) | {"seed", "deterministic", "hydra", "resume", "checkpoint"}
     for key in resolved:
         if key not in known:
             raise ConfigError(key, "is not a key of the app's config", f"{_choices(sorted(known - {'hydra'}))}")

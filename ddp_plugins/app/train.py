@@ -25,11 +25,12 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_plugins.app.checks import CONFIG_MODULE, CONFIG_NAME, ConfigError, precheck, resolve_precision
+from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import run_main
-from ddp_plugins.core.ranks import setup_rank_logging
+from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 
-__all__ = ["build_trainer", "main", "train"]
+__all__ = ["build_trainer", "main", "resume_path", "train"]
 
 _ERROR_EXIT = 2
 
@@ -51,7 +52,8 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     import lightning.pytorch as pl
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
+
+    from ddp_plugins.lightning.csv_logger import ResumableCSVLogger
 
     precision = resolve_precision(cfg.precision.name, str(cfg.trainer.get("accelerator", "auto")))
     strategy = instantiate(cfg.strategy)
@@ -66,7 +68,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
         strategy=strategy,
         precision=precision,
         callbacks=[*plugin_callbacks, checkpoint, *(callbacks or [])],
-        logger=CSVLogger(save_dir=str(output_dir), name="metrics", version=""),
+        logger=ResumableCSVLogger(save_dir=str(output_dir), name="metrics", version=""),
         default_root_dir=str(output_dir),
     )
 
@@ -90,13 +92,45 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     trainer = build_trainer(cfg, output_dir)
-    trainer.fit(model, datamodule=datamodule)
+    ckpt_path = resume_path(str(cfg.get("resume", "auto")), output_dir)
+    if ckpt_path is not None and os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
+        epoch, step = _checkpoint_position(ckpt_path)
+        print(f"resuming from {ckpt_path} (epoch {epoch}, step {step})", flush=True)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics, key = trainer.callback_metrics, _accuracy_key(cfg)
     if not trainer.is_global_zero or key not in metrics:
         return None
     accuracy = float(metrics[key])
     print(f"final validation accuracy: {accuracy:.4f} ({key}; run folder: {output_dir})", flush=True)
     return accuracy
+
+
+def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint a run continues from: ``resume`` itself, the newest of the run folder's
+    ``checkpoints/`` for ``"auto"`` (None when it has none), None for ``"never"``.
+
+    Example::
+
+        >>> import tempfile
+        >>> resume_path("auto", tempfile.mkdtemp()) is None, resume_path("never", "outputs/x")
+        (True, None)
+    """
+    from ddp_plugins.core.checkpoints import latest_checkpoint
+
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return resume
+    latest = latest_checkpoint(Path(output_dir) / "checkpoints")
+    return str(latest) if latest is not None else None
+
+
+def _checkpoint_position(path: str) -> tuple[int, int]:
+    """(epoch, global step) stored in a Lightning checkpoint, read without loading its tensors."""
+    import torch
+
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
 
 
 def _reset_job_state(env_before: dict[str, str]) -> None:
@@ -124,6 +158,10 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except ConfigError as err:  # a job whose config changed after the up-front check
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(_ERROR_EXIT) from None
+    except Preempted as stop:  # every rank stopped at the same step; exit code 128 + signal
+        if get_rank() == 0:
+            print(f"[ddp_plugins] {stop}", file=sys.stderr, flush=True)
+        raise
     finally:
         if "LOCAL_RANK" not in env_before:  # the job's launcher, not one of its child ranks
             _reset_job_state(env_before)

@@ -12,6 +12,7 @@ Example::
     tensor([0, 1, 2])
 """
 
+from ddp_plugins.core.checkpoints import gather_per_rank, latest_checkpoint
 from ddp_plugins.core.checks import (
     ArgumentError,
     ArgumentTypeError,
@@ -30,9 +31,10 @@ from ddp_plugins.core.comm_hooks import (
     check_comm_hook,
     count_collectives,
 )
+from ddp_plugins.core.preemption import Preempted, SignalFlag, agree_on_signal, slurm_requeue, stable_run_name
 from ddp_plugins.core.process import exit_process, run_main, save_atomic
 from ddp_plugins.core.ranks import get_rank, get_world_size, rank_zero_first, setup_rank_logging
-from ddp_plugins.core.samplers import SequentialDistributedSampler
+from ddp_plugins.core.samplers import ResumableSampler, SequentialDistributedSampler
 from ddp_plugins.core.seeding import (
     collect_rng_states,
     decode_rng_states,
@@ -51,17 +53,21 @@ from ddp_plugins.core.sync_batchnorm_function import SyncBatchNormFunction, sync
 from ddp_plugins.core.toolkit import LOOPBACK_ENV, free_port, loopback_env, spawn
 
 __all__ = [
-    "COMM_HOOKS",
-    "LOOPBACK_ENV",
     "ArgumentError",
     "ArgumentTypeError",
     "ArgumentValueError",
     "CollectiveCounts",
+    "COMM_HOOKS",
     "CountingCommHook",
+    "LOOPBACK_ENV",
+    "Preempted",
+    "ResumableSampler",
     "SequentialDistributedSampler",
+    "SignalFlag",
     "SyncBatchNorm",
     "SyncBatchNormFunction",
     "SyncBatchNormReport",
+    "agree_on_signal",
     "build_comm_hook",
     "check_bool",
     "check_choice",
@@ -76,8 +82,10 @@ __all__ = [
     "encode_rng_states",
     "exit_process",
     "free_port",
+    "gather_per_rank",
     "get_rank",
     "get_world_size",
+    "latest_checkpoint",
     "loopback_env",
     "rank_seed",
     "rank_zero_first",
@@ -87,6 +95,8 @@ __all__ = [
     "seed_everything_rank_aware",
     "set_rng_states",
     "setup_rank_logging",
+    "slurm_requeue",
     "spawn",
+    "stable_run_name",
     "sync_batch_norm",
 ]

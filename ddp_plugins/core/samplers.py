@@ -6,21 +6,34 @@ evaluation. ``DistributedSampler`` interleaves samples over ranks and pads the l
 samples from the *start* of the dataset, so metrics reduced over ranks count duplicates
 (pytorch issue 25162); this one pads only at the end, so concatenating the shards in rank order
 and truncating gives the dataset exactly, in order. It subclasses ``DistributedSampler`` so that
-Lightning leaves it in place. Plain torch, no Lightning.
+Lightning leaves it in place.
+
+:class:`ResumableSampler`: wraps a training sampler so that a run resumed in the middle of an
+epoch continues at the next unseen batch, exactly. The first iteration after a resume skips the
+indices of the batches already trained, without loading them (DataLoader workers never see
+them) and without drawing a random number; the wrapped sampler gets the resumed epoch *before*
+the first iterator is made (Lightning sets it after, so workers prefetch epoch 0's order:
+Lightning issue 21938). It also owns the DataLoader's generator and reseeds it per
+``(seed, rank, epoch)``, so that making an iterator (which draws the workers' base seed) never
+draws from the global torch stream and the workers of an epoch get the same seeds in a resumed
+run as in an uninterrupted one. Plain torch, no Lightning.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
+from typing import Any
 
-from torch.utils.data import Dataset, IterableDataset
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from ddp_plugins.core.checks import ArgumentTypeError
 
-__all__ = ["SequentialDistributedSampler"]
+__all__ = ["ResumableSampler", "SequentialDistributedSampler"]
 
 
 class SequentialDistributedSampler(DistributedSampler):
@@ -72,3 +85,69 @@ class SequentialDistributedSampler(DistributedSampler):
     @override
     def __len__(self) -> int:
         return self.num_samples
+
+
+_LOADER_SEED_TAG = 0xD47A  # spawn-key tag: the loader streams never equal a rank's own stream
+
+
+class ResumableSampler(Sampler):
+    """A sampler that starts its first iteration ``skip`` indices in, at epoch ``epoch``.
+
+    Args:
+        sampler: the sampler to wrap (any; ``set_epoch`` is passed on when it has one).
+        skip: indices to leave out of the first iteration only (batches done x batch size).
+        epoch: the epoch of the first iteration, set on ``sampler`` at once.
+        seed: base seed of :attr:`generator`, reseeded per ``(seed, rank, epoch)`` in
+            :meth:`set_epoch`; ``None`` leaves generator seeding to the caller.
+        rank: the global rank, part of the generator's seed.
+
+    ``len()`` stays the full length: the training loop counts the skipped batches as done.
+
+    Example::
+
+        >>> sampler = ResumableSampler(range(10), skip=4)
+        >>> list(sampler), list(sampler), len(sampler)
+        ([4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], 10)
+    """
+
+    def __init__(self, sampler: Any, skip: int = 0, epoch: int = 0, seed: int | None = None, rank: int = 0) -> None:
+        self.sampler = sampler
+        self.skip = int(skip)
+        self.seed = seed
+        self.rank = int(rank)
+        self.generator = torch.Generator()
+        self.epoch = -1
+        self.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+        if self.seed is not None and epoch != self.epoch:
+            self.generator.manual_seed(loader_seed(self.seed, self.rank, epoch))
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        it = iter(self.sampler)
+        return itertools.islice(it, skip, None) if skip else it
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __getattr__(self, name: str) -> Any:  # shuffle, num_replicas, ... of the wrapped sampler
+        if name == "sampler":
+            raise AttributeError(name)
+        return getattr(self.sampler, name)
+
+
+def loader_seed(seed: int, rank: int, epoch: int) -> int:
+    """The seed of a rank's DataLoader generator in an epoch (distinct per rank and epoch).
+
+    Example::
+
+        >>> loader_seed(42, 0, 1) != loader_seed(42, 1, 1) != loader_seed(42, 0, 2)
+        True
+    """
+    from ddp_plugins.core.seeding import rank_seed
+
+    return rank_seed(seed, _LOADER_SEED_TAG, rank, epoch)

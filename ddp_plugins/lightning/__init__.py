@@ -14,8 +14,11 @@ Example::
 
 from ddp_plugins.lightning.accumulation import AccumulationNoSync
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
+from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
+from ddp_plugins.lightning.csv_logger import ResumableCSVLogger
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import apply_network_env
+from ddp_plugins.lightning.preemption import PreemptionCheckpoint
 from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
@@ -24,8 +27,11 @@ from ddp_plugins.lightning.sync_batchnorm import SyncBatchNormCallback
 __all__ = [
     "AccumulationNoSync",
     "AllReduceCounter",
+    "AtomicCheckpointIO",
     "DDPPluginsStrategy",
+    "PreemptionCheckpoint",
     "RankAwareSeed",
+    "ResumableCSVLogger",
     "SequentialEvaluation",
     "SyncBatchNormCallback",
     "SyncBatchNormPlugin",

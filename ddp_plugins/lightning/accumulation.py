@@ -27,6 +27,25 @@ from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError
 __all__ = ["AccumulationNoSync"]
 
 
+def is_step_boundary(trainer: pl.Trainer, accumulate_grad_batches: int | None = None) -> bool:
+    """Whether the current training batch ends an accumulation window (the optimizer steps after it).
+
+    Lightning's own rule (``_TrainingEpochLoop._should_accumulate``), from public progress
+    counters: a full window, or the epoch's last batch unless the strategy accumulates across
+    epochs itself (DeepSpeed). With an :class:`AccumulationNoSync` callback in manual
+    optimization, its own window is the one that counts.
+    """
+    if accumulate_grad_batches is None:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, AccumulationNoSync) and callback._manual:
+                accumulate_grad_batches = callback.accumulate_grad_batches
+        accumulate_grad_batches = accumulate_grad_batches or trainer.accumulate_grad_batches
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    ready = progress.current.ready  # batches of this epoch so far, this one included
+    last = progress.is_last_batch or ready == trainer.num_training_batches
+    return ready % accumulate_grad_batches == 0 or (last and not trainer.strategy.handles_gradient_accumulation)
+
+
 def _callbacks(trainer: pl.Trainer) -> list[Callback]:
     """``trainer.callbacks``: public, but set by Lightning's callback connector, so not declared on ``Trainer``."""
     callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -168,13 +187,8 @@ class AccumulationNoSync(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        ready = progress.current.ready  # batches of this epoch so far, this one included
-        last = progress.is_last_batch or ready == trainer.num_training_batches
-        # Lightning's own rule (`_TrainingEpochLoop._should_accumulate`): a full window, or the
-        # epoch's last batch unless the strategy accumulates across epochs itself (DeepSpeed)
         k = self.accumulate_grad_batches if self._manual else trainer.accumulate_grad_batches
-        self.is_boundary = ready % k == 0 or (last and not trainer.strategy.handles_gradient_accumulation)
+        self.is_boundary = is_step_boundary(trainer, k)
         if not self._manual:
             return
         ddp = _ddp_model(trainer)

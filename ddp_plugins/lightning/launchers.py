@@ -25,6 +25,7 @@ from typing import Any
 from typing_extensions import override
 
 from ddp_plugins import _compat
+from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_process
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 
@@ -32,6 +33,7 @@ __all__ = ["split_config_flags"]
 
 # Seconds a child rank gets to exit on its own once rank 0 failed, before it is killed.
 _CHILD_GRACE_S = 2.0
+_PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
 _RESULTS_KEY = "ddp_plugins.sequential_evaluation"
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
@@ -98,6 +100,11 @@ def _job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
     return command, get_original_cwd()
 
 
+def _preempted_code(code: int | None) -> bool:
+    """An exit code of :class:`Preempted` (128 + a signal number): a child that stopped on agreement."""
+    return code is not None and 128 < code < 128 + signal.NSIG
+
+
 class _RankWatcher(threading.Thread):
     """Watches the child ranks; when one fails, says which and how, and stops every rank.
 
@@ -124,8 +131,12 @@ class _RankWatcher(threading.Thread):
             codes = [proc.poll() for proc in self.procs]
             if all(code == 0 for code in codes):
                 return
+            if all(code == 0 or _preempted_code(code) for code in codes):
+                return  # every child stopped for a preemption signal: rank 0 stops at the same step
             failed = [
-                (rank, proc, code) for rank, (proc, code) in enumerate(zip(self.procs, codes, strict=True), 1) if code
+                (rank, proc, code)
+                for rank, (proc, code) in enumerate(zip(self.procs, codes, strict=True), 1)
+                if code and not _preempted_code(code)
             ]
             if failed and not self._halt.is_set():
                 rank, proc, code = failed[0]
@@ -161,6 +172,13 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         _compat.set_num_threads_if_needed(self.num_processes)
         try:
             return function(*args, **kwargs)
+        except Preempted:
+            # every rank agreed to stop at this step and wrote its part: let the children finish
+            if watcher is not None:
+                watcher.stop()
+                watcher = None
+                self._wait_children()
+            raise
         except BaseException:
             if watcher is not None:
                 watcher.stop()
@@ -170,6 +188,14 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         finally:
             if watcher is not None:  # fit returned: no thread outlives it
                 watcher.stop()
+
+    def _wait_children(self) -> None:
+        deadline = time.monotonic() + _PREEMPT_GRACE_S
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+            time.sleep(0.05)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
 
     def _stop_children(self) -> None:
         deadline = time.monotonic() + _CHILD_GRACE_S

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
@@ -27,6 +26,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from ddp_plugins.core.checkpoints import PER_RANK
 from ddp_plugins.core.checks import check_bool
 from ddp_plugins.core.ranks import get_world_size
 from ddp_plugins.core.seeding import (
@@ -60,8 +60,10 @@ class RankAwareSeed(Callback):
     every rank switches to its own stream, seeded as :func:`seed_everything_rank_aware` does.
     ``validate``, ``test`` and ``predict`` runs switch when their loop starts.
 
-    Every checkpoint stores the RNG states (Python, NumPy, torch, CUDA) of every rank, gathered
-    when the checkpoint is written; on resume each rank restores its own, so the resumed run draws
+    Every checkpoint stores the RNG states (Python, NumPy, torch, CUDA) of every rank. ``state_dict``
+    does not communicate: it returns this rank's states, and :class:`DDPPluginsStrategy` gathers
+    every rank's when it saves the checkpoint (with another strategy, only a single process
+    resumes its streams exactly). On resume each rank restores its own, so the resumed run draws
     exactly what the uninterrupted run would have. A checkpoint written with another world size
     (or without this callback) cannot be matched rank for rank: the run warns and starts fresh
     per-rank streams keyed by ``(seed, rank, global_step)``, so it does not replay the streams of
@@ -145,16 +147,10 @@ class RankAwareSeed(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # Called on every rank while the checkpoint is dumped (Trainer.save_checkpoint runs on all
-        # ranks); rank 0 writes the file, so it needs every rank's states.
+        # No collective here: this rank's states go under PER_RANK, and DDPPluginsStrategy gathers
+        # every rank's when the checkpoint is saved, a point every rank reaches in step.
         states = encode_rng_states(collect_rng_states(include_cuda=True))
-        world_size = get_world_size()
-        if world_size > 1:
-            gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, states)
-        else:
-            gathered = [states]
-        return {"seed": self.seed, "world_size": world_size, "rng_states": gathered}
+        return {"seed": self.seed, "world_size": get_world_size(), PER_RANK: states}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -173,7 +169,7 @@ class RankAwareSeed(Callback):
                 )
             self._seed_rank(rank, step)
             return
-        states = loaded.get("rng_states") or []
+        states = _rank_states(loaded)
         if len(states) != world_size:
             rank_zero_warn(
                 f"The checkpoint holds random states for {len(states)} ranks, this run has {world_size};"
@@ -191,6 +187,14 @@ class RankAwareSeed(Callback):
     def _seed_rank(self, rank: int, step: int) -> None:
         key = (rank,) if step == 0 else (rank, step)
         seed_process(self.seed, rank_seed(self.seed, *key), self.workers)
+
+
+def _rank_states(loaded: dict[str, Any]) -> list[Any]:
+    """Every rank's states from a checkpoint: gathered by the strategy, or one rank's (not gathered)."""
+    states = loaded.get(PER_RANK, loaded.get("rng_states"))  # "rng_states": checkpoints of 0.2
+    if isinstance(states, dict):  # saved by a strategy that does not gather: one rank's states only
+        return [states] if loaded.get("world_size") == 1 else []
+    return list(states or [])
 
 
 def _stale_shuffle(dataloader: DataLoader, trainer: Trainer) -> bool:

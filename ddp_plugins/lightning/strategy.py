@@ -60,9 +60,12 @@ from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
-from ddp_plugins._compat import explicit_trainer_plugins
+from ddp_plugins._compat import explicit_trainer_plugins, update_dataloader
+from ddp_plugins.core.checkpoints import gather_per_rank
 from ddp_plugins.core.checks import (
     ArgumentValueError,
     check_bool,
@@ -72,6 +75,8 @@ from ddp_plugins.core.checks import (
 )
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
 from ddp_plugins.core.ranks import get_rank, get_world_size
+from ddp_plugins.core.samplers import ResumableSampler, loader_seed
+from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import pin_gloo_to_loopback
@@ -244,6 +249,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self._backend = backend
         self._timeout_s = float(timeout)
         self._env_set: list[str] = []
+        self.last_checkpoint_path: str | None = None  # the file the last save_checkpoint wrote (rank 0)
         self._comm_hook = comm_hook
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
@@ -251,6 +257,17 @@ class DDPPluginsStrategy(DDPStrategy):
             # set now so that callbacks (AllReduceCounter) can wrap it in `setup`; the state is
             # built per fit in `configure_ddp`
             self._ddp_comm_hook = build_comm_hook(comm_hook)[1]
+
+    @property
+    def checkpoint_io(self) -> Any:
+        # Lazily, as Lightning's default: a CheckpointIO given in `Trainer(plugins=...)` still wins.
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()  # a checkpoint file is whole or absent
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
 
     @property
     def comm_hook(self) -> str:
@@ -320,6 +337,32 @@ class DDPPluginsStrategy(DDPStrategy):
         self.model.register_comm_hook(self._ddp_comm_state, hook)
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return dataloader
+        if trainer.training:
+            dataloader = _resumable_train_loader(dataloader, trainer)
+        elif isinstance(dataloader, DataLoader) and dataloader.generator is None:
+            # Making an iterator draws the workers' base seed from the loader's generator, else
+            # from the global stream: a resumed run, which makes its evaluation iterators at other
+            # points (no sanity check, persistent workers), would shift the training stream.
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            dataloader.generator = torch.Generator().manual_seed(loader_seed(seed, trainer.global_rank, _EVAL_LOADER))
+        if isinstance(dataloader, DataLoader) and dataloader.num_workers > 0:
+            dataloader.worker_init_fn = _WorkerInit(dataloader.worker_init_fn, trainer.global_rank)
+        return dataloader
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Every rank gets here through Trainer.save_checkpoint, in step: the one point where the
+        # per-rank parts of callback states (RankAwareSeed's RNG streams) are gathered, so that no
+        # state_dict has to communicate (see ddp_plugins.core.checkpoints).
+        gather_per_rank(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self.last_checkpoint_path = str(filepath)
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         if get_world_size() == 1:
@@ -357,6 +400,60 @@ class DDPPluginsStrategy(DDPStrategy):
                 start_method=start_method,
                 override=True,
             )
+
+
+_EVAL_LOADER = 2**31  # the epoch slot of evaluation loaders' generator seed (no training epoch reaches it)
+
+
+class _WorkerInit:
+    """DataLoader worker set-up: preemption signals ignored, then the user's (or Lightning's) init.
+
+    Slurm signals every process of a job step and a terminal's Ctrl-C reaches the whole process
+    group, workers included; a worker killed by it would fail the run before the ranks can stop
+    at a step boundary. Workers leave when their rank shuts them down (or when it dies). With no
+    user ``worker_init_fn``, Lightning's ``pl_worker_init_function`` is called when
+    ``PL_SEED_WORKERS`` asks for it, as Lightning would have added it.
+    """
+
+    def __init__(self, user_fn: Any, rank: int) -> None:
+        self.user_fn: Any = user_fn.user_fn if isinstance(user_fn, _WorkerInit) else user_fn
+        self.rank = rank
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+
+        for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+        elif int(os.environ.get("PL_SEED_WORKERS", 0)):
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            pl_worker_init_function(worker_id, rank=self.rank)
+
+
+def _resumable_train_loader(dataloader: Any, trainer: Any) -> Any:
+    """The training DataLoader with its distributed sampler wrapped in a :class:`ResumableSampler`.
+
+    A run resumed in the middle of an epoch skips the batches it already trained (the epoch
+    loop's restored count of processed batches); every run draws the workers' base seed from the
+    sampler's own generator, not the global stream. Loaders without a ``DistributedSampler`` (or
+    with a custom batch sampler) are left as they are.
+    """
+    if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.sampler, DistributedSampler):
+        return dataloader
+    if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
+        return dataloader
+    epoch = trainer.current_epoch
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    if done >= len(dataloader):  # the checkpoint ended its epoch: the next one starts afresh
+        epoch, done = epoch + 1, 0
+    seed = None if dataloader.generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+    sampler = ResumableSampler(dataloader.sampler, done * dataloader.batch_size, epoch, seed, trainer.global_rank)
+    rebuilt = update_dataloader(dataloader, sampler)
+    if seed is not None:
+        rebuilt.generator = sampler.generator
+    return rebuilt
 
 
 DDPPluginsStrategy.register_strategies(StrategyRegistry)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from ddp_plugins.core.checkpoints import gather_per_rank
 from ddp_plugins.core.seeding import seed_everything_rank_aware
 from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
 from tests.helpers.multiprocess import REPO_ROOT
@@ -51,7 +52,8 @@ def _test_checkpoint_round_trip(rank, world_size):
         callback = RankAwareSeed(5)
         seed_everything_rank_aware(5)
         torch.rand(3), np.random.rand(2), random.random(), np.random.randn()  # advance, cache a gaussian
-        state = callback.state_dict()
+        # what DDPPluginsStrategy.save_checkpoint does with it: every rank's part, gathered
+        state = gather_per_rank({"callbacks": {"seed": callback.state_dict()}})["callbacks"]["seed"]
         expected = draw()
         seed_everything_rank_aware(99)  # scramble
         buffer = io.BytesIO()
@@ -59,7 +61,7 @@ def _test_checkpoint_round_trip(rank, world_size):
         buffer.seek(0)
         loaded = torch.load(buffer, weights_only=True)  # the Trainer's default under torch >= 2.6
         _resume(RankAwareSeed(5), loaded, rank, world_size, step=10)
-        return state["world_size"], len(state["rng_states"]), expected, draw()
+        return state["world_size"], len(state["per_rank"]), expected, draw()
 
 
 def test_checkpoint_holds_every_rank_and_each_rank_restores_its_own(dist_pool):
@@ -76,8 +78,8 @@ def test_checkpoint_holds_every_rank_and_each_rank_restores_its_own(dist_pool):
 
 def test_resume_with_another_world_size_warns_and_starts_fresh_streams(isolated):
     seed_everything_rank_aware(11)
-    state = RankAwareSeed(11).state_dict()  # one process: states of 1 rank
-    assert state["world_size"] == 1 and len(state["rng_states"]) == 1
+    state = RankAwareSeed(11).state_dict()  # one process, not gathered: the states of 1 rank
+    assert state["world_size"] == 1 and sorted(state["per_rank"]) == ["numpy", "python", "torch", "torch.cuda"]
     saved_stream = draw()
 
     fresh, resumed = [], []

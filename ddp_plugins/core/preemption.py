@@ -1,0 +1,270 @@
+"""Preemption: signals that only set a flag, and ranks that agree at a step boundary
+==================================================================================
+
+A scheduler preempts a DDP job by sending a signal (Slurm: ``SIGUSR1`` or ``SIGTERM`` before the
+kill, torchrun and Kubernetes: ``SIGTERM``, a terminal: ``SIGINT``) to some or all ranks, at any
+moment: often while a rank is inside a collective. Writing a checkpoint or issuing a collective
+from the signal handler (what Lightning's ``SIGUSR1``/``SIGTERM`` handlers do) then mismatches
+the collectives of the ranks and hangs the job until the timeout. Here the handler only records
+the signal (:class:`SignalFlag`); the training loop calls :func:`agree_on_signal` at a step
+boundary on every rank, one small ``all_reduce(MAX)``, so all ranks learn of a signal that reached
+any of them at the same step, write one checkpoint and leave with :class:`Preempted`, exit code
+``128 + signal`` (what a shell reports for a process killed by that signal; never 0).
+
+A second Ctrl-C (SIGINT, a second or more after the first) is taken as "now": the default action
+runs and the process ends at once, so a stuck run can still be stopped. Other signals are taken
+once: Slurm signals every process of a step and launchers forward what they receive, so they
+often arrive twice.
+
+:func:`slurm_requeue` and :func:`stable_run_name` let a preempted job come back to its own folder
+under Slurm (job id) and torchrun (rendezvous run id). Plain torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError
+
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "Preempted",
+    "SignalFlag",
+    "agree_on_signal",
+    "check_signals",
+    "exit_code",
+    "slurm_job_id",
+    "slurm_requeue",
+    "stable_run_name",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+_INSIST_AFTER_S = 1.0  # a second Ctrl-C this long after the first ends the process at once
+
+
+def exit_code(signum: int) -> int:
+    """The exit code of a run stopped by ``signum``: ``128 + signum`` (143 for SIGTERM, 130 for SIGINT).
+
+    Example::
+
+        >>> exit_code(signal.SIGTERM), exit_code(signal.SIGINT)
+        (143, 130)
+    """
+    return 128 + int(signum)
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is written; exits with ``128 + signum``.
+
+    A ``SystemExit``, so a script that does not catch it ends with that code, as it would have
+    ended had the signal killed it, and Lightning's trainer tears down as for any exception.
+
+    Example::
+
+        >>> err = Preempted(signal.SIGTERM, "/tmp/ckpt")
+        >>> err.code, err.signum, err.checkpoint
+        (143, 15, '/tmp/ckpt')
+    """
+
+    def __init__(self, signum: int, checkpoint: str | None = None) -> None:
+        super().__init__(exit_code(signum))
+        self.signum = int(signum)
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
+        return f"preempted by {name} (exit code {self.code}){where}"
+
+
+def check_signals(signals: Iterable[str | int]) -> tuple[signal.Signals, ...]:
+    """Signal names or numbers as ``signal.Signals``; a clear error for anything else.
+
+    Example::
+
+        >>> check_signals(["SIGTERM", "USR1", 2])
+        (<Signals.SIGTERM: 15>, <Signals.SIGUSR1: 10>, <Signals.SIGINT: 2>)
+        >>> check_signals(["SIGKILL"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentValueError: `signals` should be signal names ... got 'SIGKILL'.
+    """
+    allowed = "signal names that can be caught (such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP)"
+    if isinstance(signals, (str, bytes)) or not isinstance(signals, Iterable):
+        raise ArgumentTypeError("signals", f"a list of {allowed}", signals)
+    out: list[signal.Signals] = []
+    for item in signals:
+        try:
+            if isinstance(item, bool) or not isinstance(item, (str, int)):
+                raise ValueError
+            if isinstance(item, int):
+                sig = signal.Signals(item)
+            else:
+                name = item.upper()
+                sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        except (KeyError, ValueError):
+            raise ArgumentValueError("signals", allowed, item) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ArgumentValueError("signals", allowed, sig.name)
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
+class SignalFlag:
+    """Handlers that only remember the first signal received; install, read, restore.
+
+    Example::
+
+        >>> flag = SignalFlag(["SIGUSR2"]).install()
+        >>> os.kill(os.getpid(), signal.SIGUSR2)
+        >>> flag.signum == signal.SIGUSR2
+        True
+        >>> flag.restore()
+        >>> signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+        True
+    """
+
+    def __init__(self, signals: Iterable[str | int] = DEFAULT_SIGNALS) -> None:
+        self.signals = check_signals(signals)
+        self.signum = 0
+        self._at = 0.0
+        self._previous: dict[signal.Signals, Any] = {}
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> SignalFlag:
+        """Take over the signals (main thread only; elsewhere a no-op, as signals go to the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in self.signals:
+            current = signal.getsignal(sig)
+            if current is self._handle:
+                continue
+            self._previous.setdefault(sig, current)
+            signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        """Give each signal back the handler it had before :meth:`install` (if ours is still there)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def clear(self) -> None:
+        self.signum = 0
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if signum == signal.SIGINT and self.signum == signum and now - self._at >= _INSIST_AFTER_S:
+            # Ctrl-C pressed again: stop now. (Other signals often arrive twice by design: Slurm
+            # signals every process of a step and launchers forward what they get.)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if not self.signum:
+            self.signum, self._at = signum, now
+
+
+def agree_on_signal(signum: int, device: torch.device | str = "cpu", group: Any = None) -> int:
+    """The largest signal number flagged on any rank (0 when none): one ``all_reduce(MAX)``.
+
+    Every rank must call it at the same point (a step boundary). Without a process group it
+    returns ``signum``.
+
+    Example::
+
+        >>> agree_on_signal(0), agree_on_signal(15)
+        (0, 15)
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return int(signum)
+    flag = torch.tensor([int(signum)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
+
+
+def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The Slurm id of this job, ``<array job>_<task>`` for an array task; None outside Slurm.
+
+    Example::
+
+        >>> slurm_job_id({"SLURM_JOB_ID": "812"})
+        '812'
+        >>> slurm_job_id({"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "9"})
+        '7_3'
+        >>> slurm_job_id({}) is None
+        True
+    """
+    env = dict(os.environ) if env is None else env
+    array_job = env.get("SLURM_ARRAY_JOB_ID")
+    if array_job and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{array_job}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def slurm_requeue(job_id: str | None = None) -> bool:
+    """``scontrol requeue <job>``, as Lightning's SLURMEnvironment does; True when Slurm accepted it.
+
+    Call it from one rank, after the checkpoint is on disk (never from a signal handler).
+    """
+    job_id = job_id or slurm_job_id()
+    if not job_id or not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
+        log.warning("not requeued: no Slurm job id in the environment (got %r)", job_id)
+        return False
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning("requeueing Slurm job %s failed: %s", job_id, err)
+        return False
+    if result.returncode != 0:
+        log.warning("requeueing Slurm job %s failed: %s", job_id, (result.stderr or result.stdout).strip())
+        return False
+    log.info("requeued Slurm job %s", job_id)
+    return True
+
+
+def stable_run_name(env: Mapping[str, str] | None = None) -> str | None:
+    """A run name that a restarted or requeued job finds again, or None when there is none.
+
+    Under Slurm ``slurm-<job id>`` (array tasks: ``slurm-<array job>_<task>``); under torchrun
+    ``torchrun-<rendezvous run id>`` (``--rdzv-id``, or the id ``--standalone`` makes up). torchrun's
+    default id ``none`` is not unique to a job: then the agent's process id is used, which is
+    stable across the restarts of one torchrun.
+
+    Example::
+
+        >>> stable_run_name({"SLURM_JOB_ID": "812"}), stable_run_name({"TORCHELASTIC_RUN_ID": "exp1"})
+        ('slurm-812', 'torchrun-exp1')
+        >>> stable_run_name({}) is None
+        True
+    """
+    env = dict(os.environ) if env is None else env
+    job = slurm_job_id(env)
+    if job:
+        return f"slurm-{job}"
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id:
+        if run_id == "none":
+            run_id = f"agent{os.getppid()}"
+        return "torchrun-" + re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+    return None

@@ -1,0 +1,78 @@
+"""A CSV logger that a resumed run continues
+==========================================
+
+Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when it opens its log folder, and
+rewrites the file with the header of the keys logged so far in this process (a resumed run that
+logs fewer keys than the file holds fails there). :class:`ResumableCSVLogger` keeps the file,
+starts from its header, and widens the header when new keys appear, so a run resumed from a
+checkpoint appends to the rows of the run it continues (:class:`PreemptionCheckpoint` first cuts
+the file back to the rows logged before the checkpoint).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from typing import Any
+
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from typing_extensions import override
+
+from ddp_plugins.core.checkpoints import write_text_atomic
+
+__all__ = ["ResumableCSVLogger"]
+
+
+class _AppendingWriter(ExperimentWriter):
+    """``ExperimentWriter`` that continues an existing metrics file instead of deleting it."""
+
+    def __init__(self, log_dir: str) -> None:
+        super().__init__(log_dir)
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as file:
+                self.metrics_keys = list(next(csv.reader(file), []))
+
+    @override
+    def _check_log_dir_exists(self) -> None:
+        pass  # the file is the run's own history: keep it
+
+    @override
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        with open(self.metrics_file_path, newline="") as file:
+            rows = list(csv.DictReader(file))
+        keys = sorted(set(fieldnames).union(*(row.keys() for row in rows)))
+        self.metrics_keys = keys
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text_atomic(self.metrics_file_path, out.getvalue())
+
+
+class ResumableCSVLogger(CSVLogger):
+    """``CSVLogger`` whose ``metrics.csv`` survives a resume (same arguments as ``CSVLogger``).
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> for step in range(2):  # two runs in the same folder: the second continues the file
+        ...     logger = ResumableCSVLogger(folder, name="m", version="")
+        ...     logger.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+        ...     logger.save()
+        >>> open(os.path.join(folder, "m", "metrics.csv")).read().split()
+        ['loss,step', '1.0,0', '0.5,1']
+    """
+
+    @property
+    @rank_zero_experiment
+    @override
+    def experiment(self) -> Any:
+        if self._experiment is not None:
+            return self._experiment
+        self._fs.makedirs(self.root_dir, exist_ok=True)
+        self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment

@@ -1,0 +1,306 @@
+"""Preemption-safe training
+========================
+
+:class:`PreemptionCheckpoint` makes a run that is stopped anywhere (SIGTERM, Slurm's
+``--signal=USR1@90`` before a requeue, Ctrl-C, a torchrun restart after a worker died) resume and
+end bit-identical to an uninterrupted run:
+
+* **Signals only set a flag** (:class:`ddp_plugins.core.preemption.SignalFlag`), on any rank.
+  Lightning's own handlers are replaced while training runs: its SIGUSR1 handler writes a
+  checkpoint from inside the handler and its SIGTERM handler broadcasts from there, which
+  deadlocks when the other rank is inside a collective (SyncBN's all-reduce).
+* **The ranks agree at a step boundary**: after every ``check_every_n_steps``-th optimizer step,
+  one ``all_reduce(MAX)`` of the flag. All ranks stop after the same step, write one checkpoint
+  (``step-<S>-preempted.ckpt``), requeue the Slurm job when asked (``scontrol requeue``, from rank 0,
+  after the file is on disk) and leave with :class:`~ddp_plugins.core.preemption.Preempted`:
+  exit code ``128 + signal``, never 0.
+* **Step checkpoints** every ``every_n_train_steps`` optimizer steps (``step-<S>.ckpt``, the last
+  ``keep`` kept), written atomically by :class:`DDPPluginsStrategy` (temporary name, fsync, rename).
+* **The metrics CSV continues** without a lost or repeated row: each checkpoint records how many
+  rows the run had logged when the step was complete (Lightning logs a step's metrics after
+  ``on_train_batch_end``, where checkpoints are taken, so the count is taken at the next hook
+  and kept in ``checkpoints/metrics_rows.json``); a resumed run cuts the CSV back to that count.
+
+What makes the resumed run exact besides: :class:`DDPPluginsStrategy` resumes the data in the
+middle of an epoch (:class:`~ddp_plugins.core.ResumableSampler`), :class:`RankAwareSeed` stores
+every rank's RNG streams, Lightning restores the loops, optimizer and the callbacks' states
+(AccumulationNoSync's window follows the restored batch counters, AllReduceCounter keeps its
+totals). Checkpoints are taken only at optimizer-step boundaries, never inside an accumulation
+window (whose partial gradients are in no checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from typing_extensions import override
+
+from ddp_plugins.core.checkpoints import (
+    count_csv_rows,
+    read_json,
+    truncate_csv_rows,
+    write_text_atomic,
+)
+from ddp_plugins.core.checks import check_choice, check_int
+from ddp_plugins.core.preemption import (
+    DEFAULT_SIGNALS,
+    Preempted,
+    SignalFlag,
+    agree_on_signal,
+    check_signals,
+    slurm_job_id,
+    slurm_requeue,
+)
+from ddp_plugins.lightning.accumulation import is_step_boundary
+
+__all__ = ["PreemptionCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+ROWS_LEDGER = "metrics_rows.json"
+_STEP_FILE = re.compile(r"^step-(\d+)(-preempted)?\.ckpt$")
+
+
+class PreemptionCheckpoint(Callback):
+    """Stop every rank at the same step on a signal, checkpoint, exit ``128 + signal``; step checkpoints.
+
+    Args:
+        dirpath: folder of the checkpoints (default: ``<default_root_dir>/checkpoints``).
+        every_n_train_steps: also write a checkpoint every this many optimizer steps (0: only on
+            a signal).
+        keep: how many of this callback's step checkpoints to keep (the newest), at least 1.
+        signals: the signals that stop the run (names or numbers); a second Ctrl-C ends the
+            process at once.
+        check_every_n_steps: agree on the flag after every this many optimizer steps (one
+            ``all_reduce`` of one integer each time).
+        requeue: ``"auto"`` (under Slurm, requeue the job after a ``requeue_signal``), ``"always"``
+            (after any of the signals) or ``"never"``.
+        requeue_signal: the signal Slurm sends before preempting (``--signal=USR1@90``).
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of range.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(callbacks=[PreemptionCheckpoint(every_n_train_steps=50)], logger=False)
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_train_steps: int = 0,
+        keep: int = 2,
+        signals: list[str] | tuple[str, ...] = DEFAULT_SIGNALS,
+        check_every_n_steps: int = 1,
+        requeue: str = "auto",
+        requeue_signal: str = "SIGUSR1",
+    ) -> None:
+        self.dirpath = dirpath
+        self.every_n_train_steps = check_int("every_n_train_steps", every_n_train_steps, 0)
+        self.keep = check_int("keep", keep, 1)
+        self.signals = check_signals(signals)
+        self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.requeue = check_choice("requeue", requeue, ("auto", "always", "never"))
+        (self.requeue_signal,) = check_signals([requeue_signal])
+        self._flag = SignalFlag(self.signals)
+        self._boundaries = 0
+        self._rows_pending = False  # a checkpoint was written; its metrics rows are counted at the next hook
+        self._trainer: pl.Trainer | None = None
+        self._saving: str | None = None
+        self._pending_path: str | None = None
+        self._stop: Preempted | None = None
+        self.resumed_from: str | None = None
+
+    # ---------------------------------------------------------------- set-up and signals
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.dirpath is None:
+            self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
+        self._trainer, self._boundaries, self._rows_pending, self._stop = trainer, 0, False, None
+        self._flag.clear()
+        # Installed from the sanity check / train start on: Lightning registers its own handlers
+        # after `on_fit_start` and restores what it found then when fit ends; taking over earlier
+        # would make it "restore" ours.
+
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flag.install()  # replaces Lightning's handlers, registered just before
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flag.install()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._flag.restore()
+            self._trainer = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, Preempted):
+            self._finish_rows(trainer)
+        self._flag.restore()
+
+    # ---------------------------------------------------------------- the step boundary
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not is_step_boundary(trainer):
+            return
+        self._boundaries += 1
+        signum = 0
+        if self._boundaries % self.check_every_n_steps == 0:
+            signum = agree_on_signal(self._flag.signum, device=trainer.strategy.root_device)
+        step = trainer.global_step
+        if signum:
+            path = self._save(trainer, f"step-{step}-preempted.ckpt")
+            if trainer.is_global_zero:
+                log.warning("preempted by signal %d at step %d: checkpoint %s", signum, step, path)
+                if self._should_requeue(signum):
+                    slurm_requeue()
+            # Raised at the next hook, once Lightning has logged this step's metrics
+            self._stop = Preempted(signum, str(path))
+        elif self.every_n_train_steps and step % self.every_n_train_steps == 0:
+            self._save(trainer, f"step-{step}.ckpt")
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._after_step(trainer)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit":
+            self._after_step(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._after_step(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stop is not None:
+            self._after_step(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._after_step(trainer)
+
+    def _after_step(self, trainer: pl.Trainer) -> None:
+        """The step's metrics are logged by now: record the rows of the last checkpoint, stop if agreed."""
+        self._finish_rows(trainer)
+        if self._stop is not None:
+            stop, self._stop = self._stop, None
+            raise stop
+
+    def _should_requeue(self, signum: int) -> bool:
+        if self.requeue == "never" or slurm_job_id() is None:
+            return False
+        return self.requeue == "always" or signum == self.requeue_signal
+
+    # ---------------------------------------------------------------- checkpoint files
+
+    def _save(self, trainer: pl.Trainer, name: str) -> Path:
+        assert self.dirpath is not None
+        path = Path(self.dirpath) / name
+        self._saving = str(path)
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            self._saving = None
+        if trainer.is_global_zero:
+            self._prune(path)
+        return path
+
+    def _prune(self, newest: Path) -> None:
+        """Keep the newest ``keep`` step checkpoints of this callback (preemption ones included)."""
+        ours = []
+        for path in newest.parent.iterdir():
+            match = _STEP_FILE.match(path.name)
+            if match and path != newest:
+                ours.append((path.stat().st_mtime_ns, path))
+        for _, path in sorted(ours)[: max(len(ours) - (self.keep - 1), 0)]:
+            path.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- metrics rows
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # no collective: rank 0 writes the file, and only its count matters
+        return {"metrics_rows": _logged_rows(self._trainer) if self._trainer is not None else None}
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # the checkpoint being written now gets its final row count at the next hook
+        self._rows_pending = True
+        if self._saving is not None:  # our own file; another callback's is known to our strategy only
+            self._pending_path = self._saving
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self.resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path else None
+        if not trainer.is_global_zero:
+            return
+        callbacks = checkpoint.get("callbacks", {})
+        state: dict[str, Any] = next((v for k, v in callbacks.items() if k.startswith(type(self).__name__)), {})
+        rows = state.get("metrics_rows")
+        if self.resumed_from is not None:
+            ledger = read_json(Path(self.resumed_from).parent / ROWS_LEDGER)
+            rows = ledger.get(Path(self.resumed_from).name, rows)
+        csv_path = _csv_path(trainer)
+        if rows is not None and csv_path is not None:
+            dropped = truncate_csv_rows(csv_path, int(rows))
+            if dropped:
+                log.info("metrics: dropped %d row(s) logged after the checkpoint", dropped)
+
+    def _finish_rows(self, trainer: pl.Trainer) -> None:
+        if not self._rows_pending:
+            return
+        self._rows_pending = False
+        path = getattr(trainer.strategy, "last_checkpoint_path", self._pending_path)
+        self._pending_path = None
+        if not trainer.is_global_zero or path is None:
+            return
+        rows = _logged_rows(trainer)
+        if rows is None:
+            return
+        ledger_path = Path(path).parent / ROWS_LEDGER
+        ledger = read_json(ledger_path)
+        ledger = {name: n for name, n in ledger.items() if (Path(path).parent / name).exists()}
+        ledger[Path(path).name] = rows
+        write_text_atomic(ledger_path, json.dumps(ledger, indent=1, sort_keys=True))
+
+
+def _csv_logger(trainer: pl.Trainer) -> CSVLogger | None:
+    return next((logger for logger in trainer.loggers if isinstance(logger, CSVLogger)), None)
+
+
+def _csv_path(trainer: pl.Trainer) -> Path | None:
+    logger = _csv_logger(trainer)
+    if logger is None:
+        return None
+    return Path(logger.log_dir) / "metrics.csv"
+
+
+def _logged_rows(trainer: pl.Trainer) -> int | None:
+    """Rows the CSV logger has been given so far (written out first), on rank 0; None elsewhere."""
+    logger = _csv_logger(trainer)
+    if logger is None or not trainer.is_global_zero:
+        return None
+    logger.save()
+    return count_csv_rows(Path(logger.log_dir) / "metrics.csv")

@@ -1,0 +1,109 @@
+"""Preemption-safe training, end to end: interrupted runs resume and end bit-identical.
+
+One reference run, then the same config interrupted by real signals at exact points (sent from
+inside the run by :class:`tests.helpers.interrupt.SignalAt`) and resumed by the same command. Each
+must end with parameters, BatchNorm buffers and optimizer state ``torch.equal`` to the reference's,
+the same epoch and global step, and the same metrics CSV rows. The config has dropout, DataLoader
+workers, step checkpoints and every plugin on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.multiprocess import check_ok, run_command
+from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
+
+APP = [sys.executable, "-m", "ddp_plugins.train"]
+SMALL = [
+    "data=synthetic", "data.num_samples=640", "model.channels=8", "model.dropout=0.2", "data.num_workers=2",
+    "trainer.max_epochs=2", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+    "checkpoint.every_n_train_steps=2", "checkpoint.keep=2",
+]  # fmt: skip  # 512 training samples: 8 steps per epoch on 2 ranks
+RESUMING = re.compile(r"resuming from (\S+) \(epoch (\d+), step (\d+)\)")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reference") / "run"
+    check_ok(run_command([*APP, *SMALL, f"hydra.run.dir={folder}"], timeout=300))
+    return folder
+
+
+def _interrupt(hook: str, step: int, rank: int, sig: str, target: str) -> list[str]:
+    prefix = "+callbacks.interrupt."
+    return [f"{prefix}_target_=tests.helpers.interrupt.SignalAt", f"{prefix}hook={hook}", f"{prefix}step={step}",
+            f"{prefix}rank={rank}", f"{prefix}sig={sig}", f"{prefix}target={target}"]  # fmt: skip
+
+
+SCENARIOS = {
+    # name: (hook, step, rank, signal, target)
+    "mid_epoch_ctrl_c_to_the_process_group": ("train_batch_end", 3, 0, "SIGINT", "group"),
+    "sigterm_to_rank1_right_after_a_checkpoint": ("train_batch_start", 4, 1, "SIGTERM", "self"),
+    "slurm_usr1_during_validation": ("validation_batch_start", 0, 0, "SIGUSR1", "self"),
+    "sigterm_to_the_group_while_a_checkpoint_is_written": ("save_checkpoint", 2, 0, "SIGTERM", "group"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_interrupted_run_resumes_bit_identical(scenario, reference, tmp_path):
+    hook, step, rank, sig, target = SCENARIOS[scenario]
+    folder = tmp_path / "run"
+    cmd = [*APP, *SMALL, f"hydra.run.dir={folder}"]
+
+    first = run_command([*cmd, *_interrupt(hook, step, rank, sig, target)], timeout=300)
+    gone = time.time()
+    signum = getattr(signal, sig)
+    assert first.returncode == 128 + signum, (
+        f"expected exit code {128 + signum}, got {first.returncode}\n{first.stdout[-3000:]}\n{first.stderr[-5000:]}"
+    )
+    sent = (folder / "interrupted").stat().st_mtime
+    assert gone - sent < 30, f"processes took {gone - sent:.1f} s to end after the signal"
+    stopped = sorted((folder / "checkpoints").glob("step-*-preempted.ckpt"))
+    assert len(stopped) == 1, sorted(p.name for p in (folder / "checkpoints").iterdir())
+    saved_step = int(re.search(r"step-(\d+)", stopped[0].name).group(1))
+    assert torch.load(stopped[0], map_location="cpu", weights_only=False)["global_step"] == saved_step
+    assert f"preempted by {sig}" in first.stderr and "Traceback" not in first.stderr, first.stderr[-3000:]
+
+    # the same command again: continues from the preemption checkpoint by itself
+    second = check_ok(run_command([*cmd, *_interrupt(hook, step, rank, sig, target)], timeout=300))
+    found = RESUMING.search(second.stdout)
+    assert found and Path(found.group(1)) == stopped[0], second.stdout[-2000:]
+    assert int(found.group(3)) == saved_step
+
+    assert_equal_states(final_state(reference), final_state(folder))
+    assert metrics_rows(folder) == metrics_rows(reference)
+
+
+@pytest.mark.slow
+def test_resume_never_starts_over_and_a_path_resumes_from_it(reference, tmp_path):
+    folder = tmp_path / "run"
+    cmd = [*APP, *SMALL, f"hydra.run.dir={folder}"]
+    stopped = run_command([*cmd, *_interrupt("train_batch_end", 5, 0, "SIGTERM", "self")], timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    checkpoint = next((folder / "checkpoints").glob("step-*-preempted.ckpt"))
+    other = tmp_path / "other"
+    resumed = check_ok(run_command([*APP, *SMALL, f"hydra.run.dir={other}", f"resume={checkpoint}"], timeout=300))
+    assert RESUMING.search(resumed.stdout).group(1) == str(checkpoint)
+    assert_equal_states(final_state(reference), final_state(other))
+    fresh = check_ok(run_command([*cmd, "resume=never"], timeout=300))
+    assert not RESUMING.search(fresh.stdout), "resume=never must start from scratch"
+    assert_equal_states(final_state(reference), final_state(folder))
+
+
+def test_bad_resume_is_a_one_line_error(tmp_path):
+    result = run_command([*APP, "resume=nowhere.ckpt"], timeout=60, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: resume got 'nowhere.ckpt' (no such file), allowed: 'auto', 'never' or the path of a checkpoint file"
+    ), result.stderr
+    assert not os.listdir(tmp_path)

@@ -1,0 +1,183 @@
+"""The torch-only preemption pieces: signal flags, agreement, exit codes, run names, checkpoint helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_plugins.core import (
+    Preempted,
+    ResumableSampler,
+    SignalFlag,
+    agree_on_signal,
+    gather_per_rank,
+    latest_checkpoint,
+    save_atomic,
+    stable_run_name,
+)
+from ddp_plugins.core.checkpoints import count_csv_rows, truncate_csv_rows
+from ddp_plugins.core.preemption import check_signals, slurm_job_id
+
+
+def test_check_signals_names_numbers_and_clear_errors():
+    assert check_signals(["term", "SIGUSR1", int(signal.SIGINT), "SIGTERM"]) == (
+        signal.SIGTERM, signal.SIGUSR1, signal.SIGINT,
+    )  # fmt: skip
+    for bad in (["SIGKILL"], ["SIGSTOP"], ["NOPE"], [1.5], [True]):
+        with pytest.raises(ValueError, match="`signals` should be signal names that can be caught"):
+            check_signals(bad)
+    with pytest.raises(TypeError, match="`signals` should be a list of signal names"):
+        check_signals("SIGTERM")
+
+
+def test_signal_flag_records_the_first_signal_and_restores_the_previous_handler():
+    previous = signal.getsignal(signal.SIGUSR2)
+    flag = SignalFlag(["SIGUSR2", "SIGHUP"]).install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGUSR2)  # a repeated SIGUSR2 (forwarded twice) does not kill
+        assert flag.signum == signal.SIGUSR2
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGUSR2) == previous
+
+
+def _script(body: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+    result = _script(
+        """
+        import os, signal, time
+        from ddp_plugins.core import SignalFlag
+        flag = SignalFlag().install()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.signum == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGINT)  # at once: still pending, taken as the same press
+        time.sleep(1.1)
+        os.kill(os.getpid(), signal.SIGINT)  # a second press later: the process ends now
+        time.sleep(5)
+        print("still alive")
+        """
+    )
+    assert result.returncode == -signal.SIGINT, (result.returncode, result.stdout, result.stderr)
+    assert "still alive" not in result.stdout
+
+
+def test_preempted_exits_128_plus_the_signal_through_run_main():
+    result = _script(
+        """
+        import signal
+        from ddp_plugins.core import Preempted, run_main
+        def main():
+            raise Preempted(signal.SIGTERM, "ckpt")
+        run_main(main)
+        """
+    )
+    assert result.returncode == 143, result.stderr
+    assert str(Preempted(signal.SIGINT, "x.ckpt")) == "preempted by SIGINT (exit code 130); checkpoint x.ckpt"
+
+
+def _agree(rank, world_size):
+    signum = int(signal.SIGUSR1) if rank == 1 else 0
+    return agree_on_signal(signum), agree_on_signal(0)
+
+
+def test_ranks_agree_on_a_signal_that_reached_one_of_them(dist_pool):
+    assert dist_pool.run(_agree) == [(int(signal.SIGUSR1), 0)] * 2
+
+
+def _gather(rank, world_size):
+    checkpoint = {"callbacks": {"B": {"per_rank": f"b{rank}"}, "A": {"per_rank": {"r": rank}, "x": 1}, "C": {"y": 2}}}
+    return gather_per_rank(checkpoint)
+
+
+def test_per_rank_parts_are_gathered_in_rank_order(dist_pool):
+    for result in dist_pool.run(_gather):
+        assert result == {"callbacks": {
+            "B": {"per_rank": ["b0", "b1"]}, "A": {"per_rank": [{"r": 0}, {"r": 1}], "x": 1}, "C": {"y": 2},
+        }}  # fmt: skip
+
+
+def test_slurm_and_torchrun_run_names():
+    assert slurm_job_id({"SLURM_JOB_ID": "5"}) == "5"
+    assert slurm_job_id({"SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "9"}) == "5_2"
+    assert stable_run_name({"SLURM_JOB_ID": "5", "TORCHELASTIC_RUN_ID": "x"}) == "slurm-5"
+    assert stable_run_name({"TORCHELASTIC_RUN_ID": "a/b c"}) == "torchrun-a_b_c"
+    assert stable_run_name({"TORCHELASTIC_RUN_ID": "none"}) == f"torchrun-agent{os.getppid()}"
+    assert stable_run_name({}) is None
+
+
+def test_latest_checkpoint_is_the_last_written_and_ignores_temporary_files(tmp_path):
+    assert latest_checkpoint(tmp_path / "missing") is None
+    for name in ("last.ckpt", "step-9.ckpt"):
+        (tmp_path / name).write_bytes(b"x")
+        time.sleep(0.01)
+    (tmp_path / ".step-12.ckpt.123.tmp").write_bytes(b"partial")
+    (tmp_path / "notes.txt").write_text("x")
+    assert latest_checkpoint(tmp_path).name == "step-9.ckpt"
+
+
+def test_a_failed_save_leaves_neither_a_file_nor_a_partial_one(tmp_path):
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    target = tmp_path / "a.ckpt"
+    save_atomic({"ok": 1}, target)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_atomic({"bad": Unpicklable()}, target)
+    assert torch.load(target) == {"ok": 1}, "the previous checkpoint is untouched"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]
+
+
+def test_metrics_rows_are_counted_and_cut_back(tmp_path):
+    path = tmp_path / "metrics.csv"
+    assert count_csv_rows(path) == 0 and truncate_csv_rows(path, 3) == 0
+    path.write_text("epoch,loss,step\n0,1.5,0\n0,1.2,1\n1,,2\n")
+    assert count_csv_rows(path) == 3
+    assert truncate_csv_rows(path, 5) == 0
+    assert truncate_csv_rows(path, 1) == 2
+    assert path.read_text().splitlines() == ["epoch,loss,step", "0,1.5,0"]
+
+
+def test_resumable_sampler_skips_once_sets_the_epoch_first_and_draws_nothing_global():
+    data = list(range(40))
+    reference = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7)
+    reference.set_epoch(3)
+    order = list(reference)
+
+    inner = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7)
+    sampler = ResumableSampler(inner, skip=8, epoch=3, seed=7, rank=1)
+    assert inner.epoch == 3, "the resumed epoch is set before any iterator exists"
+    assert len(sampler) == len(order) and sampler.shuffle is True
+    loader = DataLoader(data, batch_size=4, sampler=sampler, generator=sampler.generator)
+    state = torch.get_rng_state()
+    batches = [b.tolist() for b in loader]
+    assert torch.equal(torch.get_rng_state(), state), "making and running the iterator drew from the global stream"
+    assert sum(batches, []) == order[8:], "the first iteration continues after the skipped batches"
+    assert sum(([b.tolist() for b in loader]), []) == order, "later iterations are whole"
+
+    seeds = []
+    for epoch in (3, 4, 3):
+        sampler.set_epoch(epoch)
+        seeds.append(sampler.generator.initial_seed())
+    assert seeds[0] == seeds[2] != seeds[1], "the loader generator is reseeded per epoch, reproducibly"
+    other_rank = ResumableSampler(DistributedSampler(data, num_replicas=2, rank=0, seed=7), epoch=3, seed=7, rank=0)
+    assert other_rank.generator.initial_seed() != seeds[0]
+
+
+def test_preempted_is_a_system_exit_with_the_checkpoint():
+    err = Preempted(signal.SIGUSR1, "c.ckpt")
+    assert isinstance(err, SystemExit) and err.code == 128 + signal.SIGUSR1 and err.checkpoint == "c.ckpt"

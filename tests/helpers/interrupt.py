@@ -1,0 +1,66 @@
+"""A test callback that interrupts a run at an exact point, once per run folder.
+
+Added to the app on the command line (``+callbacks.interrupt._target_=tests.helpers.interrupt.SignalAt``
+and its arguments). It sends a real signal, from inside the run, at a point a test could not hit
+reliably from outside (during validation, while a checkpoint is being written). A marker file
+makes it fire once per run folder, so the resumed run (same command) runs through.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+HOOKS = ("train_batch_end", "train_batch_start", "validation_batch_start", "save_checkpoint")
+
+
+class SignalAt(Callback):
+    """Send ``sig`` at ``hook`` once ``global_step >= step``, from global rank ``rank``.
+
+    Args:
+        hook: one of :data:`HOOKS`.
+        step: the first global step at which to fire.
+        rank: the rank that sends.
+        sig: the signal's name.
+        target: ``"self"`` (this process), ``"group"`` (this process group: every rank and
+            DataLoader worker, as a terminal's Ctrl-C or ``kill -- -PGID``) or ``"rank0"``.
+        marker: file that records that the signal was sent (default: ``<root>/interrupted``).
+    """
+
+    def __init__(self, hook: str, step: int = 0, rank: int = 0, sig: str = "SIGTERM", target: str = "self",
+                 marker: str | None = None) -> None:  # fmt: skip
+        assert hook in HOOKS, hook
+        self.hook, self.step, self.rank, self.sig, self.target, self.marker = hook, step, rank, sig, target, marker
+
+    def _maybe_fire(self, trainer: Any, hook: str) -> None:
+        if hook != self.hook or trainer.global_rank != self.rank or trainer.global_step < self.step:
+            return
+        if hook == "validation_batch_start" and trainer.sanity_checking:
+            return
+        marker = Path(self.marker or Path(trainer.default_root_dir) / "interrupted")
+        if marker.exists():
+            return
+        marker.write_text(f"{self.sig} at {hook}, step {trainer.global_step}\n")
+        sig = getattr(signal, self.sig)
+        if self.target == "group":
+            os.killpg(os.getpgid(0), sig)
+        elif self.target == "rank0":
+            os.kill(os.getppid() if trainer.global_rank else os.getpid(), sig)
+        else:
+            os.kill(os.getpid(), sig)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._maybe_fire(trainer, "train_batch_end")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._maybe_fire(trainer, "train_batch_start")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._maybe_fire(trainer, "validation_batch_start")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self._maybe_fire(trainer, "save_checkpoint")
