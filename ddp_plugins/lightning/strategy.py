@@ -51,6 +51,7 @@ Example::
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -448,6 +449,8 @@ def _resumable_train_loader(dataloader: Any, trainer: Any) -> Any:
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
     if done >= len(dataloader):  # the checkpoint ended its epoch: the next one starts afresh
         epoch, done = epoch + 1, 0
+    # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; this one is exact
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     seed = None if dataloader.generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
     sampler = ResumableSampler(dataloader.sampler, done * dataloader.batch_size, epoch, seed, trainer.global_rank)
     rebuilt = update_dataloader(dataloader, sampler)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.multiprocess import check_ok, run_command
+from ddp_plugins.core.toolkit import free_port
+from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
@@ -107,3 +108,25 @@ def test_bad_resume_is_a_one_line_error(tmp_path):
         "error: resume got 'nowhere.ckpt' (no such file), allowed: 'auto', 'never' or the path of a checkpoint file"
     ), result.stderr
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_the_group_after_a_worker_is_killed_and_it_resumes(reference, tmp_path):
+    """SIGKILL of rank 1 mid-epoch: torchrun restarts both workers, which find the run folder
+    (named from the rendezvous id) and continue from its newest checkpoint."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=2",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=exp7",
+        "-m", "ddp_plugins.train", "trainer.devices=2", *SMALL,
+        *_interrupt("train_batch_end", 5, 1, "SIGKILL", "self"),
+    ]  # fmt: skip
+    env = {**loopback_env(), "PYTHONPATH": str(REPO_ROOT)}  # the interrupting callback lives in tests/
+    result = check_ok(run_command(cmd, timeout=300, env=env, cwd=tmp_path))
+    folder = tmp_path / "outputs" / "torchrun-exp7"
+    assert (folder / "interrupted").read_text().startswith("SIGKILL"), "the worker was not killed"
+    found = RESUMING.search(result.stdout)
+    assert found, f"the restarted group did not resume:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert Path(found.group(1)).parent == folder / "checkpoints" and int(found.group(3)) == 4
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["torchrun-exp7"], "one run folder"
+    assert_equal_states(final_state(reference), final_state(folder))
+    assert metrics_rows(folder) == metrics_rows(reference)
