@@ -93,7 +93,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     model = instantiate(cfg.model)
     trainer = build_trainer(cfg, output_dir)
     ckpt_path = resume_path(str(cfg.get("resume", "auto")), output_dir)
-    if ckpt_path is not None and os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
+    if ckpt_path is not None and get_rank() == 0:
         epoch, step = _checkpoint_position(ckpt_path)
         print(f"resuming from {ckpt_path} (epoch {epoch}, step {step})", flush=True)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)

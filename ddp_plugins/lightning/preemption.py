@@ -26,7 +26,11 @@ middle of an epoch (:class:`~ddp_plugins.core.ResumableSampler`), :class:`RankAw
 every rank's RNG streams, Lightning restores the loops, optimizer and the callbacks' states
 (AccumulationNoSync's window follows the restored batch counters, AllReduceCounter keeps its
 totals). Checkpoints are taken only at optimizer-step boundaries, never inside an accumulation
-window (whose partial gradients are in no checkpoint).
+window (whose partial gradients are in no checkpoint). At the last step of an epoch they are
+taken at ``on_train_epoch_end``, after the epoch's validation: Lightning resumes a checkpoint from
+that batch in the next epoch and would skip the validation. The same holds for a validation in
+the middle of an epoch (``val_check_interval``), which this callback does not defer: a run
+resumed from the step just before it skips it (its rows and any checkpoint it triggers).
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class PreemptionCheckpoint(Callback):
         self._saving: str | None = None
         self._pending_path: str | None = None
         self._stop: Preempted | None = None
+        self._due: tuple[int, bool] | None = None  # (signal, step checkpoint) due at the epoch's end
         self.resumed_from: str | None = None
 
     # ---------------------------------------------------------------- set-up and signals
@@ -127,7 +132,7 @@ class PreemptionCheckpoint(Callback):
             return
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
-        self._trainer, self._boundaries, self._rows_pending, self._stop = trainer, 0, False, None
+        self._trainer, self._boundaries, self._rows_pending, self._stop, self._due = trainer, 0, False, None, None
         self._flag.clear()
         # Installed from the sanity check / train start on: Lightning registers its own handlers
         # after `on_fit_start` and restores what it found then when fit ends; taking over earlier
@@ -165,6 +170,15 @@ class PreemptionCheckpoint(Callback):
         signum = 0
         if self._boundaries % self.check_every_n_steps == 0:
             signum = agree_on_signal(self._flag.signum, device=trainer.strategy.root_device)
+        step_due = bool(self.every_n_train_steps) and trainer.global_step % self.every_n_train_steps == 0
+        if _last_batch_of_epoch(trainer):
+            # Lightning resumes a checkpoint taken here in the next epoch and skips this epoch's
+            # validation and end: write it at `on_train_epoch_end` instead (after validation).
+            self._due = (signum, step_due) if signum or step_due else None
+            return
+        self._checkpoint(trainer, signum, step_due)
+
+    def _checkpoint(self, trainer: pl.Trainer, signum: int, step_due: bool) -> None:
         step = trainer.global_step
         if signum:
             path = self._save(trainer, f"step-{step}-preempted.ckpt")
@@ -174,7 +188,7 @@ class PreemptionCheckpoint(Callback):
                     slurm_requeue()
             # Raised at the next hook, once Lightning has logged this step's metrics
             self._stop = Preempted(signum, str(path))
-        elif self.every_n_train_steps and step % self.every_n_train_steps == 0:
+        elif step_due:
             self._save(trainer, f"step-{step}.ckpt")
 
     @override
@@ -194,8 +208,9 @@ class PreemptionCheckpoint(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._stop is not None:
-            self._after_step(trainer)
+        if self._due is not None:  # the epoch's last step, deferred until validation is done
+            due, self._due = self._due, None
+            self._checkpoint(trainer, *due)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -284,6 +299,11 @@ class PreemptionCheckpoint(Callback):
         ledger = {name: n for name, n in ledger.items() if (Path(path).parent / name).exists()}
         ledger[Path(path).name] = rows
         write_text_atomic(ledger_path, json.dumps(ledger, indent=1, sort_keys=True))
+
+
+def _last_batch_of_epoch(trainer: pl.Trainer) -> bool:
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(progress.is_last_batch) or progress.current.ready >= trainer.num_training_batches
 
 
 def _csv_logger(trainer: pl.Trainer) -> CSVLogger | None:

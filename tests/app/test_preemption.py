@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ SCENARIOS = {
     "mid_epoch_ctrl_c_to_the_process_group": ("train_batch_end", 3, 0, "SIGINT", "group"),
     "sigterm_to_rank1_right_after_a_checkpoint": ("train_batch_start", 4, 1, "SIGTERM", "self"),
     "slurm_usr1_during_validation": ("validation_batch_start", 0, 0, "SIGUSR1", "self"),
+    "sigterm_to_rank1_at_the_last_step_of_an_epoch": ("train_batch_end", 8, 1, "SIGTERM", "self"),
     "sigterm_to_the_group_while_a_checkpoint_is_written": ("save_checkpoint", 2, 0, "SIGTERM", "group"),
 }
 
@@ -128,5 +130,65 @@ def test_torchrun_restarts_the_group_after_a_worker_is_killed_and_it_resumes(ref
     assert found, f"the restarted group did not resume:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert Path(found.group(1)).parent == folder / "checkpoints" and int(found.group(3)) == 4
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["torchrun-exp7"], "one run folder"
+    assert_equal_states(final_state(reference), final_state(folder))
+    assert metrics_rows(folder) == metrics_rows(reference)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """The one-node Slurm cluster of tests/cluster/slurm_up.sh (installed and started if needed)."""
+    script = REPO_ROOT / "tests" / "cluster" / "slurm_up.sh"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=600)
+    if result.returncode == 3:  # packages cannot be installed here (no root, no apt)
+        pytest.skip(f"no Slurm cluster: {result.stderr.strip()}")
+    assert result.returncode == 0, f"slurm_up.sh failed:\n{result.stdout}\n{result.stderr}"
+
+
+def _job_fields(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, reference, tmp_path):
+    """`scancel --signal=USR1` (what `--signal=USR1@90` sends before preemption) on a `--requeue`
+    job: every task stops at one step and checkpoints, the job requeues itself, and the requeued
+    job continues in its own folder (outputs/slurm-<job id>) to the reference's end state."""
+    env_line = " ".join(f"{k}={v}" for k, v in loopback_env().items() if k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"))
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --job-name=ddp-preempt\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n"
+        "#SBATCH --requeue\n#SBATCH --output=slurm-%j.out\n"
+        f"export {env_line}\n"
+        f"srun {sys.executable} -m ddp_plugins.train trainer.devices=2 {' '.join(SMALL)}\n"
+    )
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], capture_output=True, text=True, timeout=60,
+        check=True, env=loopback_env(),
+    ).stdout.strip()  # fmt: skip
+    folder = tmp_path / "outputs" / f"slurm-{job}"
+    try:
+        deadline = time.monotonic() + 240
+        while not (folder / "checkpoints" / "step-4.ckpt").exists():
+            assert time.monotonic() < deadline, f"job {job} wrote no step checkpoint: {_job_fields(job)}"
+            time.sleep(0.3)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+        released = False
+        while (fields := _job_fields(job)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            assert time.monotonic() < deadline + 240, f"job {job} did not end: {fields}"
+            if not released and fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING":
+                # Slurm holds a requeued job for 2 minutes; an operator's release, to keep the test short
+                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=30)
+                released = True
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    fields = _job_fields(job)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{log[-3000:]}"
+    found = RESUMING.findall(log)  # the requeued job's log (Slurm truncates it on requeue)
+    assert len(found) == 1, f"one resume, printed once:\n{log[-3000:]}"
+    assert re.fullmatch(r"step-\d+-preempted\.ckpt", Path(found[0][0]).name) and Path(found[0][0]).parent == folder / "checkpoints"
     assert_equal_states(final_state(reference), final_state(folder))
     assert metrics_rows(folder) == metrics_rows(reference)
