@@ -58,7 +58,7 @@ Example::
 
     >>> import ddp_plugins
     >>> ddp_plugins.__version__
-    '0.2.0'
+    '0.3.0'
     >>> ddp_plugins.get_world_size()  # no process group: a single process
     1
     >>> ddp_plugins.SyncBatchNormCallback.__module__  # an adapter, loaded on first access
@@ -89,7 +89,7 @@ from ddp_plugins.core import (
     setup_rank_logging,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Adapter names, loaded (with Lightning) on first access.
 _ADAPTERS = {
