@@ -15,9 +15,11 @@ a full DDP run in its own folder.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,7 +32,7 @@ from ddp_plugins.core.process import run_main
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 
-__all__ = ["build_trainer", "main", "resume_path", "train"]
+__all__ = ["build_trainer", "main", "resume_path", "run_folder_lock", "train"]
 
 _ERROR_EXIT = 2
 
@@ -133,6 +135,40 @@ def _checkpoint_position(path: str) -> tuple[int, int]:
     return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
 
 
+@contextlib.contextmanager
+def run_folder_lock(folder: str | os.PathLike) -> Iterator[None]:
+    """Hold ``<folder>/.lock`` while a run writes there; a second run in the same folder is refused.
+
+    Two runs writing one folder would interleave checkpoints and metrics, and ``resume=auto`` would
+    continue the other's. The lock is the kernel's (``flock``): it goes with the process, so a killed,
+    requeued or restarted job finds its folder free.
+
+    Raises:
+        ConfigError: another process holds the folder.
+    """
+    import fcntl
+
+    path = Path(folder) / ".lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise ConfigError(
+                "hydra.run.dir", f"{folder} is in use by a running job ({holder})", "a folder no running job writes to"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"PID {os.getpid()}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _reset_job_state(env_before: dict[str, str]) -> None:
     """Leave the process as the next job of a sweep expects it: no process group, the environment
     as it was before the job (launcher variables, network presets and ports must not leak)."""
@@ -153,8 +189,10 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     env_before = dict(os.environ)
+    output_dir = HydraConfig.get().runtime.output_dir
     try:
-        return train(cfg, HydraConfig.get().runtime.output_dir)
+        with run_folder_lock(output_dir) if get_rank() == 0 else contextlib.nullcontext():
+            return train(cfg, output_dir)
     except ConfigError as err:  # a job whose config changed after the up-front check
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(_ERROR_EXIT) from None

@@ -192,3 +192,30 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     assert re.fullmatch(r"step-\d+-preempted\.ckpt", Path(found[0][0]).name) and Path(found[0][0]).parent == folder / "checkpoints"
     assert_equal_states(final_state(reference), final_state(folder))
     assert metrics_rows(folder) == metrics_rows(reference)
+
+
+@pytest.mark.slow
+def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
+    """Two jobs in one folder would interleave checkpoints and resume each other's: the second is refused."""
+    folder = tmp_path / "run"
+    cmd = [*APP, *SMALL, f"hydra.run.dir={folder}"]
+    first = subprocess.Popen([*cmd, "trainer.max_epochs=1000"], cwd=REPO_ROOT, env=loopback_env(), start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "checkpoints").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
+            time.sleep(0.2)
+        second = run_command(cmd, timeout=120)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert re.fullmatch(
+            rf"error: hydra.run.dir {re.escape(str(folder))} is in use by a running job \(PID {first.pid}\),"
+            r" allowed: a folder no running job writes to",
+            second.stderr.strip(),
+        ), second.stderr
+        assert first.poll() is None, "the first run is still training"
+        os.killpg(first.pid, signal.SIGTERM)
+        assert first.wait(timeout=60) == 128 + signal.SIGTERM, first.stderr.read()[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
