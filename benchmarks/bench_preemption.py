@@ -30,6 +30,7 @@ from ddp_plugins.core import LOOPBACK_ENV, run_main
 from ddp_plugins.lightning import DDPPluginsStrategy, PreemptionCheckpoint, SyncBatchNormCallback
 
 REPEATS = 3
+_ENV = {**os.environ, **LOOPBACK_ENV}  # before any fit: Lightning's launcher adds rank variables
 STEPS = 40  # optimizer steps per fit; the first 5 are warm-up and not timed
 STOPS = 3  # SIGTERM runs
 
@@ -67,7 +68,7 @@ def _stop_time() -> tuple[float, float, int]:
         "trainer.enable_progress_bar=false", "trainer.max_epochs=1", "checkpoint.every_n_train_steps=10",
         "trainer.log_every_n_steps=1", f"hydra.run.dir={run}",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=_ENV, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (run / "checkpoints" / "step-20.ckpt").exists():
             if proc.poll() is not None:

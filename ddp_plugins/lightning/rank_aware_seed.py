@@ -26,7 +26,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from ddp_plugins.core.checkpoints import PER_RANK
+from ddp_plugins.core.checkpoints import PER_RANK, gather_per_rank
 from ddp_plugins.core.checks import check_bool
 from ddp_plugins.core.ranks import get_world_size
 from ddp_plugins.core.seeding import (
@@ -62,11 +62,12 @@ class RankAwareSeed(Callback):
 
     Every checkpoint stores the RNG states (Python, NumPy, torch, CUDA) of every rank. ``state_dict``
     does not communicate: it returns this rank's states, and :class:`DDPPluginsStrategy` gathers
-    every rank's when it saves the checkpoint (with another strategy, only a single process
-    resumes its streams exactly). On resume each rank restores its own, so the resumed run draws
-    exactly what the uninterrupted run would have. A checkpoint written with another world size
-    (or without this callback) cannot be matched rank for rank: the run warns and starts fresh
-    per-rank streams keyed by ``(seed, rank, global_step)``, so it does not replay the streams of
+    every rank's when it saves the checkpoint (with another strategy, ``on_save_checkpoint``
+    gathers them, a collective while the checkpoint is dumped). On resume each rank restores its
+    own, so the resumed run draws exactly what the uninterrupted run would have. A checkpoint
+    written with another world size (or without this callback) cannot be matched rank for rank:
+    the run warns and starts fresh per-rank streams keyed by ``(seed, rank, global_step)``, so it
+    does not replay the streams of
     the first epoch.
 
     Args:
@@ -151,6 +152,15 @@ class RankAwareSeed(Callback):
         # every rank's when the checkpoint is saved, a point every rank reaches in step.
         states = encode_rng_states(collect_rng_states(include_cuda=True))
         return {"seed": self.seed, "world_size": get_world_size(), PER_RANK: states}
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # DDPPluginsStrategy gathers the per-rank parts when it saves; any other strategy does not,
+        # so they are gathered here (every rank dumps the checkpoint, in step, as in 0.2)
+        from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+
+        if not isinstance(trainer.strategy, DDPPluginsStrategy):
+            gather_per_rank(checkpoint)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -48,9 +48,8 @@ def _interrupt(hook: str, step: int, rank: int, sig: str, target: str) -> list[s
 
 SCENARIOS = {
     # name: (hook, step, rank, signal, target)
-    "mid_epoch_ctrl_c_to_the_process_group": ("train_batch_end", 3, 0, "SIGINT", "group"),
-    "sigterm_to_rank1_right_after_a_checkpoint": ("train_batch_start", 4, 1, "SIGTERM", "self"),
-    "slurm_usr1_during_validation": ("validation_batch_start", 0, 0, "SIGUSR1", "self"),
+    "ctrl_c_to_the_process_group_mid_epoch_right_after_a_checkpoint": ("train_batch_start", 4, 0, "SIGINT", "group"),
+    "usr1_to_rank1_during_validation": ("validation_batch_start", 0, 1, "SIGUSR1", "self"),
     "sigterm_to_rank1_at_the_last_step_of_an_epoch": ("train_batch_end", 8, 1, "SIGTERM", "self"),
     "sigterm_to_the_group_while_a_checkpoint_is_written": ("save_checkpoint", 2, 0, "SIGTERM", "group"),
 }
@@ -123,7 +122,7 @@ def test_torchrun_restarts_the_group_after_a_worker_is_killed_and_it_resumes(ref
         *_interrupt("train_batch_end", 5, 1, "SIGKILL", "self"),
     ]  # fmt: skip
     env = {**loopback_env(), "PYTHONPATH": str(REPO_ROOT)}  # the interrupting callback lives in tests/
-    result = check_ok(run_command(cmd, timeout=300, env=env, cwd=tmp_path))
+    result = check_ok(run_command(cmd, timeout=240, env=env, cwd=tmp_path))
     folder = tmp_path / "outputs" / "torchrun-exp7"
     assert (folder / "interrupted").read_text().startswith("SIGKILL"), "the worker was not killed"
     found = RESUMING.search(result.stdout)
@@ -170,7 +169,7 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     folder = tmp_path / "outputs" / f"slurm-{job}"
     try:
         deadline = time.monotonic() + 240
-        while not (folder / "checkpoints" / "step-4.ckpt").exists():
+        while not list((folder / "checkpoints").glob("step-*.ckpt")):  # the first step checkpoint (pruned later)
             assert time.monotonic() < deadline, f"job {job} wrote no step checkpoint: {_job_fields(job)}"
             time.sleep(0.3)
         subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)

@@ -9,7 +9,7 @@ from ddp_plugins.core.toolkit import free_port
 from tests.helpers.multiprocess import loopback_env
 
 ROUNDS_PLAIN_MAX = 60
-ROUNDS_CLEAN = 30
+ROUNDS_CLEAN = 20
 
 
 def _run_rounds(mode: str, rounds: int, timeout: float = 60.0, stop_at_failure: bool = False) -> list:
