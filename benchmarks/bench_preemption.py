@@ -65,7 +65,7 @@ def _stop_time() -> tuple[float, float, int]:
     run = Path(tempfile.mkdtemp()) / "run"
     cmd = [
         sys.executable, "-m", "ddp_plugins.train", "data=synthetic", "data.num_samples=20000",
-        "trainer.enable_progress_bar=false", "trainer.max_epochs=1", "checkpoint.every_n_train_steps=10",
+        "trainer.enable_progress_bar=false", "trainer.max_epochs=1", "checkpoint.every_n_train_steps=10", "checkpoint.keep=100",
         "trainer.log_every_n_steps=1", f"hydra.run.dir={run}",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=_ENV, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
