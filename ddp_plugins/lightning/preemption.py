@@ -44,6 +44,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
 from ddp_plugins.core.checkpoints import (
@@ -314,13 +315,13 @@ def _csv_path(trainer: pl.Trainer) -> Path | None:
     logger = _csv_logger(trainer)
     if logger is None:
         return None
-    return Path(logger.log_dir) / "metrics.csv"
+    return Path(logger.log_dir) / ExperimentWriter.NAME_METRICS_FILE
 
 
 def _logged_rows(trainer: pl.Trainer) -> int | None:
     """Rows the CSV logger has been given so far (written out first), on rank 0; None elsewhere."""
-    logger = _csv_logger(trainer)
-    if logger is None or not trainer.is_global_zero:
+    logger, path = _csv_logger(trainer), _csv_path(trainer)
+    if logger is None or path is None or not trainer.is_global_zero:
         return None
     logger.save()
-    return count_csv_rows(Path(logger.log_dir) / "metrics.csv")
+    return count_csv_rows(path)

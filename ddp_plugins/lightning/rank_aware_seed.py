@@ -67,8 +67,7 @@ class RankAwareSeed(Callback):
     own, so the resumed run draws exactly what the uninterrupted run would have. A checkpoint
     written with another world size (or without this callback) cannot be matched rank for rank:
     the run warns and starts fresh per-rank streams keyed by ``(seed, rank, global_step)``, so it
-    does not replay the streams of
-    the first epoch.
+    does not replay the streams of the first epoch.
 
     Args:
         seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.
