@@ -40,7 +40,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["exit_process", "run_main", "save_atomic"]
+__all__ = ["exit_at_interpreter_exit", "exit_process", "owns_exit", "run_main", "save_atomic"]
+
+_run_main_active = False  # run_main is this process's entry point: it ends it through exit_process
+_exit_code: int | None = None  # the code exit_at_interpreter_exit leaves with; None: not armed
 
 
 def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
@@ -108,6 +111,8 @@ def run_main(main: Callable[[], Any]) -> NoReturn:
         >>> subprocess.run([sys.executable, "-c", script]).returncode
         3
     """
+    global _run_main_active
+    _run_main_active = True
     code = 0
     try:
         main()
@@ -123,5 +128,46 @@ def run_main(main: Callable[[], Any]) -> NoReturn:
         code = 130
     except BaseException:  # noqa: BLE001 - report like the interpreter would, then exit cleanly
         traceback.print_exc()
+        code = 1
+    exit_process(code)
+
+
+def owns_exit() -> bool:
+    """Whether this process leaves through :func:`exit_process` (its entry point is :func:`run_main`)."""
+    return _run_main_active
+
+
+def exit_at_interpreter_exit(code: int) -> None:
+    """Leave through :func:`exit_process` when the interpreter exits, for a process whose entry
+    point is not ours (a submitit task runs the job inside ``python -m submitit.core._submit``).
+
+    At interpreter exit, before finalization begins, the other ``atexit`` handlers run, streams
+    are flushed and the process ends with ``code`` (the last call's), or with 1 when an uncaught
+    exception was reported after the call. The caller passes what the interpreter would have
+    exited with: 0 after a job returned (or failed inside Hydra's ``run_job``, which exits 0),
+    the code of a ``SystemExit`` it lets through.
+
+    Example::
+
+        >>> import subprocess
+        >>> script = (
+        ...     "import atexit; from ddp_plugins.core.process import exit_at_interpreter_exit\\n"
+        ...     "atexit.register(print, 'other handler ran')\\n"
+        ...     "exit_at_interpreter_exit(143); raise SystemExit(143)"
+        ... )
+        >>> result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        >>> result.returncode, result.stdout
+        (143, 'other handler ran\\n')
+    """
+    global _exit_code
+    if _exit_code is None:
+        atexit.register(_exit_now)
+    _exit_code = int(code)
+
+
+def _exit_now() -> None:
+    atexit.unregister(_exit_now)
+    code = _exit_code if _exit_code is not None else 0
+    if getattr(sys, "last_value", None) is not None:  # the interpreter reported an uncaught exception
         code = 1
     exit_process(code)

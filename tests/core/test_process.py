@@ -9,7 +9,8 @@ from ddp_plugins.core.toolkit import free_port
 from tests.helpers.multiprocess import loopback_env
 
 ROUNDS_PLAIN_MAX = 60
-ROUNDS_CLEAN = 20
+ROUNDS_CLEAN = 15
+ROUNDS_ARMED = 5
 
 
 def _run_rounds(mode: str, rounds: int, timeout: float = 60.0, stop_at_failure: bool = False) -> list:
@@ -46,11 +47,20 @@ def _run_rounds(mode: str, rounds: int, timeout: float = 60.0, stop_at_failure: 
 def test_run_main_exits_never_abort():
     """Many short gloo DDP runs ended through ``run_main``: not one process may die at exit.
 
-    Plain exits aborted in about 1 process of 10 on the machine this was written on, so 60 clean
-    exits without a failure would happen by chance with probability ~0.002 if the fix did nothing.
+    Plain exits aborted in about 1 process of 10 on the machine this was written on, so 30 clean
+    exits without a failure (40 with the armed test below, the same ``exit_process``) would happen
+    by chance with probability ~0.04 (~0.015) if the fix did nothing.
     """
     clean = _run_rounds("clean", ROUNDS_CLEAN)
     assert clean == [], f"run_main exits failed in {len(clean)} of {2 * ROUNDS_CLEAN} processes: {clean[:3]}"
+
+
+@pytest.mark.slow
+def test_exits_armed_at_interpreter_exit_never_abort():
+    """The same probe returning to the interpreter after ``exit_at_interpreter_exit(0)`` (a job
+    run by submitit's entry point): every process exits 0."""
+    armed = _run_rounds("armed", ROUNDS_ARMED)
+    assert armed == [], f"armed exits failed in {len(armed)} of {2 * ROUNDS_ARMED} processes: {armed[:3]}"
 
 
 @pytest.mark.slow
@@ -91,3 +101,20 @@ def test_run_main_keeps_exit_codes_and_flushes_output():
     )
     result = subprocess.run([sys.executable, "-c", atexit_code], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout.strip()) == (0, "atexit ran")
+
+
+def test_exit_at_interpreter_exit_keeps_the_exit_code_and_runs_every_handler_once():
+    def run(body: str) -> subprocess.CompletedProcess:
+        code = (
+            "import atexit, sys; from ddp_plugins.core.process import exit_at_interpreter_exit\n"
+            "atexit.register(lambda: print('early handler', end=';'))\n" + body
+        )
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+    returned = run("exit_at_interpreter_exit(0); print('job done', end=';')")
+    assert (returned.returncode, returned.stdout) == (0, "job done;early handler;")
+    stopped = run("exit_at_interpreter_exit(3); exit_at_interpreter_exit(143); raise SystemExit(143)")
+    assert (stopped.returncode, stopped.stdout) == (143, "early handler;"), "the last call's code"
+    failed = run("exit_at_interpreter_exit(0); raise RuntimeError('after the job')")
+    assert failed.returncode == 1 and "RuntimeError: after the job" in failed.stderr
+    assert failed.stdout == "early handler;"

@@ -1,9 +1,11 @@
-"""A short gloo DDP run, ended either as a plain script or through ``run_main``.
+"""A short gloo DDP run, ended as a plain script, through ``run_main``, or armed at exit.
 
-``python -m tests.helpers.exit_probe {plain|clean} RANK WORLD_SIZE PORT``: three DDP training
-steps on a linear model. ``plain`` then calls ``destroy_process_group()`` and lets the interpreter
-finalize, as the usual scripts do (the gloo abort at exit can strike); ``clean`` leaves through
-:func:`ddp_plugins.core.run_main`, as every ddp_plugins entry point does.
+``python -m tests.helpers.exit_probe {plain|clean|armed} RANK WORLD_SIZE PORT``: three DDP
+training steps on a linear model. ``plain`` then calls ``destroy_process_group()`` and lets the
+interpreter finalize, as the usual scripts do (the gloo abort at exit can strike); ``clean`` leaves
+through :func:`ddp_plugins.core.run_main`, as every ddp_plugins entry point does; ``armed`` returns
+to an entry point that is not ours after :func:`ddp_plugins.core.process.exit_at_interpreter_exit`,
+as the app does inside a submitit task.
 """
 
 import os
@@ -27,6 +29,11 @@ if __name__ == "__main__":
         from ddp_plugins.core import run_main
 
         run_main(lambda: _work(rank, world_size, port))
+    elif mode == "armed":
+        from ddp_plugins.core.process import exit_at_interpreter_exit
+
+        _work(rank, world_size, port)
+        exit_at_interpreter_exit(0)
     else:
         _work(rank, world_size, port)
         dist.destroy_process_group()
