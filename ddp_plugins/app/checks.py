@@ -149,8 +149,50 @@ def precheck(argv: list[str]) -> None:
     multirun = any(arg in ("-m", "--multirun") for arg in argv)
     overrides = [arg for arg in argv if not arg.startswith("-")]
     _check_group_choices(overrides)
+    tasks = _submitit_tasks(overrides)
     for job in _jobs(overrides, multirun):
-        check_config(compose_config(job, config_flags))
+        cfg = compose_config(job, config_flags)
+        check_config(cfg)
+        if tasks is not None:
+            _check_slurm_tasks(cfg, *tasks)
+
+
+SUBMITIT_LAUNCHERS = ("submitit_slurm", "submitit_local")
+
+
+def _submitit_tasks(overrides: list[str]) -> tuple[int, int] | None:
+    """(tasks per node, nodes) of a ``hydra/launcher=submitit_*`` sweep; None for other launchers."""
+    values = dict(arg.lstrip("+").partition("=")[::2] for arg in overrides if "=" in arg)
+    launcher = values.get("hydra/launcher")
+    if launcher not in SUBMITIT_LAUNCHERS:
+        return None
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        raise ConfigError(
+            "hydra/launcher",
+            f"got '{launcher}', but hydra-submitit-launcher is not installed",
+            "'basic' (the default), or submitit_slurm after `pip install 'ddp_plugins[slurm]'`",
+        )
+    counts = []
+    for key in ("tasks_per_node", "nodes"):
+        raw = values.get(f"hydra.launcher.{key}", "1")
+        try:
+            counts.append(check_int(key, int(raw), 1))
+        except (ValueError, ArgumentError):
+            raise ConfigError(f"hydra.launcher.{key}", f"got {raw!r}", "a positive integer") from None
+    return counts[0], counts[1]
+
+
+def _check_slurm_tasks(cfg: DictConfig, tasks_per_node: int, nodes: int) -> None:
+    """Lightning runs one DDP process per Slurm task: the job's tasks must be the trainer's processes."""
+    trainer = cfg.get("trainer") or {}
+    for key, tasks, lightning in (("tasks_per_node", tasks_per_node, "devices"), ("nodes", nodes, "num_nodes")):
+        wanted = trainer.get(lightning, 1)
+        if isinstance(wanted, int) and wanted != tasks:
+            raise ConfigError(
+                f"hydra.launcher.{key}",
+                f"got {tasks}, but trainer.{lightning} is {wanted}",
+                f"hydra.launcher.{key}={wanted} (one Slurm task per DDP process)",
+            )
 
 
 def _check_group_choices(overrides: list[str]) -> None:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_plugins.app.checks import CONFIG_MODULE, CONFIG_NAME, ConfigError, precheck, resolve_precision
 from ddp_plugins.core.preemption import Preempted
-from ddp_plugins.core.process import run_main
+from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 
@@ -203,6 +203,24 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     finally:
         if "LOCAL_RANK" not in env_before:  # the job's launcher, not one of its child ranks
             _reset_job_state(env_before)
+        code = _interpreter_exit_code(sys.exc_info()[1])
+        if not owns_exit() and code is not None:
+            # Run by another entry point (a submitit task): skip finalization all the same, as
+            # the gloo abort at exit would turn a finished job into a failed Slurm task.
+            exit_at_interpreter_exit(code)
+
+
+def _interpreter_exit_code(error: BaseException | None) -> int | None:
+    """The code the process exits with after the job ended with ``error`` (None: unknown).
+
+    An exception becomes the job's result in Hydra's ``run_job`` (exit 0); a ``SystemExit``
+    (``Preempted``, a config error) goes through to the interpreter with its code.
+    """
+    if error is None or isinstance(error, Exception):
+        return 0
+    if isinstance(error, SystemExit):
+        return error.code if isinstance(error.code, int) else 0 if error.code is None else 1
+    return None
 
 
 def _main() -> None:

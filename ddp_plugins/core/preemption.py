@@ -48,6 +48,7 @@ __all__ = [
     "slurm_job_id",
     "slurm_requeue",
     "stable_run_name",
+    "submitit_signal",
 ]
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,27 @@ def slurm_requeue(job_id: str | None = None) -> bool:
         return False
     log.info("requeued Slurm job %s", job_id)
     return True
+
+
+def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | None:
+    """The signal a submitit job gets before its time limit or a preemption; None outside submitit.
+
+    submitit (``hydra/launcher=submitit_slurm``) submits with ``--signal=USR2@<signal_delay_s>``
+    (``SUBMITIT_PREEMPT_SIGNAL`` names another) and handles it by requeueing from inside the
+    handler, on rank 0 only, in the middle of whatever collective that rank is in. A run that
+    takes the signal itself (:class:`~ddp_plugins.lightning.PreemptionCheckpoint`) stops every rank
+    at one step instead; the requeued job re-runs the same pickled submission.
+
+    Example::
+
+        >>> submitit_signal({"SUBMITIT_EXECUTOR": "slurm"}), submitit_signal({})
+        (<Signals.SIGUSR2: 12>, None)
+    """
+    env = dict(os.environ) if env is None else env
+    if not env.get("SUBMITIT_EXECUTOR"):
+        return None
+    (sig,) = check_signals([env.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"])
+    return sig
 
 
 def stable_run_name(env: Mapping[str, str] | None = None) -> str | None:

@@ -62,6 +62,7 @@ from ddp_plugins.core.preemption import (
     check_signals,
     slurm_job_id,
     slurm_requeue,
+    submitit_signal,
 )
 from ddp_plugins.lightning.accumulation import is_step_boundary
 
@@ -88,6 +89,10 @@ class PreemptionCheckpoint(Callback):
         requeue: ``"auto"`` (under Slurm, requeue the job after a ``requeue_signal``), ``"always"``
             (after any of the signals) or ``"never"``.
         requeue_signal: the signal Slurm sends before preempting (``--signal=USR1@90``).
+
+    Inside a submitit job (``hydra/launcher=submitit_slurm``) the signal submitit asks Slurm for
+    (``SIGUSR2``) is taken too, and is a requeue signal: the job requeues itself from the step
+    boundary, where submitit's own handler would have requeued from inside the signal handler.
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range.
@@ -123,6 +128,7 @@ class PreemptionCheckpoint(Callback):
         self._pending_path: str | None = None
         self._stop: Preempted | None = None
         self._due: tuple[int, bool] | None = None  # (signal, step checkpoint) due at the epoch's end
+        self._requeue_signals = {self.requeue_signal}
         self.resumed_from: str | None = None
 
     # ---------------------------------------------------------------- set-up and signals
@@ -135,6 +141,10 @@ class PreemptionCheckpoint(Callback):
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         self._trainer, self._boundaries, self._rows_pending, self._stop, self._due = trainer, 0, False, None, None
         self._flag.clear()
+        submitit = submitit_signal()
+        self._requeue_signals = {self.requeue_signal} | ({submitit} if submitit else set())
+        if submitit and submitit not in self._flag.signals:
+            self._flag = SignalFlag((*self.signals, submitit))
         # Installed from the sanity check / train start on: Lightning registers its own handlers
         # after `on_fit_start` and restores what it found then when fit ends; taking over earlier
         # would make it "restore" ours.
@@ -227,7 +237,7 @@ class PreemptionCheckpoint(Callback):
     def _should_requeue(self, signum: int) -> bool:
         if self.requeue == "never" or slurm_job_id() is None:
             return False
-        return self.requeue == "always" or signum == self.requeue_signal
+        return self.requeue == "always" or signum in self._requeue_signals
 
     # ---------------------------------------------------------------- checkpoint files
 

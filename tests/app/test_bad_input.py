@@ -66,6 +66,10 @@ BAD_COMMAND_LINES = [
     ("-m precision=32-true,16-mixed", "precision"),  # the second job of the sweep
     ("-m model.lr=0.1,0.01,-3", "model.lr"),  # the third
     ("-m trainer.max_epochs=1 data.batch_size=8,0", "data.batch_size"),
+    # a submitit sweep whose Slurm tasks are not the trainer's processes (checked before sbatch)
+    ("-m hydra/launcher=submitit_slurm model.lr=0.1,0.01", "hydra.launcher.tasks_per_node"),
+    ("-m hydra/launcher=submitit_slurm hydra.launcher.tasks_per_node=two", "hydra.launcher.tasks_per_node"),
+    ("-m hydra/launcher=submitit_slurm hydra.launcher.tasks_per_node=2 trainer.num_nodes=1,2", "hydra.launcher.nodes"),
 ]
 
 
@@ -100,3 +104,6 @@ def test_a_good_sweep_passes_the_check_and_a_bad_one_names_its_job():
     precheck(["-m", "precision=32-true,bf16-mixed", "model.lr=0.1,0.01"])  # every job fine: no error
     with pytest.raises(ConfigError, match=r"^model\.lr got -3, allowed: a positive finite number$"):
         precheck(["-m", "model.lr=0.1,-3"])
+    precheck(["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", "model.lr=0.1,0.01"])
+    with pytest.raises(ConfigError, match=r"^hydra\.launcher\.tasks_per_node got 2, but trainer\.devices is 1, "):
+        precheck(["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", "trainer.devices=1"])

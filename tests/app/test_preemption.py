@@ -176,10 +176,7 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
         released = False
         while (fields := _job_fields(job)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             assert time.monotonic() < deadline + 240, f"job {job} did not end: {fields}"
-            if not released and fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING":
-                # Slurm holds a requeued job for 2 minutes; an operator's release, to keep the test short
-                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=30)
-                released = True
+            released = released or _release_when_requeued(job, fields)
             time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job], timeout=30)
@@ -191,6 +188,62 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     assert re.fullmatch(r"step-\d+-preempted\.ckpt", Path(found[0][0]).name) and Path(found[0][0]).parent == folder / "checkpoints"
     assert_equal_states(final_state(reference), final_state(folder))
     assert metrics_rows(folder) == metrics_rows(reference)
+
+
+def _release_when_requeued(job: str, fields: dict[str, str]) -> bool:
+    """Slurm holds a requeued job for 2 minutes; an operator's release keeps the tests short."""
+    if fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING":
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=30)
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slurm_cluster, reference, tmp_path):
+    """`-m hydra/launcher=submitit_slurm`: each sweep job is a 2-task DDP job. submitit's USR2
+    (`--signal=USR2@<delay>`, before the time limit) to the first job mid-epoch: both tasks stop at
+    one step, the job requeues itself, and the requeued job resumes in its own sweep folder and ends
+    as the reference did; the multirun returns 0 after both jobs."""
+    sweep = tmp_path / "multirun"
+    small = [arg for arg in SMALL if not arg.startswith("model.dropout=")]
+    cmd = [*APP, "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}",
+           "hydra.launcher.timeout_min=10", "trainer.devices=2", *small, "model.dropout=0.2,0.1"]  # fmt: skip
+    multirun = subprocess.Popen(cmd, cwd=tmp_path, env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)  # fmt: skip
+    job = None
+    try:
+        deadline = time.monotonic() + 240
+        while not list((sweep / "0" / "checkpoints").glob("step-*.ckpt")):
+            assert multirun.poll() is None and time.monotonic() < deadline, "the first sweep job wrote no checkpoint"
+            time.sleep(0.3)
+        job = next(p.name for p in (sweep / ".submitit").iterdir() if p.name.endswith("_0"))  # <array job>_0
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+        released = False
+        while multirun.poll() is None:
+            assert time.monotonic() < deadline + 240, f"the sweep did not end: {_job_fields(job)}"
+            released = released or _release_when_requeued(job, _job_fields(job))
+            time.sleep(0.5)
+        out = multirun.stdout.read()
+        assert multirun.returncode == 0, out[-3000:]
+        while (fields := _job_fields(job)).get("JobState") == "RUNNING":  # the tasks are gone; Slurm catches up
+            assert time.monotonic() < deadline + 300, fields
+            time.sleep(0.3)
+    finally:
+        if multirun.poll() is None:
+            os.killpg(multirun.pid, signal.SIGKILL)
+        if job:
+            subprocess.run(["scancel", job.split("_")[0]], timeout=30)
+    logs = "".join(p.read_text() for p in sorted((sweep / ".submitit" / job).glob("*_0_log.*")))
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{logs[-3000:]}"
+    assert "preempted by SIGUSR2 (exit code 140)" in logs, logs[-3000:]
+    assert "Caught signal SIGUSR2" not in logs, "submitit's handler (requeue from inside the handler) must not run"
+    found = RESUMING.findall(logs)
+    assert len(found) == 1 and Path(found[0][0]).parent == sweep / "0" / "checkpoints", logs[-3000:]
+    assert re.fullmatch(r"step-\d+-preempted\.ckpt", Path(found[0][0]).name), "resumed from the stop, no step lost"
+    assert_equal_states(final_state(reference), final_state(sweep / "0"))
+    assert metrics_rows(sweep / "0") == metrics_rows(reference)
+    assert (sweep / "1" / "checkpoints" / "last.ckpt").exists(), "the second sweep job ran to its end"
 
 
 @pytest.mark.slow

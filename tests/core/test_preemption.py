@@ -25,7 +25,7 @@ from ddp_plugins.core import (
     stable_run_name,
 )
 from ddp_plugins.core.checkpoints import count_csv_rows, truncate_csv_rows
-from ddp_plugins.core.preemption import check_signals, slurm_job_id
+from ddp_plugins.core.preemption import check_signals, slurm_job_id, submitit_signal
 
 
 def test_check_signals_names_numbers_and_clear_errors():
@@ -117,6 +117,14 @@ def test_slurm_and_torchrun_run_names():
     assert stable_run_name({"TORCHELASTIC_RUN_ID": "a/b c"}) == "torchrun-a_b_c"
     assert stable_run_name({"TORCHELASTIC_RUN_ID": "none"}) == f"torchrun-agent{os.getppid()}"
     assert stable_run_name({}) is None
+
+
+def test_submitit_signal_is_usr2_or_what_submitit_was_told():
+    assert submitit_signal({"SUBMITIT_EXECUTOR": "slurm"}) == signal.SIGUSR2
+    assert submitit_signal({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1"}) == signal.SIGUSR1
+    assert submitit_signal({"SUBMITIT_PREEMPT_SIGNAL": "USR1"}) is None, "only inside a submitit job"
+    with pytest.raises(ValueError, match="`signals` should be signal names"):
+        submitit_signal({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "KILL"})
 
 
 def test_latest_checkpoint_is_the_last_written_and_ignores_temporary_files(tmp_path):

@@ -29,12 +29,12 @@ def test_arguments_are_checked():
 
 
 class _SigtermAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, sig: int = signal.SIGTERM) -> None:
+        self.step, self.sig = step, sig
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.sig)
 
 
 def _trainer(tmp_path, *callbacks, **kwargs):
@@ -57,6 +57,27 @@ def test_sigterm_stops_after_the_step_with_one_checkpoint_and_exit_code_143(tmp_
     assert torch.load(stop.value.checkpoint, weights_only=False)["global_step"] == 3
     assert trainer.global_step == 3, "no step ran after the agreed one"
     assert signal.getsignal(signal.SIGTERM) == before, "the handlers of the process are given back"
+
+
+def test_in_a_submitit_job_usr2_stops_at_the_step_and_requeues(tmp_path, monkeypatch):
+    """submitit asks Slurm for USR2 before the time limit and would requeue from inside its
+    handler on rank 0; the callback takes USR2 at the step boundary and requeues from there."""
+    requeued = []
+    monkeypatch.setattr("ddp_plugins.lightning.preemption.slurm_requeue", lambda: requeued.append(True))
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    submitits_handler = lambda signum, frame: pytest.fail("submitit's handler ran during training")  # noqa: E731
+    previous = signal.signal(signal.SIGUSR2, submitits_handler)
+    try:
+        trainer = _trainer(tmp_path, _SigtermAt(3, signal.SIGUSR2), PreemptionCheckpoint())
+        with pytest.raises(Preempted) as stop:
+            trainer.fit(BoringModel())
+        assert stop.value.code == 128 + signal.SIGUSR2 and trainer.global_step == 3
+        assert requeued == [True], "the job requeues itself once, from rank 0"
+        assert signal.getsignal(signal.SIGUSR2) is submitits_handler, "submitit's handler is given back"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
 
 
 def test_step_checkpoints_keep_the_newest_and_finish_normally(tmp_path):
