@@ -11,6 +11,10 @@ torch (imported at once: the core uses it and must not need Lightning):
 
 * ``torch.nn.modules._functions.SyncBatchNorm``: torch's CUDA SyncBatchNorm autograd function,
   used on CUDA tensors with nccl (no public functional form exists).
+* ``torch.distributed.distributed_c10d._get_default_store``: the default process group's store,
+  where ranks whose collective failed record themselves (``core.stalls``); torch has no public
+  getter, and a second client built from ``MASTER_ADDR``/``MASTER_PORT`` would miss torchrun's
+  per-restart key prefix.
 * ``torch.nn.modules.batchnorm._BatchNorm``: the base class of every batch-norm layer, which
   SyncBatchNorm subclasses and conversion looks for (torch's own SyncBatchNorm does the same).
 
@@ -54,6 +58,7 @@ __all__ = [
     "TorchSyncBatchNormFunction",
     "basic_subprocess_cmd",
     "combined_loader_mode",
+    "default_store",
     "explicit_trainer_plugins",
     "loop_data_source",
     "set_num_threads_if_needed",
@@ -67,6 +72,7 @@ __all__ = [
 CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules._functions", "SyncBatchNorm"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
+    ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.update_main_process_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function"),
@@ -97,6 +103,13 @@ def __getattr__(name: str) -> Any:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def default_store() -> Any:
+    """The default process group's store (``torch.distributed.distributed_c10d._get_default_store``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def basic_subprocess_cmd() -> Any:

@@ -27,6 +27,7 @@ from typing_extensions import override
 from ddp_plugins import _compat
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_process
+from ddp_plugins.core.stalls import describe_collective_failure
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 
 __all__ = ["split_config_flags"]
@@ -179,11 +180,13 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 watcher = None
                 self._wait_children()
             raise
-        except BaseException:
+        except BaseException as error:
             if watcher is not None:
                 watcher.stop()
                 watcher = None
-                self._stop_children()
+                # which rank stopped, asked before the children are stopped (then they cannot answer)
+                module = trainer.lightning_module if trainer is not None else None
+                self._stop_children(describe_collective_failure(error, tag=_failure_tag(module)))
             raise
         finally:
             if watcher is not None:  # fit returned: no thread outlives it
@@ -197,7 +200,9 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
 
-    def _stop_children(self) -> None:
+    def _stop_children(self, stalled: str | None = None) -> None:
+        """Stop the child ranks that still run after rank 0 failed, and say which rank failed first
+        (or, for a collective that failed on rank 0, which rank stopped progressing: ``stalled``)."""
         deadline = time.monotonic() + _CHILD_GRACE_S
         while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
             time.sleep(0.1)
@@ -210,6 +215,8 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             if proc not in running and proc.returncode
         ]
         cause = f"{'; '.join(failed_first)} first, then rank 0 failed" if failed_first else "rank 0 failed"
+        if stalled and not failed_first:
+            cause += f" in a collective: {stalled.split(':')[0]}"
         print(
             f"[ddp_plugins] {cause}; stopped child ranks {[proc.pid for proc in running]}.",
             file=sys.stderr,
@@ -268,6 +275,12 @@ class _CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
         for cb in trainer.callbacks:
             if isinstance(cb, SequentialEvaluation) and cb._uid in payload:
                 cb._import(payload[cb._uid])
+
+
+def _failure_tag(module: Any) -> str:
+    """The tag under which the ranks whose collective failed record themselves: the global step,
+    the same on every rank in one collective (a fit that failed earlier left other tags)."""
+    return str(getattr(module, "global_step", ""))
 
 
 def _describe_exit(code: int | None) -> str:

@@ -77,8 +77,9 @@ from ddp_plugins.core.checks import (
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
 from ddp_plugins.core.ranks import get_rank, get_world_size
 from ddp_plugins.core.samplers import ResumableSampler, loader_seed
+from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
-from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _JobSubprocessLauncher
+from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _failure_tag, _JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import pin_gloo_to_loopback
 
@@ -87,18 +88,6 @@ __all__ = ["BACKENDS", "DDPPluginsStrategy", "check_backend"]
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _START_METHODS: tuple[_StartMethod, ...] = ("popen", "spawn", "fork", "forkserver")
-# Messages of a collective that failed because a peer is gone (gloo, NCCL, the TCP store).
-_PEER_GONE = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Timed out",
-    "timed out",
-    "Socket Timeout",
-    "NCCL communicator was aborted",
-    "failed to recv",
-    "failed to send",
-)
 
 
 def check_backend(backend: Any, accelerator: str = "auto") -> None:
@@ -366,14 +355,16 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if get_world_size() == 1:
+        if get_world_size() == 1 or not is_collective_failure(exception):
             return
-        note = (
-            f"\n[ddp_plugins] rank {get_rank()}: a collective failed because another rank stopped (it raised,"
-            " was killed, or waits elsewhere). That rank's own error, printed by it, is the cause."
+        rank = get_rank()
+        # the ranks whose collective failed record themselves in the store; the others stopped
+        stalled = describe_collective_failure(exception, tag=_failure_tag(self._lightning_module))
+        note = f"\n[ddp_plugins] rank {rank}: a collective failed because another rank stopped: " + (
+            stalled or "it raised, was killed, or waits elsewhere; that rank's own error, printed by it, is the cause."
         )
         exception.args = tuple(
-            arg + note if isinstance(arg, str) and any(text in arg for text in _PEER_GONE) else arg
+            arg + note if isinstance(arg, str) and is_collective_failure(RuntimeError(arg)) else arg
             for arg in exception.args
         )
 

@@ -203,6 +203,8 @@ class _FailingModel(_BNModel):
                 raise RuntimeError(f"boom in training_step of rank {self.global_rank}")
             if self.mode == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.mode == "hang":  # stops progressing, neither raising nor dying
+                time.sleep(10 * FAIL_TIMEOUT)
         return super().training_step(batch, batch_idx)
 
     def train_dataloader(self):
@@ -231,6 +233,24 @@ def _fit_and_fail(out_dir, mode, rank):
     ],
 )
 def test_a_failing_rank_ends_every_process_non_zero_within_the_timeout(mode, rank, message):
+    _check_failed_run(mode, rank, message)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("rank", "message"),
+    [
+        (1, "[ddp_plugins] rank 0 failed in a collective: rank 1 stopped progressing and never reached"),
+        (0, "[ddp_plugins] rank 1: a collective failed because another rank stopped: rank 0 stopped progressing"),
+    ],
+)
+def test_a_rank_that_stops_progressing_is_named_not_the_one_that_waited(rank, message):
+    """A rank that hangs (neither raises nor dies): the other fails at the timeout, and the
+    message names the rank that never came, by the launcher (rank 0) or in rank 1's error."""
+    _check_failed_run("hang", rank, message)
+
+
+def _check_failed_run(mode, rank, message):
     with tempfile.TemporaryDirectory(prefix="ddp_plugins_fail_") as out_dir:
         (Path(out_dir) / "args.pkl").write_bytes(pickle.dumps((mode, rank)))
         cmd = [sys.executable, "-m", "tests.helpers.launch", f"{__name__}:_fit_and_fail", out_dir]
