@@ -35,8 +35,11 @@ RESUMING = re.compile(r"resuming from (\S+) \(epoch (\d+), step (\d+)\)")
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("reference") / "run"
-    check_ok(run_command([*APP, *SMALL, f"hydra.run.dir={folder}"], timeout=300))
+    # A double quote and a space in the run folder (Hydra-quoted): the child rank's command line
+    # must carry it intact, or rank 1 would write elsewhere and the reference would be incomplete.
+    folder = tmp_path_factory.mktemp("reference") / 'we"ird run'
+    check_ok(run_command([*APP, *SMALL, f"hydra.run.dir='{folder}'"], timeout=300))
+    assert (folder / "checkpoints" / "last.ckpt").exists() and len(list(folder.parent.iterdir())) == 1
     return folder
 
 
@@ -226,7 +229,7 @@ def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slu
             time.sleep(0.5)
         out = multirun.stdout.read()
         assert multirun.returncode == 0, out[-3000:]
-        while (fields := _job_fields(job)).get("JobState") == "RUNNING":  # the tasks are gone; Slurm catches up
+        while (fields := _job_fields(job)).get("JobState") in ("RUNNING", "COMPLETING"):  # Slurm catches up
             assert time.monotonic() < deadline + 300, fields
             time.sleep(0.3)
     finally:
