@@ -32,8 +32,8 @@ test: $(STAMP)
 # The version matrix: the pinned set is `make test`; `make matrix` runs the fast suite and the
 # Trainer-level seeding, evaluation and strategy tests on the oldest Lightning the pyproject allows,
 # on the same pinned torch, in a venv of its own. The other direct dependencies keep their pins;
-# what Lightning caps itself (packaging, fsspec) resolves freely. The two hang-diagnosis runs (each
-# waits out a collective timeout) run once, in `make test`.
+# what Lightning caps itself (packaging, fsspec) resolves freely. The hang-diagnosis runs (each waits
+# out a collective timeout) and two of the five failing-rank runs run once, in `make test`.
 OLDEST_LIGHTNING := $(shell sed -n 's/.*"lightning>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 MATRIX_VENV := .venv-lightning-$(OLDEST_LIGHTNING)
 MATRIX_PY := $(MATRIX_VENV)/bin/python
@@ -51,7 +51,7 @@ matrix: $(STAMP) $(MATRIX_VENV)/.installed
 	@echo "== version matrix: $$($(PY) -c 'import lightning, torch; print("lightning", lightning.__version__, "torch", torch.__version__)') -> make test"
 	@echo "== version matrix: $$($(MATRIX_PY) -c 'import lightning, torch; print("lightning", lightning.__version__, "torch", torch.__version__)') -> fast suite + Trainer-level seeding, evaluation, strategy tests"
 	$(MATRIX_PY) -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
-	$(MATRIX_PY) -m pytest -m slow -p no:cacheprovider -k "not stops_progressing" $(MATRIX_SLOW) $(PYTEST_ARGS)
+	$(MATRIX_PY) -m pytest -m slow -p no:cacheprovider -k "not stops_progressing and not loader-1 and not raise-0" $(MATRIX_SLOW) $(PYTEST_ARGS)
 	@echo "== version matrix: lightning $(OLDEST_LIGHTNING) passed"
 
 bench: $(STAMP)

@@ -30,6 +30,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "slurm_job_id",
     "slurm_requeue",
     "stable_run_name",
+    "restart_scoped_store",
     "submitit_signal",
 ]
 
@@ -242,6 +244,31 @@ def slurm_requeue(job_id: str | None = None) -> bool:
         return False
     log.info("requeued Slurm job %s", job_id)
     return True
+
+
+def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = None) -> dist.Store | None:
+    """A store for the process group of this torchrun restart round alone; None outside torchrun's agent store.
+
+    torchrun (c10d rendezvous) hands its workers the agent's own TCP store, one for every restart
+    round, and torch adds no per-round prefix (``_create_c10d_store`` assumes a new store per
+    retry). A restarted group then finds the gloo addresses of the dead round under the same keys
+    and can connect to them first: "Gloo connectFullMesh failed ... Connection refused". Keys
+    under ``ddp_plugins/restart_<TORCHELASTIC_RESTART_COUNT>/`` are the round's own. (Every agent of
+    a multi-node job counts the same restarts when the whole group restarts; a node that joins a
+    running job later is not covered.)
+
+    Example::
+
+        >>> restart_scoped_store(timedelta(seconds=30), {}) is None
+        True
+    """
+    env = dict(os.environ) if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"ddp_plugins/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | None:

@@ -50,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from datetime import timedelta
@@ -75,6 +76,7 @@ from ddp_plugins.core.checks import (
     check_number,
 )
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
+from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.ranks import get_rank, get_world_size
 from ddp_plugins.core.samplers import ResumableSampler, loader_seed
 from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure
@@ -305,6 +307,23 @@ class DDPPluginsStrategy(DDPStrategy):
             assert self.cluster_environment is not None
             if pin_gloo_to_loopback(self.cluster_environment.main_address):
                 self._env_set.append("GLOO_SOCKET_IFNAME")  # removed again in teardown
+        store = None if dist.is_initialized() else restart_scoped_store(timedelta(seconds=self._timeout_s))
+        if store is not None:
+            # Under torchrun the group is made here, on this restart round's keys (see
+            # restart_scoped_store); Lightning's _init_dist_connection then finds it made.
+            self.set_world_ranks()
+            rank, size = self.global_rank, self.world_size
+            logging.getLogger("lightning.fabric.utilities.distributed").info(  # Lightning's own line
+                f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{size}"
+            )
+            dist.init_process_group(
+                self._get_process_group_backend(),
+                store=store,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=self._timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )
         super().setup_distributed()
 
     @override

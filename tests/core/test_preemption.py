@@ -25,7 +25,7 @@ from ddp_plugins.core import (
     stable_run_name,
 )
 from ddp_plugins.core.checkpoints import count_csv_rows, truncate_csv_rows
-from ddp_plugins.core.preemption import check_signals, slurm_job_id, submitit_signal
+from ddp_plugins.core.preemption import check_signals, restart_scoped_store, slurm_job_id, submitit_signal
 
 
 def test_check_signals_names_numbers_and_clear_errors():
@@ -117,6 +117,27 @@ def test_slurm_and_torchrun_run_names():
     assert stable_run_name({"TORCHELASTIC_RUN_ID": "a/b c"}) == "torchrun-a_b_c"
     assert stable_run_name({"TORCHELASTIC_RUN_ID": "none"}) == f"torchrun-agent{os.getppid()}"
     assert stable_run_name({}) is None
+
+
+def test_a_torchrun_restart_round_gets_keys_of_its_own_in_the_agent_store():
+    """torchrun hands every round the agent's store unprefixed: a restarted group could read the
+    dead round's gloo addresses. The scoped store puts each round's keys under its restart count."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ddp_plugins.core.toolkit import free_port
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=10))
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2"}  # fmt: skip
+    rounds = [restart_scoped_store(datetime.timedelta(seconds=10), {**env, "TORCHELASTIC_RESTART_COUNT": str(n)})
+              for n in (0, 1)]  # fmt: skip
+    rounds[0].set("rank_1", "address of the dead round")
+    assert not rounds[1].check(["rank_1"]), "round 1 must not see round 0's keys"
+    assert agent.get("ddp_plugins/restart_0/rank_1") == b"address of the dead round"
+    assert restart_scoped_store(datetime.timedelta(seconds=1), {"MASTER_PORT": str(port)}) is None
 
 
 def test_submitit_signal_is_usr2_or_what_submitit_was_told():
