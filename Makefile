@@ -32,12 +32,14 @@ test: $(STAMP)
 # The version matrix: the pinned set is `make test`; `make matrix` runs the fast suite and the
 # Trainer-level seeding, evaluation and strategy tests on the oldest Lightning the pyproject allows,
 # on the same pinned torch, in a venv of its own. The other direct dependencies keep their pins;
-# what Lightning caps itself (packaging, fsspec) resolves freely. The hang-diagnosis runs (each waits
-# out a collective timeout) and two of the five failing-rank runs run once, in `make test`.
+# what Lightning caps itself (packaging, fsspec) resolves freely. What does not depend on Lightning runs
+# once, in `make test`: the torch-only core (tests/core, its doctests) and the test harness's own
+# tests; so do the failing-rank and hang runs (our launcher; each waits for ranks to fail or time out).
 OLDEST_LIGHTNING := $(shell sed -n 's/.*"lightning>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 MATRIX_VENV := .venv-lightning-$(OLDEST_LIGHTNING)
 MATRIX_PY := $(MATRIX_VENV)/bin/python
 MATRIX_PINS := torch|hydra-submitit-launcher|submitit|cloudpickle|torchmetrics|hydra-core|omegaconf|numpy|scikit-learn|typing_extensions|lightning-utilities|pytest|pytest-timeout|nbclient|nbformat|ipykernel|matplotlib
+MATRIX_IGNORE := --ignore=tests/core --ignore=ddp_plugins/core --ignore=tests/test_harness.py
 MATRIX_SLOW := tests/lightning/test_rank_aware_seed.py tests/lightning/test_sequential_evaluation.py tests/lightning/test_strategy.py
 
 $(MATRIX_VENV)/.installed: pyproject.toml requirements.lock
@@ -50,8 +52,8 @@ $(MATRIX_VENV)/.installed: pyproject.toml requirements.lock
 matrix: $(STAMP) $(MATRIX_VENV)/.installed
 	@echo "== version matrix: $$($(PY) -c 'import lightning, torch; print("lightning", lightning.__version__, "torch", torch.__version__)') -> make test"
 	@echo "== version matrix: $$($(MATRIX_PY) -c 'import lightning, torch; print("lightning", lightning.__version__, "torch", torch.__version__)') -> fast suite + Trainer-level seeding, evaluation, strategy tests"
-	$(MATRIX_PY) -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
-	$(MATRIX_PY) -m pytest -m slow -p no:cacheprovider -k "not stops_progressing and not loader-1 and not raise-0" $(MATRIX_SLOW) $(PYTEST_ARGS)
+	$(MATRIX_PY) -m pytest -m "not slow" -p no:cacheprovider $(MATRIX_IGNORE) $(PYTEST_ARGS)
+	$(MATRIX_PY) -m pytest -m slow -p no:cacheprovider -k "not failing_rank and not stops_progressing" $(MATRIX_SLOW) $(PYTEST_ARGS)
 	@echo "== version matrix: lightning $(OLDEST_LIGHTNING) passed"
 
 bench: $(STAMP)

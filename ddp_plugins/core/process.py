@@ -86,6 +86,7 @@ def exit_process(code: int = 0) -> NoReturn:
     stderr are flushed before ``os._exit``.
     """
     try:
+        _kill_daemonic_children()
         atexit._run_exitfuncs()
         logging.shutdown()
     except BaseException:  # noqa: BLE001 - a failing handler must not change a clean exit code silently
@@ -96,6 +97,22 @@ def exit_process(code: int = 0) -> NoReturn:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def _kill_daemonic_children() -> None:
+    """Kill this process's daemonic ``multiprocessing`` children (DataLoader workers) before exit.
+
+    Under ``DDPPluginsStrategy`` DataLoader workers ignore SIGTERM, so that a preemption signal sent
+    to the whole process group does not kill them mid-batch. ``multiprocessing``'s own exit handler
+    ends daemonic children with SIGTERM and then joins them: a rank that exits while its workers
+    still run (after an error in a batch) would wait forever. Workers hold nothing to flush.
+    """
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(5)
 
 
 def run_main(main: Callable[[], Any]) -> NoReturn:

@@ -260,6 +260,8 @@ def _check_failed_run(mode, rank, message):
         elapsed = time.monotonic() - start
     assert result.returncode != 0, f"exit code 0 after {mode} on rank {rank}\n{result.stderr[-3000:]}"
     assert elapsed < FAIL_TIMEOUT + 30
+    if mode != "hang":  # a failure, not a hang: every process ends without waiting out the timeout
+        assert elapsed < FAIL_TIMEOUT + 15, f"{elapsed:.0f} s: a rank waited out the {FAIL_TIMEOUT} s timeout"
     assert message in result.stderr, f"{message!r} not shown:\n{result.stderr[-4000:]}"
     if mode == "sigkill" and rank == 1:  # named by the rank watcher, or by rank 0 if its collective failed first
         assert re.search(r"\[ddp_plugins\] rank 1 \(PID \d+\) was killed by signal SIGKILL", result.stderr)
