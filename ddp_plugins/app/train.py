@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_plugins.app.checks import CONFIG_MODULE, CONFIG_NAME, ConfigError, precheck, resolve_precision
 from ddp_plugins.core.preemption import Preempted
-from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main
+from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 
@@ -219,7 +219,7 @@ def _interpreter_exit_code(error: BaseException | None) -> int | None:
     if error is None or isinstance(error, Exception):
         return 0
     if isinstance(error, SystemExit):
-        return error.code if isinstance(error.code, int) else 0 if error.code is None else 1
+        return system_exit_code(error)
     return None
 
 

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["exit_at_interpreter_exit", "exit_process", "owns_exit", "run_main", "save_atomic"]
+__all__ = ["exit_at_interpreter_exit", "exit_process", "owns_exit", "run_main", "save_atomic", "system_exit_code"]
 
 _run_main_active = False  # run_main is this process's entry point: it ends it through exit_process
 _exit_code: int | None = None  # the code exit_at_interpreter_exit leaves with; None: not armed
@@ -115,6 +115,19 @@ def _kill_daemonic_children() -> None:
             child.join(5)
 
 
+def system_exit_code(exc: SystemExit) -> int:
+    """The exit code the interpreter gives a ``SystemExit``: its int code, 0 for None, else 1.
+
+    Example::
+
+        >>> system_exit_code(SystemExit(3)), system_exit_code(SystemExit()), system_exit_code(SystemExit("bye"))
+        (3, 0, 1)
+    """
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
+
+
 def run_main(main: Callable[[], Any]) -> NoReturn:
     """Run ``main()`` and leave through :func:`exit_process` with the usual exit code.
 
@@ -134,13 +147,9 @@ def run_main(main: Callable[[], Any]) -> NoReturn:
     try:
         main()
     except SystemExit as exc:
-        if exc.code is None:
-            code = 0
-        elif isinstance(exc.code, int):
-            code = exc.code
-        else:
+        code = system_exit_code(exc)
+        if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-            code = 1
     except KeyboardInterrupt:
         code = 130
     except BaseException:  # noqa: BLE001 - report like the interpreter would, then exit cleanly

@@ -319,8 +319,8 @@ class DDPPluginsStrategy(DDPStrategy):
             dist.init_process_group(
                 self._get_process_group_backend(),
                 store=store,
-                rank=self.global_rank,
-                world_size=self.world_size,
+                rank=rank,
+                world_size=size,
                 timeout=self._timeout,
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
