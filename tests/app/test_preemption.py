@@ -23,6 +23,7 @@ import torch
 from ddp_plugins.core.toolkit import free_port
 from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
+from tests.helpers.slurm import SlurmCluster, SlurmUnavailable
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 SMALL = [
@@ -137,13 +138,19 @@ def test_torchrun_restarts_the_group_after_a_worker_is_killed_and_it_resumes(ref
 
 
 @pytest.fixture(scope="module")
-def slurm_cluster():
-    """The one-node Slurm cluster of tests/cluster/slurm_up.sh (installed and started if needed)."""
-    script = REPO_ROOT / "tests" / "cluster" / "slurm_up.sh"
-    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=600)
-    if result.returncode == 3:  # packages cannot be installed here (no root, no apt)
-        pytest.skip(f"no Slurm cluster: {result.stderr.strip()}")
-    assert result.returncode == 0, f"slurm_up.sh failed:\n{result.stdout}\n{result.stderr}"
+def slurm_cluster(tmp_path_factory):
+    """A private one-node Slurm cluster (tests/helpers/slurm.py), installed and started if needed;
+    every client these tests run (sbatch, scontrol, submitit) finds it through ``SLURM_CONF``."""
+    try:
+        cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).__enter__()
+    except SlurmUnavailable as error:  # no root, no apt, or a system Slurm already runs here
+        pytest.skip(f"no Slurm test cluster: {error}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLURM_CONF", str(cluster.conf))
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
 
 
 def _job_fields(job: str) -> dict[str, str]:
@@ -239,7 +246,7 @@ def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slu
             subprocess.run(["scancel", job.split("_")[0]], timeout=30)
     logs = "".join(p.read_text() for p in sorted((sweep / ".submitit" / job).glob("*_0_log.*")))
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{logs[-3000:]}"
-    assert "preempted by SIGUSR2 (exit code 140)" in logs, logs[-3000:]
+    assert "preempted by SIGUSR2 (exit code 140)" in logs, f"{logs}\n{slurm_cluster.log_tail()}"
     assert "Caught signal SIGUSR2" not in logs, "submitit's handler (requeue from inside the handler) must not run"
     found = RESUMING.findall(logs)
     assert len(found) == 1 and Path(found[0][0]).parent == sweep / "0" / "checkpoints", logs[-3000:]
