@@ -52,13 +52,16 @@ __all__ = [
     "build_objects",
     "check_config",
     "check_resume",
+    "checkpoint_position",
     "compose_config",
     "group_options",
+    "load_checkpoint_safely",
     "max_cpu_processes",
     "precheck",
     "resolve_backend",
     "resolve_precision",
     "run_dir",
+    "single_run_config",
 ]
 
 CONFIG_MODULE = "ddp_plugins.conf"
@@ -157,6 +160,29 @@ def precheck(argv: list[str]) -> None:
             _check_slurm_tasks(cfg, *tasks)
 
 
+def single_run_config(argv: list[str]) -> DictConfig | None:
+    """The composed config of a single (not ``--multirun``) run, with Hydra's node (its run folder
+    resolved as Hydra will resolve it); None for sweeps and for Hydra's info flags, which start no run.
+
+    The app locks the run folder before Hydra writes ``.hydra/`` there, and hands Hydra the resolved
+    path so that both agree (``${now:...}`` is resolved once).
+
+    Raises:
+        ConfigError: the run folder cannot be resolved, as one line.
+    """
+    config_flags, argv = split_config_flags(argv)
+    if any(arg in _HYDRA_INFO_FLAGS or arg.startswith(("--cfg=", "--info=")) for arg in argv):
+        return None
+    if any(arg in ("-m", "--multirun") for arg in argv):
+        return None
+    cfg = compose_config([arg for arg in argv if not arg.startswith("-")], config_flags, hydra_node=True)
+    try:
+        cfg.hydra.run.dir = str(cfg.hydra.run.dir)
+    except Exception as err:  # noqa: BLE001 - an interpolation or resolver error, reported as one line
+        raise ConfigError("hydra.run.dir", f"cannot be resolved: {_one_line(err)}", "a folder path") from None
+    return cfg
+
+
 SUBMITIT_LAUNCHERS = ("submitit_slurm", "submitit_local")
 
 
@@ -228,12 +254,15 @@ def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     return [job for batch in batches for job in batch]
 
 
-def compose_config(overrides: list[str] | None = None, config_flags: list[str] | None = None) -> DictConfig:
+def compose_config(
+    overrides: list[str] | None = None, config_flags: list[str] | None = None, *, hydra_node: bool = False
+) -> DictConfig:
     """Compose the app's config with Hydra's compose API (for checks, notebooks and tests).
 
     Args:
         overrides: ``key=value`` overrides, as on the command line.
         config_flags: ``--config-name`` / ``--config-dir`` / ``--config-path`` and their values.
+        hydra_node: keep Hydra's own ``hydra`` node (run folder, job name) in the result.
 
     Raises:
         ConfigError: an override Hydra cannot apply (unknown key, bad syntax), as one line.
@@ -269,7 +298,7 @@ def compose_config(overrides: list[str] | None = None, config_flags: list[str] |
     version.setbase("1.3")
     try:
         Hydra.create_main_hydra2(task_name="app", config_search_path=search_path)
-        return compose(config_name=name, overrides=list(overrides or []))
+        return compose(config_name=name, overrides=list(overrides or []), return_hydra_config=hydra_node)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(
             "override", f"was refused by Hydra: {_one_line(err)}", "keys of the config (`--cfg job` lists them)"
@@ -300,7 +329,11 @@ CHECKPOINT_KEYS = ("every_n_train_steps", "keep")
 
 
 def check_resume(resume: Any) -> str:
-    """``resume``: ``"auto"``, ``"never"`` or the path of an existing checkpoint file.
+    """``resume``: ``"auto"``, ``"never"`` or the path of a verified checkpoint file.
+
+    A path must pass :func:`ddp_plugins.core.checkpoints.verify_checkpoint` (its SHA-256 sidecar
+    matches) and load with ``weights_only=True``: a file that is not a whole pack checkpoint is
+    refused before anything of it runs.
 
     Example::
 
@@ -311,14 +344,43 @@ def check_resume(resume: Any) -> str:
         ...
         ddp_plugins.core.checks.ArgumentValueError: `resume` should be ... got 'no/such.ckpt' (no such file).
     """
+    from ddp_plugins.core.checkpoints import verify_checkpoint
+
     allowed = "'auto', 'never' or the path of a checkpoint file"
     if not isinstance(resume, str):
         raise ArgumentTypeError("resume", allowed, resume)
     if resume in ("auto", "never"):
         return resume
-    if not Path(resume).is_file():
-        raise ArgumentValueError("resume", allowed, problem=f"got {resume!r} (no such file)")
+    reason = verify_checkpoint(resume)
+    if reason is None:
+        try:
+            checkpoint_position(resume)
+        except ValueError as err:
+            reason = str(err)
+    if reason is not None:
+        raise ArgumentValueError("resume", allowed, problem=f"got {resume!r} ({reason})")
     return resume
+
+
+def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
+    """(epoch, global step) of a Lightning checkpoint, loaded with ``weights_only=True`` (memory-mapped).
+
+    Raises:
+        ValueError: the file does not load that way or is not a Lightning checkpoint, as one line.
+    """
+    checkpoint = load_checkpoint_safely(path)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError("not a Lightning checkpoint (no state_dict)")
+    return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
+
+
+def load_checkpoint_safely(path: str | os.PathLike) -> Any:
+    """``torch.load(path, weights_only=True)``, memory-mapped on the CPU; a refusal is a one-line ``ValueError``."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds; the caller reports one line
+        first = _one_line(err).split(". ")[0][:200]
+        raise ValueError(f"does not load with weights_only=True: {type(err).__name__}: {first}") from None
 
 
 def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, Any]) -> None:

@@ -16,8 +16,10 @@ a full DDP run in its own folder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +28,22 @@ from typing import Any, cast
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_plugins.app.checks import CONFIG_MODULE, CONFIG_NAME, ConfigError, precheck, resolve_precision
+from ddp_plugins.app.checks import (
+    CONFIG_MODULE,
+    CONFIG_NAME,
+    ConfigError,
+    load_checkpoint_safely,
+    precheck,
+    resolve_precision,
+    single_run_config,
+)
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
+from ddp_plugins.lightning.launchers import _hydra_quote
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 
-__all__ = ["build_trainer", "main", "resume_path", "run_folder_lock", "train"]
+__all__ = ["build_trainer", "hold_run_folder", "main", "resume_path", "run_folder_lock", "train"]
 
 _ERROR_EXIT = 2
 
@@ -60,16 +71,19 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     precision = resolve_precision(cfg.precision.name, str(cfg.trainer.get("accelerator", "auto")))
     strategy = instantiate(cfg.strategy)
     plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    checkpoint = ModelCheckpoint(
-        dirpath=Path(output_dir) / "checkpoints", monitor=_accuracy_key(cfg), mode="max", save_last=True
-    )
+    folder = Path(output_dir) / "checkpoints"
+    # The best accuracy's checkpoint, and last.ckpt rewritten at every epoch end (after validation),
+    # so a hard kill loses at most the epoch under way and the final state is on disk at the end.
+    # (save_last=True would follow the best one: rewritten only when the accuracy improves.)
+    best = ModelCheckpoint(dirpath=folder, monitor=_accuracy_key(cfg), mode="max")
+    latest = ModelCheckpoint(dirpath=folder, filename="last", monitor=None, enable_version_counter=False)
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(trainer_args, dict)
     return pl.Trainer(
         **cast("dict[str, Any]", trainer_args),
         strategy=strategy,
         precision=precision,
-        callbacks=[*plugin_callbacks, checkpoint, *(callbacks or [])],
+        callbacks=[*plugin_callbacks, best, latest, *(callbacks or [])],
         logger=ResumableCSVLogger(save_dir=str(output_dir), name="metrics", version=""),
         default_root_dir=str(output_dir),
     )
@@ -93,12 +107,15 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
+    resume = str(cfg.get("resume", "auto"))
+    _prepare_checkpoint_folder(Path(output_dir) / "checkpoints", resume)
     trainer = build_trainer(cfg, output_dir)
-    ckpt_path = resume_path(str(cfg.get("resume", "auto")), output_dir)
-    if ckpt_path is not None and get_rank() == 0:
-        epoch, step = _checkpoint_position(ckpt_path)
-        print(f"resuming from {ckpt_path} (epoch {epoch}, step {step})", flush=True)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    ckpt_path = resume_path(resume, output_dir)
+    if ckpt_path is not None:
+        epoch, step = _check_resume_checkpoint(ckpt_path, model, cfg)
+        if get_rank() == 0:
+            print(f"resuming from {ckpt_path} (epoch {epoch}, step {step})", flush=True)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     metrics, key = trainer.callback_metrics, _accuracy_key(cfg)
     if not trainer.is_global_zero or key not in metrics:
         return None
@@ -108,8 +125,11 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
 
 
 def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
-    """The checkpoint a run continues from: ``resume`` itself, the newest of the run folder's
-    ``checkpoints/`` for ``"auto"`` (None when it has none), None for ``"never"``.
+    """The checkpoint a run continues from: ``resume`` itself, the newest *verified* checkpoint of
+    the run folder's ``checkpoints/`` for ``"auto"`` (None when it has none), None for ``"never"``.
+
+    Under ``"auto"`` a damaged checkpoint (its SHA-256 does not match its sidecar, or it has none)
+    is skipped with one line naming it and why; the run continues from the newest valid one.
 
     Example::
 
@@ -117,22 +137,148 @@ def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
         >>> resume_path("auto", tempfile.mkdtemp()) is None, resume_path("never", "outputs/x")
         (True, None)
     """
-    from ddp_plugins.core.checkpoints import latest_checkpoint
+    from ddp_plugins.core.checkpoints import newest_valid_checkpoint
 
     if resume == "never":
         return None
     if resume != "auto":
         return resume
-    latest = latest_checkpoint(Path(output_dir) / "checkpoints")
-    return str(latest) if latest is not None else None
+    found, skipped = newest_valid_checkpoint(Path(output_dir) / "checkpoints")
+    if get_rank() == 0:
+        for path, reason in skipped:
+            log.warning("resume: skipped %s (%s)", path, reason)
+    return str(_the_stop_at_the_same_step(found)) if found is not None else None
 
 
-def _checkpoint_position(path: str) -> tuple[int, int]:
-    """(epoch, global step) stored in a Lightning checkpoint, read without loading its tensors."""
-    import torch
+_PREEMPTED = re.compile(r"step-(\d+)-preempted\.ckpt")
 
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+def _the_stop_at_the_same_step(found: Path) -> Path:
+    """A preemption checkpoint of the same global step as ``found``, if there is a valid one, else ``found``.
+
+    At an epoch's last step the stop checkpoint and the epoch-end ``last.ckpt`` hold the same point,
+    written one after the other; the stop's file is the record of the stop, so it is preferred.
+    """
+    from ddp_plugins.core.checkpoints import verify_checkpoint
+
+    if _PREEMPTED.fullmatch(found.name):
+        return found
+    stops = {p: int(m.group(1)) for p in found.parent.iterdir() if (m := _PREEMPTED.fullmatch(p.name))}
+    if not stops:
+        return found
+    try:
+        step = int(load_checkpoint_safely(found).get("global_step", -1))
+    except (ValueError, AttributeError):
+        return found  # reported when it is loaded
+    same = [p for p, s in stops.items() if s == step and verify_checkpoint(p) is None]
+    return max(same, key=lambda p: p.stat().st_mtime_ns) if same else found
+
+
+def _prepare_checkpoint_folder(folder: Path, resume: str) -> None:
+    """Refuse ``resume=never`` where an earlier run left checkpoints (its files would mix with the new
+    run's, and ``auto`` would later resume either); remove what a killed writer left behind."""
+    from ddp_plugins.core.checkpoints import remove_stale_temporaries
+
+    if resume == "never" and any(folder.glob("*.ckpt")):
+        raise ConfigError(
+            "resume",
+            f"got 'never', but {folder} holds the checkpoints of an earlier run",
+            "'auto' to continue that run, or resume=never with a new hydra.run.dir",
+        )
+    if get_rank() == 0:  # the folder is locked by this job: no other writer has a temporary file there
+        removed = remove_stale_temporaries(folder)
+        if removed:
+            log.info("removed %d file(s) a killed run left in %s", len(removed), folder)
+
+
+_SAME_MODEL = "a checkpoint of the same model.* settings, or resume=never with a new hydra.run.dir"
+
+
+def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[int, int]:
+    """(epoch, step) of the checkpoint to resume from, after checking that it fits ``model``.
+
+    Loaded once, memory-mapped and with ``weights_only=True``. A parameter of another shape (another
+    ``model.*`` setting) is one line naming the first such key and both shapes, on every rank,
+    before Lightning would print a size-mismatch traceback per rank. A restored cosine schedule that
+    ends before the new ``trainer.max_epochs`` is kept as it is, with one warning line.
+
+    Raises:
+        ConfigError: the checkpoint does not load safely or does not fit the model.
+    """
+    try:
+        checkpoint = load_checkpoint_safely(path)
+    except ValueError as err:
+        raise ConfigError("resume", f"got {path!r} ({err})", "a checkpoint written by ddp_plugins") from None
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ConfigError("resume", f"got {path!r} (not a Lightning checkpoint: no state_dict)", "a checkpoint file")
+    own = model.state_dict()
+    for key, tensor in own.items():
+        if key not in state:
+            raise ConfigError("resume", f"{path} does not fit the model: it has no {key!r}", _SAME_MODEL)
+        if tuple(state[key].shape) != tuple(tensor.shape):
+            raise ConfigError(
+                "resume",
+                f"{path} does not fit the model: {key} has shape {tuple(state[key].shape)} in the checkpoint"
+                f" and {tuple(tensor.shape)} in the model",
+                _SAME_MODEL,
+            )
+    extra = next((key for key in state if key not in own), None)
+    if extra is not None:
+        raise ConfigError("resume", f"{path} does not fit the model: the model has no {extra!r}", _SAME_MODEL)
+    max_epochs = cfg.trainer.get("max_epochs")
+    for scheduler in checkpoint.get("lr_schedulers") or []:
+        t_max = scheduler.get("T_max") if isinstance(scheduler, dict) else None
+        if get_rank() == 0 and isinstance(t_max, int) and isinstance(max_epochs, int) and max_epochs > t_max:
+            log.warning(
+                "resume: the restored learning-rate schedule ends after epoch %d (T_max=%d) and is kept:"
+                " the epochs from %d on follow it past its end (the cosine rises again from its minimum)."
+                " For one schedule over trainer.max_epochs=%d, start a new run",
+                t_max - 1, t_max, t_max, max_epochs,
+            )  # fmt: skip
     return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
+
+
+_held_folders: dict[str, Any] = {}  # run folders this process locked for its whole life (real path -> handle)
+
+
+def _acquire_run_folder(folder: str | os.PathLike) -> Any:
+    """An open ``<folder>/.lock`` holding the kernel's exclusive ``flock`` (see :func:`run_folder_lock`)."""
+    import fcntl
+
+    path = Path(folder) / ".lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")  # held until released or the process ends
+    except OSError as err:
+        raise ConfigError(
+            "hydra.run.dir", f"{folder} cannot be written ({err.strerror or err})", "a folder this user can write to"
+        ) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(
+            "hydra.run.dir", f"{folder} is in use by a running job ({holder})", "a folder no running job writes to"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"PID {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def hold_run_folder(folder: str | os.PathLike) -> None:
+    """Lock the run folder for the rest of this process's life, before Hydra writes ``.hydra/`` there.
+
+    Raises:
+        ConfigError: another process holds the folder, or it cannot be written.
+    """
+    key = os.path.realpath(folder)
+    if key not in _held_folders:
+        _held_folders[key] = _acquire_run_folder(folder)
 
 
 @contextlib.contextmanager
@@ -141,32 +287,23 @@ def run_folder_lock(folder: str | os.PathLike) -> Iterator[None]:
 
     Two runs writing one folder would interleave checkpoints and metrics, and ``resume=auto`` would
     continue the other's. The lock is the kernel's (``flock``): it goes with the process, so a killed,
-    requeued or restarted job finds its folder free.
+    requeued or restarted job finds its folder free. A folder this process already holds
+    (:func:`hold_run_folder`) stays held.
 
     Raises:
-        ConfigError: another process holds the folder.
+        ConfigError: another process holds the folder, or it cannot be written.
     """
     import fcntl
 
-    path = Path(folder) / ".lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise ConfigError(
-                "hydra.run.dir", f"{folder} is in use by a running job ({holder})", "a folder no running job writes to"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"PID {os.getpid()}\n")
-        handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    if os.path.realpath(folder) in _held_folders:
+        yield
+        return
+    handle = _acquire_run_folder(folder)
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 def _reset_job_state(env_before: dict[str, str]) -> None:
@@ -193,9 +330,15 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         with run_folder_lock(output_dir) if get_rank() == 0 else contextlib.nullcontext():
             return train(cfg, output_dir)
-    except ConfigError as err:  # a job whose config changed after the up-front check
+    except ConfigError as err:  # a job whose config changed after the up-front check, or its checkpoint
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(_ERROR_EXIT) from None
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+            raise
+        where = f": {err.filename}" if err.filename else ""
+        print(f"error: {err.strerror or err}{where}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except Preempted as stop:  # every rank stopped at the same step; exit code 128 + signal
         if get_rank() == 0:
             print(f"[ddp_plugins] {stop}", file=sys.stderr, flush=True)
@@ -228,6 +371,15 @@ def _main() -> None:
     try:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # a launcher's child rank re-runs a checked job
             precheck(argv)
+            cfg = single_run_config(argv) if get_rank() == 0 else None
+            if cfg is not None:
+                # Locked and checked before Hydra writes .hydra/ there (a refused run writes
+                # nothing), and handed to Hydra resolved, so that both name the same folder.
+                folder = str(cfg.hydra.run.dir)
+                hold_run_folder(folder)
+                _prepare_checkpoint_folder(Path(folder) / "checkpoints", str(cfg.get("resume", "auto")))
+                kept = [arg for arg in argv if not arg.lstrip("+").startswith("hydra.run.dir=")]
+                sys.argv[1:] = [*kept, f"hydra.run.dir={_hydra_quote(folder)}"]
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(_ERROR_EXIT) from None

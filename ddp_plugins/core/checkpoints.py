@@ -9,6 +9,11 @@
   ``state_dict`` itself never communicates, so a checkpoint taken from any synchronized point
   cannot deadlock.
 * :func:`latest_checkpoint`: the newest ``*.ckpt`` of a folder (the last one written).
+* **Verified checkpoint files.** :func:`save_checkpoint_file` writes a checkpoint atomically with a
+  SHA-256 sidecar (``<name>.sha256``, in place before the checkpoint is); :func:`verify_checkpoint`
+  checks it before anything is unpickled. torch does not check its zip CRCs, so bytes damaged
+  inside a checkpoint otherwise load as garbage weights; :func:`newest_valid_checkpoint` skips
+  damaged files, :func:`remove_stale_temporaries` clears what a kill left behind.
 * :func:`count_csv_rows` / :func:`truncate_csv_rows`: a metrics CSV cut back to the rows logged
   before a checkpoint, so a resumed run neither loses nor repeats a row.
 
@@ -18,19 +23,29 @@ Plain torch and the standard library.
 from __future__ import annotations
 
 import csv
+import errno
+import hashlib
 import io
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 __all__ = [
+    "DIGEST_SUFFIX",
     "PER_RANK",
     "count_csv_rows",
+    "digest_path",
     "gather_per_rank",
     "latest_checkpoint",
+    "newest_valid_checkpoint",
+    "remove_checkpoint_file",
+    "remove_stale_temporaries",
+    "save_checkpoint_file",
+    "verify_checkpoint",
     "read_json",
     "truncate_csv_rows",
     "write_text_atomic",
@@ -92,6 +107,158 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
         return None
     found = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".") and p.is_file()]
     return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name)) if found else None
+
+
+DIGEST_SUFFIX = ".sha256"
+_TEMPORARY = re.compile(r"^\..+\.\d+\.tmp$")  # save_atomic's and write_text_atomic's temporary names
+
+
+def digest_path(path: str | os.PathLike) -> Path:
+    """The SHA-256 sidecar of a checkpoint file: ``<name>.sha256`` beside it."""
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 in ``<name>.sha256``.
+
+    The checkpoint is written under a temporary name and fsynced, its digest is written (atomically)
+    next, and only then is the checkpoint renamed into place: a checkpoint that can be seen has its
+    digest. A full disk raises ``OSError(ENOSPC)`` naming the path (torch reports it as a
+    ``RuntimeError`` from deep inside its zip writer).
+
+    Example::
+
+        >>> import tempfile
+        >>> path = save_checkpoint_file({"global_step": 3}, Path(tempfile.mkdtemp()) / "a.ckpt")
+        >>> sorted(p.name for p in path.parent.iterdir()), verify_checkpoint(path)
+        (['a.ckpt', 'a.ckpt.sha256'], None)
+    """
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        write_text_atomic(digest_path(path), f"{_sha256(tmp)}  {path.name}\n")
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if _no_space(err):
+            raise OSError(errno.ENOSPC, f"cannot write checkpoint {path}: no space left on device") from None
+        raise
+    return path
+
+
+def _no_space(error: BaseException | None) -> bool:
+    """Whether ``error`` (or an exception it was raised from) is a full disk."""
+    while error is not None:
+        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def remove_checkpoint_file(path: str | os.PathLike) -> None:
+    """Remove a checkpoint and its digest (either may be missing)."""
+    Path(path).unlink(missing_ok=True)
+    digest_path(path).unlink(missing_ok=True)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a whole checkpoint written by this pack, or None when it is.
+
+    Reads the file once to hash it; nothing is unpickled.
+
+    Example::
+
+        >>> import tempfile
+        >>> path = save_checkpoint_file({"w": 1}, Path(tempfile.mkdtemp()) / "a.ckpt")
+        >>> with open(path, "r+b") as f:
+        ...     _ = f.seek(100); _ = f.write(b"garbage")
+        >>> verify_checkpoint(path)
+        'damaged: its SHA-256 does not match a.ckpt.sha256'
+        >>> verify_checkpoint(path.with_name("b.ckpt"))
+        'no such file'
+    """
+    path = Path(path)
+    if not path.is_file():
+        return "no such file"
+    sidecar = digest_path(path)
+    try:
+        recorded = sidecar.read_text().split()[0]
+    except (OSError, IndexError, UnicodeDecodeError):
+        return f"no digest ({sidecar.name} missing or empty): not a checkpoint written by ddp_plugins"
+    try:
+        actual = _sha256(path)
+    except OSError as err:
+        return f"unreadable ({err.strerror or err})"
+    return None if actual == recorded else f"damaged: its SHA-256 does not match {sidecar.name}"
+
+
+def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest ``*.ckpt`` of ``folder`` that passes :func:`verify_checkpoint`, and the newer
+    ones it skipped, each with the reason.
+
+    Example::
+
+        >>> import tempfile, time
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> good = save_checkpoint_file({"step": 1}, folder / "step-1.ckpt"); time.sleep(0.01)
+        >>> _ = (folder / "step-2.ckpt").write_bytes(b"half a checkpoint")
+        >>> found, skipped = newest_valid_checkpoint(folder)
+        >>> found.name, [(p.name, why.split(" (")[0]) for p, why in skipped]
+        ('step-1.ckpt', [('step-2.ckpt', 'no digest')])
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None, []
+    found = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".") and p.is_file()]
+    skipped: list[tuple[Path, str]] = []
+    for path in sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True):
+        reason = verify_checkpoint(path)
+        if reason is None:
+            return path, skipped
+        skipped.append((path, reason))
+    return None, skipped
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files a killed writer left in ``folder`` and digests without their
+    checkpoint; returns what was removed. Call it only while no other process writes there.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> for name in (".step-4.ckpt.123.tmp", "gone.ckpt.sha256", "kept.ckpt"):
+        ...     _ = (folder / name).write_text("x")
+        >>> sorted(p.name for p in remove_stale_temporaries(folder)), [p.name for p in folder.iterdir()]
+        (['.step-4.ckpt.123.tmp', 'gone.ckpt.sha256'], ['kept.ckpt'])
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in folder.iterdir():
+        checkpoint = path.with_name(path.name[: -len(DIGEST_SUFFIX)])
+        orphan = path.name.endswith(".ckpt" + DIGEST_SUFFIX) and not checkpoint.exists()
+        if (_TEMPORARY.match(path.name) or orphan) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -1,11 +1,13 @@
-"""Checkpoint files that are whole or absent
-===========================================
+"""Checkpoint files that are whole, verified and loaded without running code
+==========================================================================
 
-Lightning's ``TorchCheckpointIO`` serializes to memory and then writes the bytes straight to the
-final name: a full disk or a kill during the write leaves a truncated ``.ckpt`` there, which the
-next run takes for the latest checkpoint. :class:`AtomicCheckpointIO` writes local files through
-:func:`ddp_plugins.core.save_atomic` (temporary name in the same folder, fsync, rename) and leaves
-remote (fsspec) paths to Lightning.
+Lightning 2.6's ``TorchCheckpointIO`` writes through a temporary file in the system temp folder
+(the final move can be a cross-device copy) and fsyncs nothing; it loads with
+``weights_only=False`` unless told otherwise, which runs any pickle a run folder holds.
+:class:`AtomicCheckpointIO` writes local files through
+:func:`ddp_plugins.core.checkpoints.save_checkpoint_file` (temporary name in the same folder, fsync,
+SHA-256 sidecar, rename), removes the sidecar with its checkpoint, and loads with
+``weights_only=True`` unless the caller asks otherwise. Remote (fsspec) paths stay Lightning's.
 """
 
 from __future__ import annotations
@@ -15,26 +17,45 @@ from typing import Any
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from ddp_plugins.core.process import save_atomic
+from ddp_plugins.core.checkpoints import remove_checkpoint_file, save_checkpoint_file
 
 __all__ = ["AtomicCheckpointIO"]
 
 
+def _remote(path: Any) -> bool:
+    return "://" in str(path)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose local writes are atomic: a checkpoint is complete or not there.
+    """``TorchCheckpointIO`` whose local checkpoints are atomic and verified, loaded with ``weights_only=True``.
 
     Example::
 
         >>> import tempfile, os
         >>> folder = tempfile.mkdtemp()
-        >>> AtomicCheckpointIO().save_checkpoint({"global_step": 3}, os.path.join(folder, "a.ckpt"))
-        >>> os.listdir(folder)
-        ['a.ckpt']
+        >>> io = AtomicCheckpointIO()
+        >>> io.save_checkpoint({"global_step": 3}, os.path.join(folder, "a.ckpt"))
+        >>> sorted(os.listdir(folder)), io.load_checkpoint(os.path.join(folder, "a.ckpt"))
+        (['a.ckpt', 'a.ckpt.sha256'], {'global_step': 3})
     """
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None or "://" in str(path):  # remote filesystems: Lightning's fsspec path
+        if storage_options is not None or _remote(path):  # remote filesystems: Lightning's fsspec path
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
-        save_atomic(checkpoint, path)
+        save_checkpoint_file(checkpoint, path)
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        kwargs = {} if map_location is None else {"map_location": map_location}
+        return super().load_checkpoint(path, weights_only=True if weights_only is None else weights_only, **kwargs)
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        if _remote(path):
+            super().remove_checkpoint(path)
+            return
+        remove_checkpoint_file(path)

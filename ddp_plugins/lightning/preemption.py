@@ -50,6 +50,7 @@ from typing_extensions import override
 from ddp_plugins.core.checkpoints import (
     count_csv_rows,
     read_json,
+    remove_checkpoint_file,
     truncate_csv_rows,
     write_text_atomic,
 )
@@ -246,7 +247,7 @@ class PreemptionCheckpoint(Callback):
         path = Path(self.dirpath) / name
         self._saving = str(path)
         try:
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # the full state (and no log line about it)
         finally:
             self._saving = None
         if trainer.is_global_zero:
@@ -261,7 +262,7 @@ class PreemptionCheckpoint(Callback):
             if match and path != newest:
                 ours.append((path.stat().st_mtime_ns, path))
         for _, path in sorted(ours)[: max(len(ours) - (self.keep - 1), 0)]:
-            path.unlink(missing_ok=True)
+            remove_checkpoint_file(path)
 
     # ---------------------------------------------------------------- metrics rows
 

@@ -321,7 +321,7 @@ class SequentialEvaluation(Callback):
 
     def _import(self, path: str) -> None:
         try:
-            state = torch.load(path, weights_only=False)  # written by this class in our own worker
+            state = torch.load(path, weights_only=True)
         finally:
             os.remove(path)
         self.results.update(state["results"])

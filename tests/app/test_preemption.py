@@ -77,7 +77,7 @@ def test_interrupted_run_resumes_bit_identical(scenario, reference, tmp_path):
     stopped = sorted((folder / "checkpoints").glob("step-*-preempted.ckpt"))
     assert len(stopped) == 1, sorted(p.name for p in (folder / "checkpoints").iterdir())
     saved_step = int(re.search(r"step-(\d+)", stopped[0].name).group(1))
-    assert torch.load(stopped[0], map_location="cpu", weights_only=False)["global_step"] == saved_step
+    assert torch.load(stopped[0], map_location="cpu", weights_only=True)["global_step"] == saved_step
     assert f"preempted by {sig}" in first.stderr and "Traceback" not in first.stderr, first.stderr[-3000:]
 
     # the same command again: continues from the preemption checkpoint by itself
@@ -101,9 +101,15 @@ def test_resume_never_starts_over_and_a_path_resumes_from_it(reference, tmp_path
     resumed = check_ok(run_command([*APP, *SMALL, f"hydra.run.dir={other}", f"resume={checkpoint}"], timeout=300))
     assert RESUMING.search(resumed.stdout).group(1) == str(checkpoint)
     assert_equal_states(final_state(reference), final_state(other))
-    fresh = check_ok(run_command([*cmd, "resume=never"], timeout=300))
+    # resume=never where checkpoints are: refused (the two runs' files would mix); a new folder starts over
+    refused = run_command([*cmd, "resume=never"], timeout=300)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        f"error: resume got 'never', but {folder / 'checkpoints'} holds the checkpoints of an earlier run,"
+        " allowed: 'auto' to continue that run, or resume=never with a new hydra.run.dir"
+    ), refused.stderr[-3000:]
+    fresh = check_ok(run_command([*APP, *SMALL, f"hydra.run.dir={tmp_path / 'fresh'}", "resume=never"], timeout=300))
     assert not RESUMING.search(fresh.stdout), "resume=never must start from scratch"
-    assert_equal_states(final_state(reference), final_state(folder))
+    assert_equal_states(final_state(reference), final_state(tmp_path / "fresh"))
 
 
 def test_bad_resume_is_a_one_line_error(tmp_path):
@@ -258,7 +264,8 @@ def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slu
 
 @pytest.mark.slow
 def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
-    """Two jobs in one folder would interleave checkpoints and resume each other's: the second is refused."""
+    """Two jobs in one folder would interleave checkpoints and resume each other's: the second is
+    refused before Hydra writes anything there (the running job's .hydra/ record stays its own)."""
     folder = tmp_path / "run"
     cmd = [*APP, *SMALL, f"hydra.run.dir={folder}"]
     first = subprocess.Popen([*cmd, "trainer.max_epochs=1000"], cwd=REPO_ROOT, env=loopback_env(), start_new_session=True,
@@ -268,8 +275,10 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
         while not (folder / "checkpoints").exists():
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
             time.sleep(0.2)
-        second = run_command(cmd, timeout=120)
+        record = {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()}
+        second = run_command([*cmd, "model.lr=0.01"], timeout=120)
         assert second.returncode == 2, second.stderr[-3000:]
+        assert {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()} == record, "the refused run wrote .hydra/"
         assert re.fullmatch(
             rf"error: hydra.run.dir {re.escape(str(folder))} is in use by a running job \(PID {first.pid}\),"
             r" allowed: a folder no running job writes to",

@@ -185,7 +185,7 @@ def run_lightning(
         for rank in range(world_size):
             path = Path(out_dir) / f"rank{rank}.pt"
             assert path.exists(), f"rank {rank} wrote no result\n{result.stderr[-4000:]}"
-            outputs.append(torch.load(path, weights_only=False))
+            outputs.append(torch.load(path, weights_only=True))
         return outputs
 
 

@@ -11,7 +11,7 @@ import torch
 
 def final_state(run_dir: str | Path) -> dict[str, Any]:
     """Parameters, buffers, optimizer state, epoch and step of a run's ``checkpoints/last.ckpt``."""
-    ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     return {
         "state_dict": ckpt["state_dict"],
         "optimizer_states": ckpt["optimizer_states"],

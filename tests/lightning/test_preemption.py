@@ -54,7 +54,7 @@ def test_sigterm_stops_after_the_step_with_one_checkpoint_and_exit_code_143(tmp_
     assert stop.value.code == 128 + signal.SIGTERM
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
     assert names == ["step-2.ckpt", "step-3-preempted.ckpt"], names
-    assert torch.load(stop.value.checkpoint, weights_only=False)["global_step"] == 3
+    assert torch.load(stop.value.checkpoint, weights_only=True)["global_step"] == 3
     assert trainer.global_step == 3, "no step ran after the agreed one"
     assert signal.getsignal(signal.SIGTERM) == before, "the handlers of the process are given back"
 

@@ -293,7 +293,7 @@ def _fit_and_resume(out_dir: str) -> dict:
     _fit(1, ckpt_dir=f"{out_dir}/b")
     _, model_c, _ = _fit(2, ckpt_path=f"{out_dir}/b/epoch=0.ckpt")
     # D (control): the same resume from a checkpoint stripped of the RankAwareSeed states
-    checkpoint = torch.load(f"{out_dir}/b/epoch=0.ckpt", weights_only=False)
+    checkpoint = torch.load(f"{out_dir}/b/epoch=0.ckpt", weights_only=True)
     assert checkpoint["callbacks"].pop("RankAwareSeed") is not None
     torch.save(checkpoint, f"{out_dir}/stripped{rank}.ckpt")
     dist.barrier()

@@ -275,7 +275,7 @@ def test_results_reach_the_calling_process_under_our_notebook_and_spawn_strategi
     script.write_text(code)
     cmd = [sys.executable, str(script), str(out_file), str(n), str(tmp_path / "results")]
     check_ok(run_command(cmd, timeout=240, env=loopback_env()))
-    report, ref = torch.load(out_file, weights_only=False), _reference(n)
+    report, ref = torch.load(out_file, weights_only=True), _reference(n)
 
     notebook = report["ddp_plugins_notebook"]
     _assert_predictions_equal_reference(notebook["results"]["predict"], ref, n)
@@ -286,8 +286,8 @@ def test_results_reach_the_calling_process_under_our_notebook_and_spawn_strategi
     spawn = report["ddp_plugins_spawn"]
     assert spawn["results"] == {}, "with output_dir the results live in files, not in memory"
     assert Path(spawn["paths"]["predict"]).parent == tmp_path / "results"
-    _assert_predictions_equal_reference(torch.load(spawn["paths"]["predict"], weights_only=False), ref, n)
-    validate = torch.load(spawn["paths"]["validate"], weights_only=False)
+    _assert_predictions_equal_reference(torch.load(spawn["paths"]["predict"], weights_only=True), ref, n)
+    validate = torch.load(spawn["paths"]["validate"], weights_only=True)
     assert torch.equal(validate["target"], ref["y"])
     assert spawn["val_acc"].item() == ref["acc"].item()
     assert not list((tmp_path / "results").glob(".*.tmp")), "temporary files left behind"

@@ -1,0 +1,187 @@
+"""What a file, a kill or a full disk can do to a run, through the real app and real ranks.
+
+A crafted checkpoint runs nothing; damaged checkpoints are skipped and the run continues from the
+newest valid one, ending as a run resumed from that one by path; a hard kill with the default
+config loses at most the epoch under way; a full disk, a read-only folder and a checkpoint of
+another model each end in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_plugins.core.checkpoints import digest_path
+from tests.helpers.multiprocess import check_ok, run_command
+from tests.helpers.runs import assert_equal_states, final_state
+
+APP = [sys.executable, "-m", "ddp_plugins.train"]
+SMALL = [
+    "data=synthetic", "data.num_samples=640", "model.channels=8", "data.num_workers=0",
+    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+]  # fmt: skip  # 512 training rows: 8 steps per epoch on 2 ranks
+STEPS = ["checkpoint.every_n_train_steps=2", "checkpoint.keep=2"]
+RESUMING = re.compile(r"resuming from (\S+) \(epoch (\d+), step (\d+)\)")
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def _one_line_failure(result: subprocess.CompletedProcess, code: int) -> str:
+    """The one error line of a run that failed with ``code`` and printed no traceback."""
+    assert result.returncode == code, f"exit {result.returncode}, expected {code}\n{result.stderr[-4000:]}"
+    assert "Traceback" not in result.stderr, result.stderr[-4000:]
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr[-4000:]
+    return errors[0]
+
+
+class _Payload:
+    """A pickle that creates a file when it is loaded: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _write_crafted(path: Path, marker: Path) -> None:
+    with open(path, "wb") as file:
+        pickle.dump({"epoch": 0, "global_step": 5, "state_dict": _Payload(marker)}, file)
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """A finished 1-epoch run with step checkpoints: step-6, step-8, last and the best (both step 8)."""
+    folder = tmp_path_factory.mktemp("base") / "run"
+    check_ok(run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300))
+    names = sorted(p.name for p in (folder / "checkpoints").glob("*.ckpt"))
+    assert names == ["epoch=0-step=8.ckpt", "last.ckpt", "step-6.ckpt", "step-8.ckpt"], names
+    return folder
+
+
+@pytest.mark.slow
+def test_a_crafted_checkpoint_runs_nothing(one_epoch, tmp_path):
+    marker = tmp_path / "code-ran"
+    crafted = tmp_path / "step-5.ckpt"
+    _write_crafted(crafted, marker)
+
+    # an explicit path: refused before any process starts
+    result = run_command([*APP, *SMALL, f"resume={crafted}", f"hydra.run.dir={tmp_path / 'a'}"], timeout=120)
+    line = _one_line_failure(result, 2)
+    assert line.startswith(f"error: resume got '{crafted}' (no digest") and "allowed:" in line, line
+    assert not (tmp_path / "a").exists(), "a refused run writes no folder"
+
+    # its own digest beside it does not help: it does not load with weights_only=True
+    digest = hashlib.sha256(crafted.read_bytes()).hexdigest()
+    digest_path(crafted).write_text(f"{digest}  {crafted.name}\n")
+    result = run_command([*APP, *SMALL, f"resume={crafted}", f"hydra.run.dir={tmp_path / 'b'}"], timeout=120)
+    assert "does not load with weights_only=True" in _one_line_failure(result, 2)
+
+    # placed in a run folder with resume=auto (and a forged digest): one line, exit 2
+    folder = tmp_path / "run"
+    shutil.copytree(one_epoch, folder)
+    shutil.copy(crafted, folder / "checkpoints" / "step-9.ckpt")
+    digest_path(folder / "checkpoints" / "step-9.ckpt").write_text(f"{digest}  step-9.ckpt\n")
+    result = run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120)
+    assert "does not load with weights_only=True" in _one_line_failure(result, 2)
+    assert not marker.exists(), "the crafted checkpoint's code ran"
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_one_resumed_from_the_newest_valid(one_epoch, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(one_epoch, damaged)
+    ckpts = damaged / "checkpoints"
+    # every checkpoint of step 8 damaged a different way: truncated, random bytes, garbage mid-file
+    half = (ckpts / "last.ckpt").read_bytes()
+    (ckpts / "last.ckpt").write_bytes(half[: len(half) // 2])
+    (ckpts / "step-8.ckpt").write_bytes(os.urandom(len(half)))
+    with open(ckpts / "epoch=0-step=8.ckpt", "r+b") as file:
+        file.seek(len(half) // 2)
+        file.write(os.urandom(4096))
+    (ckpts / ".step-10.ckpt.4242.tmp").write_bytes(b"what a kill during a write leaves")
+
+    resumed = check_ok(run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={damaged}"], timeout=300))
+    skipped = re.findall(r"resume: skipped (\S+) \((.*)\)", resumed.stderr)
+    assert sorted(Path(p).name for p, _ in skipped) == ["epoch=0-step=8.ckpt", "last.ckpt", "step-8.ckpt"], skipped
+    assert all(why.startswith("damaged: its SHA-256 does not match") for _, why in skipped), skipped
+    found = RESUMING.search(resumed.stdout)
+    assert found and Path(found.group(1)) == ckpts / "step-6.ckpt", resumed.stdout[-2000:]
+    assert not (ckpts / ".step-10.ckpt.4242.tmp").exists(), "a temporary file a kill left is removed at start"
+
+    by_path = tmp_path / "by_path"
+    check_ok(run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={by_path}",
+                          f"resume={one_epoch / 'checkpoints' / 'step-6.ckpt'}"], timeout=300))  # fmt: skip
+    assert_equal_states(final_state(by_path), final_state(damaged))
+    assert "weights_only" not in resumed.stderr, "a resume prints no weights_only warnings"
+
+
+@pytest.mark.slow
+def test_a_hard_kill_with_the_default_config_loses_at_most_the_epoch_under_way(tmp_path):
+    folder = tmp_path / "run"
+    cmd = [*APP, *SMALL, "trainer.max_epochs=6", f"hydra.run.dir={folder}"]
+    kill = ["+callbacks.kill._target_=tests.helpers.interrupt.SignalAt", "+callbacks.kill.hook=train_batch_start",
+            "+callbacks.kill.step=38", "+callbacks.kill.sig=SIGKILL", "+callbacks.kill.target=group"]  # fmt: skip
+    killed = run_command([*cmd, *kill], timeout=300)  # SIGKILL to every rank at step 38: epoch 4 of 0..5
+    assert killed.returncode == -9, f"exit {killed.returncode}\n{killed.stderr[-3000:]}"
+    resumed = check_ok(run_command(cmd, timeout=300))
+    found = RESUMING.search(resumed.stdout)
+    assert found, resumed.stdout[-2000:]
+    assert int(found.group(3)) == 32, f"resumed at step {found.group(3)}: more than the epoch under way was lost"
+    assert final_state(folder)["global_step"] == 48, "the final state is on disk at the end"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_one_line(one_epoch, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(one_epoch, folder)
+    result = run_command([*APP, *SMALL, "model.channels=16", "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120)
+    line = _one_line_failure(result, 2)
+    assert re.fullmatch(
+        r"error: resume \S+ does not fit the model: (\S+) has shape \(\d+(, \d+)*\) in the checkpoint and"
+        r" \(\d+(, \d+)*\) in the model, allowed: .*", line
+    ), line  # fmt: skip
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, options: str):
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
+    with _tmpfs(tmp_path / "small", "size=48k") as small:
+        folder = small / "run"
+        result = run_command([*APP, *SMALL, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300)
+        line = _one_line_failure(result, 1)
+        assert re.fullmatch(rf"error: cannot write checkpoint {re.escape(str(folder))}/checkpoints/\S+\.ckpt: no space left on device", line), line
+        assert not [p for p in (folder / "checkpoints").iterdir() if p.name.endswith(".tmp")], "no temporary file left"
+
+
+def test_a_read_only_run_folder_is_one_line(tmp_path):
+    with _tmpfs(tmp_path / "ro", "ro,size=16k") as ro:
+        result = run_command([*APP, *SMALL, f"hydra.run.dir={ro / 'run'}"], timeout=120)
+        line = _one_line_failure(result, 2)
+        assert line == (
+            f"error: hydra.run.dir {ro / 'run'} cannot be written (Read-only file system),"
+            " allowed: a folder this user can write to"
+        ), line
