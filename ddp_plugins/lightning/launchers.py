@@ -3,8 +3,9 @@
 
 * :class:`_JobSubprocessLauncher` (``start_method="popen"``): Lightning's subprocess launcher with
   job-scoped child commands (under Hydra ``--multirun`` a child rank re-runs *its* job, not the
-  sweep), a rank watcher that names a failed rank and stops every rank, and no orphans when
-  rank 0 raises.
+  sweep), a rank watcher that names a failed rank and stops every rank, and no orphans: not when
+  rank 0 raises, not when a signal reaches the launcher while the ranks start (it stops them and
+  exits ``128 + signal``), and not when the launcher dies then (the child's parent-death signal).
 * :class:`_CleanExitMultiprocessingLauncher` (``spawn``, ``fork``, ``forkserver``): spawned
   children leave through :func:`ddp_plugins.core.exit_process`, and SequentialEvaluation's results
   travel back to the calling process.
@@ -14,6 +15,7 @@ Both subclass Lightning's launchers (private classes, see :mod:`ddp_plugins._com
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -26,7 +28,7 @@ from typing_extensions import override
 
 from ddp_plugins import _compat
 from ddp_plugins.core.preemption import Preempted
-from ddp_plugins.core.process import exit_process
+from ddp_plugins.core.process import exit_process, parent_death_signal
 from ddp_plugins.core.stalls import describe_collective_failure
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 
@@ -35,6 +37,9 @@ __all__ = ["split_config_flags"]
 # Seconds a child rank gets to exit on its own once rank 0 failed, before it is killed.
 _CHILD_GRACE_S = 2.0
 _PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
+_STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# In a child rank's environment: it got a parent-death signal, to clear once its start-up is done
+_DIES_WITH_LAUNCHER = "DDP_PLUGINS_DIES_WITH_LAUNCHER"
 _RESULTS_KEY = "ddp_plugins.sequential_evaluation"
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
@@ -114,11 +119,11 @@ class _RankWatcher(threading.Thread):
     (when rank 0 itself failed and stops its children).
     """
 
-    def __init__(self, procs: list[Any], period: float = 1.0) -> None:
+    def __init__(self, procs: list[Any], period: float = 1.0, halt: threading.Event | None = None) -> None:
         super().__init__(daemon=True, name="ddp-plugins-rank-watcher")
         self.procs = procs
         self.period = period
-        self._halt = threading.Event()
+        self._halt = halt or threading.Event()
 
     def stop(self) -> None:
         """Stop watching and wait for the thread to end (it checks every ``period`` seconds)."""
@@ -156,22 +161,29 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
     """Lightning's subprocess launcher: job-scoped child commands, a rank watcher, no orphans.
 
     ``_call_children_scripts`` is Lightning's body with the command from
-    :func:`_job_subprocess_cmd` (Lightning builds it inline, so the method is restated);
-    ``launch`` is Lightning's with :class:`_RankWatcher` instead of its observer, and stops the
-    child ranks when rank 0 raises (Lightning only does so for ``KeyboardInterrupt``, leaving
-    them blocked in a collective until the timeout).
+    :func:`_job_subprocess_cmd` (Lightning builds it inline, so the method is restated) and a
+    parent-death signal for each child; ``launch`` is Lightning's with :class:`_RankWatcher`
+    instead of its observer, stops the child ranks when rank 0 raises (Lightning only does so for
+    ``KeyboardInterrupt``, leaving them blocked in a collective until the timeout), and holds
+    SIGTERM and SIGINT from before the first child starts until :meth:`startup_done`
+    (:class:`_StartupSignals`).
     """
+
+    _startup: _StartupSignals | None = None
+    _halt: threading.Event | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         watcher = None
-        if not self.cluster_environment.creates_processes_externally:
-            self._call_children_scripts()
-            watcher = _RankWatcher(self.procs)
-            watcher.start()
-        _compat.set_num_threads_if_needed(self.num_processes)
         try:
+            if not self.cluster_environment.creates_processes_externally:
+                self._halt = threading.Event()
+                self._startup = _StartupSignals(self._stop_startup).install()
+                self._call_children_scripts()
+                watcher = _RankWatcher(self.procs, halt=self._halt)
+                watcher.start()
+            _compat.set_num_threads_if_needed(self.num_processes)
             return function(*args, **kwargs)
         except Preempted:
             # every rank agreed to stop at this step and wrote its part: let the children finish
@@ -189,8 +201,57 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 self._stop_children(describe_collective_failure(error, tag=_failure_tag(module)))
             raise
         finally:
+            self.startup_done()  # a start-up that failed gives the handlers back all the same
             if watcher is not None:  # fit returned: no thread outlives it
                 watcher.stop()
+
+    def startup_done(self) -> None:
+        """The ranks have met (the strategy calls this once set up): signals are the run's again.
+
+        In the launcher, SIGTERM and SIGINT get back the handlers they had; from here on Lightning's
+        and :class:`~ddp_plugins.lightning.PreemptionCheckpoint`'s handlers take them. In a child rank
+        that this launcher started, the parent-death signal is cleared (see ``_call_children_scripts``).
+        """
+        if self._startup is not None:
+            self._startup.restore()
+            self._startup = None
+        if os.environ.pop(_DIES_WITH_LAUNCHER, None) is not None:
+            clear = parent_death_signal(0)
+            if clear is not None:
+                clear()
+
+    def _stop_startup(self, signum: int) -> None:
+        """SIGTERM or SIGINT reached the launcher while the ranks start: forward it to the child ranks,
+        give them :data:`_CHILD_GRACE_S` to exit, kill the rest, and exit ``128 + signal``.
+
+        Runs in :class:`_StartupSignals`' thread while the main thread may be blocked in the
+        rendezvous, so it leaves with ``os._exit`` (streams flushed) rather than through ``atexit``
+        handlers that could wait for the main thread. A child started while this runs is not in
+        ``procs`` yet: its parent-death signal ends it.
+        """
+        if self._halt is not None:
+            self._halt.set()  # the rank watcher must not take the children's exit for a failure
+        procs = list(self.procs)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        deadline = time.monotonic() + _CHILD_GRACE_S
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
+            time.sleep(0.05)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        code = 128 + signum
+        print(
+            f"[ddp_plugins] {signal.Signals(signum).name} while the ranks were starting: stopped child ranks"
+            f" {[proc.pid for proc in procs]}; exit code {code}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
     def _wait_children(self) -> None:
         deadline = time.monotonic() + _PREEMPT_GRACE_S
@@ -225,6 +286,20 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
 
     @override
     def _call_children_scripts(self) -> None:
+        """Lightning's, with this job's command, and a parent-death signal for each child rank.
+
+        The kernel sends the child ``SIGKILL`` when the launcher dies, however it dies (``SIGKILL``,
+        the OOM killer), until the child's start-up is done (:meth:`startup_done` clears it): a child
+        left alone in the rendezvous would otherwise wait out the whole timeout (30 minutes by
+        default). ``SIGKILL``, not ``SIGTERM``: a Python handler runs only once the main thread is
+        back from torch, and in the rendezvous it waits inside torch for the dead launcher (a
+        ``SIGTERM`` handler of the user's, Hydra's or ours would wait with it), and a rank without
+        its launcher, which hosts the store and is rank 0, has nothing left to save. After start-up
+        the signal is cleared: the ranks are connected, so a child learns of a vanished launcher at
+        its next collective, which fails at once and says which rank stopped (``SIGTERM`` would be
+        taken then by the preemption handler, waiting for a step boundary that never comes), and a
+        child still finishing after rank 0 ended normally is not cut short.
+        """
         import subprocess
 
         self._check_can_spawn_children()
@@ -234,13 +309,80 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
         os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        dies_with_launcher = parent_death_signal(signal.SIGKILL)
         for local_rank in range(1, self.num_processes):
             env_copy = os.environ.copy()
             env_copy["LOCAL_RANK"] = f"{local_rank}"
             if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env_copy:
                 del env_copy["PL_GLOBAL_SEED"]
+            if dies_with_launcher is not None:
+                env_copy[_DIES_WITH_LAUNCHER] = "1"
             command, cwd = _job_subprocess_cmd(local_rank)
-            self.procs.append(subprocess.Popen(command, env=env_copy, cwd=cwd))
+            self.procs.append(subprocess.Popen(command, env=env_copy, cwd=cwd, preexec_fn=dies_with_launcher))
+
+
+class _StartupSignals:
+    """Handlers for SIGTERM and SIGINT that call ``on_signal(signum)`` in a thread of their own at once.
+
+    While the ranks start, the launcher's main thread waits inside torch (the rendezvous store,
+    gloo) for its children, and Python runs a signal handler only when that call returns: after
+    the whole timeout if a child never comes. So the handlers installed here do nothing
+    themselves; the interpreter also writes each signal's number to a pipe from its C-level
+    handler (``signal.set_wakeup_fd``), and a thread reading the pipe calls ``on_signal``.
+    :meth:`restore` gives back the handlers and the wakeup fd there were. A signal that is
+    ignored when installed (``SIG_IGN``: SIGINT of a shell's background job) stays ignored.
+    Outside the main thread (where handlers cannot be set) both are no-ops.
+    """
+
+    def __init__(self, on_signal: Callable[[int], None], signals: tuple[int, ...] = _STARTUP_SIGNALS) -> None:
+        self.on_signal = on_signal
+        self.signals = signals
+        self._previous: dict[int, Any] = {}
+        self._previous_fd = -1
+        self._pipe: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    def install(self) -> _StartupSignals:
+        if threading.current_thread() is not threading.main_thread() or self._thread is not None:
+            return self
+        taken = tuple(sig for sig in self.signals if signal.getsignal(sig) not in (signal.SIG_IGN, None))
+        read, write = self._pipe = os.pipe()
+        os.set_blocking(write, False)
+        self._thread = threading.Thread(
+            target=self._watch, args=(read, taken), daemon=True, name="ddp-plugins-startup-signals"
+        )
+        self._thread.start()
+        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        for sig in taken:
+            self._previous[sig] = signal.signal(sig, _startup_handler)
+        return self
+
+    def restore(self) -> None:
+        if self._thread is None or self._pipe is None:
+            return
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) is _startup_handler:  # not replaced by someone else meanwhile
+                signal.signal(sig, previous)
+        self._previous = {}
+        signal.set_wakeup_fd(self._previous_fd)
+        os.write(self._pipe[1], b"\0")  # not a signal number: the thread ends
+        self._thread.join()
+        for fd in self._pipe:
+            os.close(fd)
+        self._thread = self._pipe = None
+
+    def _watch(self, read: int, taken: tuple[int, ...]) -> None:
+        while True:
+            for signum in os.read(read, 64):  # one byte per signal: its number
+                if signum == 0:
+                    return
+                if signum in taken:
+                    self.on_signal(signum)
+                    return
+
+
+def _startup_handler(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGINT while the ranks start: :class:`_StartupSignals`' thread acts on it."""
 
 
 class _CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):

@@ -25,6 +25,10 @@ script), ``ddp_plugins_spawn`` and ``ddp_plugins_notebook`` (fork):
   watcher logs at INFO, which is usually hidden, and checks every 5 s). When rank 0 itself raises,
   its child ranks are stopped instead of being left blocked in a collective. A rank whose
   collective fails because a peer stopped gets that said in its error message.
+* No orphans while the ranks start: a SIGTERM or SIGINT to the launcher before the ranks are set
+  up stops the child ranks and exits ``128 + signal`` (the launcher's main thread may be waiting in
+  the rendezvous, where Python handlers cannot run), and a child rank dies with its launcher until
+  then (Linux's parent-death signal), instead of waiting for it out the whole timeout.
 * Child ranks of a Hydra job re-run *this job* only: Lightning's launcher re-runs the whole
   command line, so under ``--multirun`` every child rank re-ran the whole sweep into a second
   multirun folder. Children get the job's own overrides and its output folder instead.
@@ -325,6 +329,13 @@ class DDPPluginsStrategy(DDPStrategy):
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
         super().setup_distributed()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        # The ranks have met and the model is in sync: signals are the run's from here on
+        if isinstance(self._launcher, _JobSubprocessLauncher):
+            self._launcher.startup_done()
 
     @override
     def configure_ddp(self) -> None:
