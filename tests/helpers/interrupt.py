@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +65,15 @@ class SignalAt(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self._maybe_fire(trainer, "save_checkpoint")
+
+
+class SlowStop(Callback):
+    """Rank ``rank`` takes ``seconds`` longer to tear down after an exception (a loaded machine):
+    signals that arrive while a stopped run tears down land in that window."""
+
+    def __init__(self, seconds: float = 2.0, rank: int = 0) -> None:
+        self.seconds, self.rank = seconds, rank
+
+    def on_exception(self, trainer, pl_module, exception):
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)

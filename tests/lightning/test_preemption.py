@@ -61,9 +61,9 @@ def test_sigterm_stops_after_the_step_with_one_checkpoint_and_exit_code_143(tmp_
 
 def test_in_a_submitit_job_usr2_stops_at_the_step_and_requeues(tmp_path, monkeypatch):
     """submitit asks Slurm for USR2 before the time limit and would requeue from inside its
-    handler on rank 0; the callback takes USR2 at the step boundary and requeues from there."""
+    handler on rank 0; the callback takes USR2 at the step boundary and requeues at exit."""
     requeued = []
-    monkeypatch.setattr("ddp_plugins.lightning.preemption.slurm_requeue", lambda: requeued.append(True))
+    monkeypatch.setattr("ddp_plugins.lightning.preemption.requeue_at_exit", lambda: requeued.append(True))
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "41")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
@@ -74,7 +74,7 @@ def test_in_a_submitit_job_usr2_stops_at_the_step_and_requeues(tmp_path, monkeyp
         with pytest.raises(Preempted) as stop:
             trainer.fit(BoringModel())
         assert stop.value.code == 128 + signal.SIGUSR2 and trainer.global_step == 3
-        assert requeued == [True], "the job requeues itself once, from rank 0"
+        assert requeued == [True], "the job requeues itself once, from rank 0, at exit"
         assert signal.getsignal(signal.SIGUSR2) is submitits_handler, "submitit's handler is given back"
     finally:
         signal.signal(signal.SIGUSR2, previous)
