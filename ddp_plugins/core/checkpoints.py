@@ -34,6 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddp_plugins.core.process import save_atomic
+
 __all__ = [
     "DIGEST_SUFFIX",
     "PER_RANK",
@@ -142,24 +144,17 @@ def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
         >>> sorted(p.name for p in path.parent.iterdir()), verify_checkpoint(path)
         (['a.ckpt', 'a.ckpt.sha256'], None)
     """
-    import torch
-
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as file:
-            torch.save(obj, file)
-            file.flush()
-            os.fsync(file.fileno())
+
+    def write_digest(tmp: Path) -> None:
         write_text_atomic(digest_path(path), f"{_sha256(tmp)}  {path.name}\n")
-        os.replace(tmp, path)
+
+    try:
+        return save_atomic(obj, path, before_rename=write_digest)
     except BaseException as err:
-        tmp.unlink(missing_ok=True)
         if _no_space(err):
             raise OSError(errno.ENOSPC, f"cannot write checkpoint {path}: no space left on device") from None
         raise
-    return path
 
 
 def _no_space(error: BaseException | None) -> bool:

@@ -56,11 +56,12 @@ _exit_code: int | None = None  # the code exit_at_interpreter_exit leaves with; 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
+def save_atomic(obj: Any, path: str | os.PathLike, before_rename: Callable[[Path], None] | None = None) -> Path:
     """``torch.save`` to ``path`` without ever leaving a half-written file there.
 
-    Writes to a temporary name in the same folder, flushes it to disk, then renames it over
-    ``path`` (atomic on POSIX); on failure the temporary file is removed and ``path`` is untouched.
+    Writes to a temporary name in the same folder, flushes it to disk, calls ``before_rename`` with
+    the temporary file's path (a digest of the bytes, say), then renames it over ``path`` (atomic on
+    POSIX); on failure the temporary file is removed and ``path`` is untouched.
 
     Example::
 
@@ -81,6 +82,8 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
             torch.save(obj, file)
             file.flush()
             os.fsync(file.fileno())
+        if before_rename is not None:
+            before_rename(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ddp_plugins.core.process import parent_death_signal
 from ddp_plugins.core.toolkit import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -166,7 +167,9 @@ class SlurmCluster:
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.root / "log" / f"{name}.out", "wb")  # noqa: SIM115 (the daemon keeps it)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        # The daemons end with the test process even when it is killed before its teardown runs
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=parent_death_signal(signal.SIGTERM))  # fmt: skip
         log.close()
         self._procs.append(proc)
 
