@@ -27,7 +27,38 @@ import torch.distributed as dist
 
 from ddp_plugins._compat import default_store
 
-__all__ = ["COLLECTIVE_FAILURES", "describe_collective_failure", "is_collective_failure", "stalled_ranks"]
+__all__ = [
+    "COLLECTIVE_FAILURES",
+    "RendezvousError",
+    "describe_collective_failure",
+    "is_collective_failure",
+    "rendezvous_error",
+    "stalled_ranks",
+]
+
+
+class RendezvousError(RuntimeError):
+    """The ranks did not all meet to make the process group; ``str()`` is one line."""
+
+
+def rendezvous_error(
+    error: BaseException, address: str, port: int, world_size: int, timeout_s: float
+) -> RendezvousError:
+    """A one-line :class:`RendezvousError` for a store or network error raised while the group is made.
+
+    Example::
+
+        >>> err = RuntimeError("Timed out after 16 seconds waiting for clients. 2/4 clients joined.")
+        >>> message = str(rendezvous_error(err, "127.0.0.1", 29500, 4, 15))
+        >>> message.startswith("the 4 ranks did not all meet at 127.0.0.1:29500 within the timeout (15 s): Timed")
+        True
+    """
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return RendezvousError(
+        f"the {world_size} ranks did not all meet at {address}:{port} within the timeout ({timeout_s:g} s):"
+        f" {first} Check that every node started and can reach that address."
+    )
+
 
 # Messages of a collective that failed because a peer stopped or is gone (gloo, NCCL, the TCP store).
 COLLECTIVE_FAILURES = (

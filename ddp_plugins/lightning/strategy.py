@@ -83,7 +83,7 @@ from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
 from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.ranks import get_rank, get_world_size
 from ddp_plugins.core.samplers import ResumableSampler, loader_seed
-from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure
+from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _failure_tag, _JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
@@ -311,6 +311,14 @@ class DDPPluginsStrategy(DDPStrategy):
             assert self.cluster_environment is not None
             if pin_gloo_to_loopback(self.cluster_environment.main_address):
                 self._env_set.append("GLOO_SOCKET_IFNAME")  # removed again in teardown
+        try:
+            self._make_process_group()
+        except (dist.DistStoreError, dist.DistNetworkError) as err:
+            assert self.cluster_environment is not None
+            env = self.cluster_environment
+            raise rendezvous_error(err, env.main_address, env.main_port, self.world_size, self._timeout_s) from None
+
+    def _make_process_group(self) -> None:
         store = None if dist.is_initialized() else restart_scoped_store(timedelta(seconds=self._timeout_s))
         if store is not None:
             # Under torchrun the group is made here, on this restart round's keys (see

@@ -16,12 +16,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from ddp_plugins.core.checkpoints import digest_path
-from tests.helpers.multiprocess import check_ok, run_command
+from ddp_plugins.core.toolkit import free_port
+from tests.helpers.multiprocess import check_ok, loopback_env, run_command
 from tests.helpers.runs import assert_equal_states, final_state
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
@@ -185,3 +187,17 @@ def test_a_read_only_run_folder_is_one_line(tmp_path):
             f"error: hydra.run.dir {ro / 'run'} cannot be written (Read-only file system),"
             " allowed: a folder this user can write to"
         ), line
+
+
+@pytest.mark.slow
+def test_a_rendezvous_for_a_node_that_never_comes_gives_up_within_the_timeout_with_one_line(tmp_path):
+    env = loopback_env(NODE_RANK="0", MASTER_PORT=str(free_port()))
+    start = time.monotonic()
+    result = run_command([*APP, *SMALL, "trainer.num_nodes=2", "strategy.timeout=10", f"hydra.run.dir={tmp_path / 'run'}"],
+                         timeout=120, env=env)  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, f"exit {result.returncode}\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(r"^error: the 4 ranks did not all meet at 127\.0\.0\.1:\d+ within the timeout \(10 s\): .*2/4 clients joined",
+                     result.stderr, re.MULTILINE), result.stderr[-3000:]  # fmt: skip
+    assert elapsed < 60, f"{elapsed:.0f} s to give up on a 10 s rendezvous timeout"
