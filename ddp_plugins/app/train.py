@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -102,6 +103,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     from hydra.utils import instantiate
 
     setup_rank_logging()  # ddp_plugins loggers: INFO on rank 0, WARNING on the other ranks
+    # Lightning 2.6's own call into torch 2.13's pytree, once per rank and fit: nothing the user can act on
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     network_env = apply_network_env(cfg.get("network", {}).get("env"))
     if network_env:
         log.info("network environment: %s", network_env)
@@ -113,6 +116,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     trainer = build_trainer(cfg, output_dir)
     ckpt_path = resume_path(resume, output_dir)
     if ckpt_path is not None:
+        # A resume writes into its own checkpoint folder by design: one "resuming from" line says it
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         epoch, step = _check_resume_checkpoint(ckpt_path, model, cfg)
         if get_rank() == 0:
             print(f"resuming from {ckpt_path} (epoch {epoch}, step {step})", flush=True)
