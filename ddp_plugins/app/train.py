@@ -42,7 +42,7 @@ from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.core.stalls import RendezvousError
-from ddp_plugins.lightning.launchers import _hydra_quote
+from ddp_plugins.lightning.launchers import hydra_quote
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 
 __all__ = ["build_trainer", "hold_run_folder", "main", "resume_path", "run_folder_lock", "train"]
@@ -388,7 +388,7 @@ def _main() -> None:
                 hold_run_folder(folder)
                 _prepare_checkpoint_folder(Path(folder) / "checkpoints", str(cfg.get("resume", "auto")))
                 kept = [arg for arg in argv if not arg.lstrip("+").startswith("hydra.run.dir=")]
-                sys.argv[1:] = [*kept, f"hydra.run.dir={_hydra_quote(folder)}"]
+                sys.argv[1:] = [*kept, f"hydra.run.dir={hydra_quote(folder)}"]
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(_ERROR_EXIT) from None

@@ -32,7 +32,7 @@ from ddp_plugins.core.process import exit_process, parent_death_signal
 from ddp_plugins.core.stalls import describe_collective_failure
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 
-__all__ = ["split_config_flags"]
+__all__ = ["hydra_quote", "split_config_flags"]
 
 # Seconds a child rank gets to exit on its own once rank 0 failed, before it is killed.
 _CHILD_GRACE_S = 2.0
@@ -67,12 +67,12 @@ def split_config_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     return flags, rest
 
 
-def _hydra_quote(value: str) -> str:
+def hydra_quote(value: str) -> str:
     """``value`` as a single-quoted Hydra override value, so quotes and spaces in a path survive.
 
     Example::
 
-        >>> print(_hydra_quote('runs/we"ird'))
+        >>> print(hydra_quote('runs/we"ird'))
         'runs/we"ird'
     """
     return "'" + value.replace("'", "\\'") + "'"
@@ -99,7 +99,7 @@ def _job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
     command += split_config_flags(sys.argv[1:])[0]
     command += list(hydra_cfg.overrides.task)
     command += [
-        f"hydra.run.dir={_hydra_quote(hydra_cfg.runtime.output_dir)}",
+        f"hydra.run.dir={hydra_quote(hydra_cfg.runtime.output_dir)}",
         f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
         "hydra.output_subdir=null",
     ]
