@@ -185,7 +185,8 @@ def run_lightning(
         for rank in range(world_size):
             path = Path(out_dir) / f"rank{rank}.pt"
             assert path.exists(), f"rank {rank} wrote no result\n{result.stderr[-4000:]}"
-            outputs.append(torch.load(path, weights_only=True))
+            # what the test's own ranks returned (any picklable value), from this call's private temp folder
+            outputs.append(torch.load(path, weights_only=False))
         return outputs
 
 
