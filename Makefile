@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml requirements.lock
 train: $(STAMP)
 	$(PY) -m ddp_plugins.train $(ARGS)
 
-# Lint scope: the package (ddp_plugins/ and its Hydra configs' conf/__init__.py); tests/ and
-# benchmarks/ are not linted yet.
-LINT_PATHS := ddp_plugins conf
+# Lint scope: the whole repo (package, conf/, tests/, benchmarks/, the notebooks and the Python
+# blocks of the Markdown files, which ruff format checks); .venv and the .gitignore'd paths
+# (.venv-lightning-*, outputs/) are skipped by ruff. mypy checks the package only.
+LINT_PATHS := .
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)

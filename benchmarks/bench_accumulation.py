@@ -76,7 +76,7 @@ def _fit(no_sync: bool) -> tuple[list[float], AllReduceCounter]:
     )
     trainer.fit(model)
     ends = model.step_ends
-    return [b - a for a, b in zip(ends, ends[1:])], counter
+    return [b - a for a, b in zip(ends, ends[1:], strict=False)], counter
 
 
 def main() -> None:
@@ -106,8 +106,10 @@ def main() -> None:
             )
         )
     ratio = rows[0][1] / rows[1][1]
-    print(f"\nK={K}, {params / 1e6:.2f}M parameters, batch {BATCH}/rank, 2 CPU ranks (gloo), median of "
-          f"{len(times[True])} timed optimizer steps per variant\n")
+    print(
+        f"\nK={K}, {params / 1e6:.2f}M parameters, batch {BATCH}/rank, 2 CPU ranks (gloo), median of "
+        f"{len(times[True])} timed optimizer steps per variant\n"
+    )
     print("| variant | ms / optimizer step | all-reduce calls / step | rounds / step | MiB sent / step / rank |")
     print("|---|---:|---:|---:|---:|")
     for name, ms, calls, rounds, mib in rows:

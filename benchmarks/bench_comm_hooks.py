@@ -72,15 +72,19 @@ def _worker(rank: int, world_size: int) -> dict:
 def main() -> None:
     results = spawn(_worker, world_size=2, timeout=300)[0]  # rank 0's figures
     base_time, base_bytes = results["none"]
-    print(f"model: {results['numel'] / 1e6:.2f}M parameters, 2 gloo CPU ranks, batch {BATCH} per rank,"
-          f" median of {STEPS} steps")
+    print(
+        f"model: {results['numel'] / 1e6:.2f}M parameters, 2 gloo CPU ranks, batch {BATCH} per rank,"
+        f" median of {STEPS} steps"
+    )
     print("| hook | step time (ms) | time vs none | MB per step | bytes vs none |")
     print("|---|---|---|---|---|")
     for name in HOOKS:
         step_time, nbytes = results[name]
         label = f"powersgd (rank {POWERSGD_RANK})" if name == "powersgd" else name
-        print(f"| {label} | {step_time * 1e3:.1f} | {step_time / base_time:.2f}x | {nbytes / 1e6:.2f} |"
-              f" {nbytes / base_bytes:.3f}x |")
+        print(
+            f"| {label} | {step_time * 1e3:.1f} | {step_time / base_time:.2f}x | {nbytes / 1e6:.2f} |"
+            f" {nbytes / base_bytes:.3f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -96,8 +96,10 @@ def main() -> None:
     rows = spawn(_worker, world_size=2, timeout=600)[0]  # rank 0's figures
     mb = lambda n: n * CLASSES * 4 / 2**20  # noqa: E731
     print(f"distributed_concat vs raw all_gather + cat, 2 gloo ranks, float32 x {CLASSES} classes\n")
-    print("| samples | gathered | raw time | concat time | time ratio | raw peak | concat peak | peak ratio |"
-          " concat uneven time / peak |")
+    print(
+        "| samples | gathered | raw time | concat time | time ratio | raw peak | concat peak | peak ratio |"
+        " concat uneven time / peak |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n, sec, mem in rows:
         print(

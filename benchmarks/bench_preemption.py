@@ -57,7 +57,7 @@ def _fit(check_every: int | None) -> list[float]:
     data = SyntheticDataModule(num_samples=STEPS * 64 + 64, image_size=8, batch_size=32)
     trainer.fit(DigitsCNN(num_classes=10, channels=32), datamodule=data)
     ends = clock.ends[5:]
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in zip(ends, ends[1:], strict=False)]
 
 
 def _stop_time() -> tuple[float, float, int]:
@@ -65,8 +65,8 @@ def _stop_time() -> tuple[float, float, int]:
     run = Path(tempfile.mkdtemp()) / "run"
     cmd = [
         sys.executable, "-m", "ddp_plugins.train", "data=synthetic", "data.num_samples=20000",
-        "trainer.enable_progress_bar=false", "trainer.max_epochs=1", "checkpoint.every_n_train_steps=10", "checkpoint.keep=100",
-        "trainer.log_every_n_steps=1", f"hydra.run.dir={run}",
+        "trainer.enable_progress_bar=false", "trainer.max_epochs=1", "checkpoint.every_n_train_steps=10",
+        "checkpoint.keep=100", "trainer.log_every_n_steps=1", f"hydra.run.dir={run}",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=_ENV, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -93,7 +93,7 @@ def _stop_time() -> tuple[float, float, int]:
 def _median_job_step(run: Path) -> float:
     """The job's median step time, from the write times of its step checkpoints (10 steps apart)."""
     times = sorted(p.stat().st_mtime for p in (run / "checkpoints").glob("step-*.ckpt") if "preempted" not in p.name)
-    gaps = [(b - a) / 10 for a, b in zip(times, times[1:])]  # 10 steps between step checkpoints
+    gaps = [(b - a) / 10 for a, b in zip(times, times[1:], strict=False)]  # 10 steps between step checkpoints
     return statistics.median(gaps) if gaps else float("nan")
 
 
@@ -109,7 +109,10 @@ def main() -> None:
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return
     anchor = statistics.median(times["no PreemptionCheckpoint (anchor)"])
-    print(f"\nDigitsCNN (32 channels, SyncBN), batch 32/rank, 2 CPU ranks (gloo), median of {len(times['check every step (default)'])} steps per variant\n")
+    print(
+        "\nDigitsCNN (32 channels, SyncBN), batch 32/rank, 2 CPU ranks (gloo), "
+        f"median of {len(times['check every step (default)'])} steps per variant\n"
+    )
     print("| variant | ms / step | ratio to anchor |")
     print("|---|---:|---:|")
     for name in variants:

@@ -13,7 +13,7 @@ API = REPO_ROOT / "docs" / "API.md"
 
 def _sections() -> dict[str, str]:
     parts = re.split(r"^### `(\w+)`$", API.read_text(), flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def test_every_public_name_has_a_section_with_an_example():

@@ -43,7 +43,9 @@ def test_the_test_cluster_runs_a_job_and_leaves_etc_and_other_processes_alone(tm
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
         assert decoy.poll() is None, "the test cluster signalled a process it did not start"
         assert _tree_digest(Path("/etc/slurm")) == etc_before, "the test cluster wrote /etc/slurm"
-        assert (tmp_path / "cluster" / "slurm.conf").exists() and "SlurmctldPort=" in (tmp_path / "cluster" / "slurm.conf").read_text()
+        assert (tmp_path / "cluster" / "slurm.conf").exists() and "SlurmctldPort=" in (
+            tmp_path / "cluster" / "slurm.conf"
+        ).read_text()
     finally:
         decoy.kill()
         decoy.wait()

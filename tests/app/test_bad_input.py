@@ -54,15 +54,20 @@ BAD_COMMAND_LINES = [
     ("seed=99999999999", "seed"),
     ("no_such_key=1", "override"),
     ("network.env=5", "network.env"),
-    ("callbacks.accumulation_no_sync.accumulate_grad_batches=0", "callbacks.accumulation_no_sync.accumulate_grad_batches"),
+    (
+        "callbacks.accumulation_no_sync.accumulate_grad_batches=0",
+        "callbacks.accumulation_no_sync.accumulate_grad_batches",
+    ),
     ("callbacks.sync_batchnorm.group_size=3", "callbacks.sync_batchnorm.group_size"),
     ("callbacks.sync_batchnorm.skip_frozen=maybe", "callbacks.sync_batchnorm.skip_frozen"),
     ("callbacks.sync_batchnorm.extra_classes=[nope.Norm]", "callbacks.sync_batchnorm.extra_classes"),
     ("callbacks.sequential_evaluation.stages=[train]", "callbacks.sequential_evaluation.stages"),
     ("callbacks.allreduce_counter.prefix=''", "callbacks.allreduce_counter.prefix"),
     ("callbacks.rank_aware_seed.workers=3", "callbacks.rank_aware_seed.workers"),
-    ("trainer.accumulate_grad_batches=4 callbacks.accumulation_no_sync.accumulate_grad_batches=2",
-     "callbacks.accumulation_no_sync.accumulate_grad_batches"),
+    (
+        "trainer.accumulate_grad_batches=4 callbacks.accumulation_no_sync.accumulate_grad_batches=2",
+        "callbacks.accumulation_no_sync.accumulate_grad_batches",
+    ),
     ("-m precision=32-true,16-mixed", "precision"),  # the second job of the sweep
     ("-m model.lr=0.1,0.01,-3", "model.lr"),  # the third
     ("-m trainer.max_epochs=1 data.batch_size=8,0", "data.batch_size"),
@@ -77,7 +82,9 @@ BAD_COMMAND_LINES = [
 def walked(tmp_path_factory):
     out = tmp_path_factory.mktemp("bad") / "results.json"
     lines = json.dumps([line.split() for line, _ in BAD_COMMAND_LINES])
-    check_ok(run_command([sys.executable, "-m", "tests.helpers.bad_cli", str(out), lines], timeout=600, env=loopback_env()))
+    check_ok(
+        run_command([sys.executable, "-m", "tests.helpers.bad_cli", str(out), lines], timeout=600, env=loopback_env())
+    )
     return {" ".join(r["argv"]): r for r in json.loads(out.read_text())}
 
 

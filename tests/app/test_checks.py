@@ -35,9 +35,7 @@ def test_groups_and_their_options():
         assert checks.group_options(group), f"config group {group} has no options"
 
 
-@pytest.mark.parametrize(
-    ("group", "option"), [(g, o) for g in GROUPS for o in checks.group_options(g)]
-)
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in checks.group_options(g)])
 def test_every_option_composes_and_instantiates(group, option, tmp_path):
     cfg = compose_config([f"{group}={option}"])
     expected_error = CPU_ERRORS.get((group, option))
@@ -56,7 +54,7 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
     instantiate(cfg.data).setup()
     instantiate(cfg.model)
     plugin_types = {type(cb).__name__ for cb in trainer.callbacks}
-    for name in (cfg.get("callbacks") or {}):
+    for name in cfg.get("callbacks") or {}:
         assert type(instantiate(cfg.callbacks[name])).__name__ in plugin_types
 
 

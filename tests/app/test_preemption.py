@@ -201,7 +201,10 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{log[-3000:]}"
     found = RESUMING.findall(log)  # the requeued job's log (Slurm truncates it on requeue)
     assert len(found) == 1, f"one resume, printed once:\n{log[-3000:]}"
-    assert re.fullmatch(r"step-\d+-preempted\.ckpt", Path(found[0][0]).name) and Path(found[0][0]).parent == folder / "checkpoints"
+    assert (
+        re.fullmatch(r"step-\d+-preempted\.ckpt", Path(found[0][0]).name)
+        and Path(found[0][0]).parent == folder / "checkpoints"
+    )
     assert_equal_states(final_state(reference), final_state(folder))
     assert metrics_rows(folder) == metrics_rows(reference)
 
@@ -273,8 +276,9 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
     refused before Hydra writes anything there (the running job's .hydra/ record stays its own)."""
     folder = tmp_path / "run"
     cmd = [*APP, *SMALL, f"hydra.run.dir={folder}"]
-    first = subprocess.Popen([*cmd, "trainer.max_epochs=1000"], cwd=REPO_ROOT, env=loopback_env(), start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen([*cmd, "trainer.max_epochs=1000"], cwd=REPO_ROOT, env=loopback_env(),
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not (folder / "checkpoints").exists():
@@ -283,7 +287,9 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
         record = {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()}
         second = run_command([*cmd, "model.lr=0.01"], timeout=120)
         assert second.returncode == 2, second.stderr[-3000:]
-        assert {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()} == record, "the refused run wrote .hydra/"
+        assert {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()} == record, (
+            "the refused run wrote .hydra/"
+        )
         assert re.fullmatch(
             rf"error: hydra.run.dir {re.escape(str(folder))} is in use by a running job \(PID {first.pid}\),"
             r" allowed: a folder no running job writes to",

@@ -115,7 +115,9 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_one_resumed_from_th
         file.write(os.urandom(4096))
     (ckpts / ".step-10.ckpt.4242.tmp").write_bytes(b"what a kill during a write leaves")
 
-    resumed = check_ok(run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={damaged}"], timeout=300))
+    resumed = check_ok(
+        run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={damaged}"], timeout=300)
+    )
     skipped = re.findall(r"resume: skipped (\S+) \((.*)\)", resumed.stderr)
     assert sorted(Path(p).name for p, _ in skipped) == ["epoch=0-step=8.ckpt", "last.ckpt", "step-8.ckpt"], skipped
     assert all(why.startswith("damaged: its SHA-256 does not match") for _, why in skipped), skipped
@@ -149,7 +151,9 @@ def test_a_hard_kill_with_the_default_config_loses_at_most_the_epoch_under_way(t
 def test_a_checkpoint_of_another_model_is_one_line(one_epoch, tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(one_epoch, folder)
-    result = run_command([*APP, *SMALL, "model.channels=16", "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120)
+    result = run_command(
+        [*APP, *SMALL, "model.channels=16", "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120
+    )
     line = _one_line_failure(result, 2)
     assert re.fullmatch(
         r"error: resume \S+ does not fit the model: (\S+) has shape \(\d+(, \d+)*\) in the checkpoint and"
@@ -160,7 +164,9 @@ def test_a_checkpoint_of_another_model_is_one_line(one_epoch, tmp_path):
 @contextlib.contextmanager
 def _tmpfs(where: Path, options: str):
     where.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
     try:
@@ -175,7 +181,10 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
         folder = small / "run"
         result = run_command([*APP, *SMALL, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300)
         line = _one_line_failure(result, 1)
-        assert re.fullmatch(rf"error: cannot write checkpoint {re.escape(str(folder))}/checkpoints/\S+\.ckpt: no space left on device", line), line
+        assert re.fullmatch(
+            rf"error: cannot write checkpoint {re.escape(str(folder))}/checkpoints/\S+\.ckpt: no space left on device",
+            line,
+        ), line
         assert not [p for p in (folder / "checkpoints").iterdir() if p.name.endswith(".tmp")], "no temporary file left"
 
 
@@ -193,11 +202,13 @@ def test_a_read_only_run_folder_is_one_line(tmp_path):
 def test_a_rendezvous_for_a_node_that_never_comes_gives_up_within_the_timeout_with_one_line(tmp_path):
     env = loopback_env(NODE_RANK="0", MASTER_PORT=str(free_port()))
     start = time.monotonic()
-    result = run_command([*APP, *SMALL, "trainer.num_nodes=2", "strategy.timeout=10", f"hydra.run.dir={tmp_path / 'run'}"],
-                         timeout=120, env=env)  # fmt: skip
+    cmd = [*APP, *SMALL, "trainer.num_nodes=2", "strategy.timeout=10", f"hydra.run.dir={tmp_path / 'run'}"]
+    result = run_command(cmd, timeout=120, env=env)
     elapsed = time.monotonic() - start
     assert result.returncode == 1, f"exit {result.returncode}\n{result.stderr[-3000:]}"
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert re.search(r"^error: the 4 ranks did not all meet at 127\.0\.0\.1:\d+ within the timeout \(10 s\): .*2/4 clients joined",
-                     result.stderr, re.MULTILINE), result.stderr[-3000:]  # fmt: skip
+    expected = (
+        r"^error: the 4 ranks did not all meet at 127\.0\.0\.1:\d+ within the timeout \(10 s\): .*2/4 clients joined"
+    )
+    assert re.search(expected, result.stderr, re.MULTILINE), result.stderr[-3000:]
     assert elapsed < 60, f"{elapsed:.0f} s to give up on a 10 s rendezvous timeout"

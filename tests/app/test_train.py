@@ -78,7 +78,6 @@ def test_help_lists_the_groups(tmp_path):
         assert f"{group}:" in result.stdout, f"--help does not list the {group} group"
 
 
-
 def _single_folder(root: Path, depth: int) -> Path:
     folders = [p for p in root.glob("/".join(["*"] * depth)) if p.is_dir()]
     assert len(folders) == 1, f"expected one run folder under {root}, found {folders}"
@@ -118,7 +117,7 @@ def test_multirun_runs_each_job_once_as_a_two_process_ddp_run(tmp_path):
     sweep = _single_folder(tmp_path / "multirun", 2)
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1"], f"expected two job folders, got {jobs}"
-    for job, precision in zip(jobs, ["32-true", "bf16-mixed"]):
+    for job, precision in zip(jobs, ["32-true", "bf16-mixed"], strict=True):
         folder = sweep / job
         _assert_run_outputs(folder)
         assert f"precision={precision}" in (folder / ".hydra" / "overrides.yaml").read_text()
@@ -166,7 +165,7 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     finally:
         for proc in procs:
             proc.kill()
-    for node, (proc, out) in enumerate(zip(procs, outputs)):
+    for node, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"node {node} exited {proc.returncode}:\n{out[-4000:]}"
     assert "MEMBER: 1/2" in outputs[0] and "MEMBER: 2/2" in outputs[1]
     assert ACCURACY.search(outputs[0]), "node 0 (global rank 0) prints the accuracy"

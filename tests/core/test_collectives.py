@@ -13,7 +13,6 @@ from ddp_plugins.core.samplers import SequentialDistributedSampler
 PAD = -100
 
 
-
 def _test_sampler_then_concat(rank, world_size, n):
     sampler = SequentialDistributedSampler(range(n))  # world size and rank from the process group
     rows = torch.tensor(list(sampler))

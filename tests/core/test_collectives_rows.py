@@ -11,5 +11,9 @@ def _test_rows_of_dicts_and_tuples(rank, world_size):
 
 def test_distributed_concat_gathers_per_row_dicts_and_tuples_in_rank_order(dist_pool):
     for result in dist_pool.run(_test_rows_of_dicts_and_tuples):
-        assert result["records"] == [{"id": "r0-0", "score": 0.0}, {"id": "r1-0", "score": 1.0}, {"id": "r1-1", "score": 1.1}]
+        assert result["records"] == [
+            {"id": "r0-0", "score": 0.0},
+            {"id": "r1-0", "score": 1.0},
+            {"id": "r1-1", "score": 1.1},
+        ]
         assert result["pairs"] == [(0, 0), (0, 1), (1, 0)]

@@ -65,12 +65,12 @@ def test_allreduce_and_fp16_hooks_equal_single_process_gradients(dist_pool, name
     ref_grads, _ = _train(_net(), x, y, 0, 2 * PER_RANK)  # one process, the global batch
     tol = {"none": {"rtol": 1e-5, "atol": 1e-6}, "fp16": {"rtol": 2e-3, "atol": 2e-4}}[name]
     for rank, (grads, _) in enumerate(results):
-        for step, (got, ref) in enumerate(zip(grads, ref_grads)):
-            for g, r in zip(got, ref):
+        for step, (got, ref) in enumerate(zip(grads, ref_grads, strict=True)):
+            for g, r in zip(got, ref, strict=True):
                 where = f"{name}, rank {rank}, step {step}"
                 torch.testing.assert_close(g, r, **tol, msg=lambda m, where=where: f"{where}: {m}")
     if name == "fp16":  # the compression is real: not bit-identical to the exact all-reduce
-        assert any(not torch.equal(g, r) for g, r in zip(results[0][0][-1], ref_grads[-1]))
+        assert any(not torch.equal(g, r) for g, r in zip(results[0][0][-1], ref_grads[-1], strict=True))
 
 
 def test_powersgd_is_exact_before_its_start_iteration_then_a_rank_one_projection(dist_pool):
@@ -79,10 +79,10 @@ def test_powersgd_is_exact_before_its_start_iteration_then_a_rank_one_projection
     ref_grads, _ = _train(_net(), x, y, 0, 2 * PER_RANK)
     (grads0, losses0), (grads1, _) = results
     for step in range(STEPS):
-        for g0, g1 in zip(grads0[step], grads1[step]):
+        for g0, g1 in zip(grads0[step], grads1[step], strict=True):
             torch.testing.assert_close(g0, g1, rtol=0, atol=0, msg="replicas got different gradients")
     for step in (0, 1):  # plain all-reduce before start_powerSGD_iter=2
-        for g, r in zip(grads0[step], ref_grads[step]):
+        for g, r in zip(grads0[step], ref_grads[step], strict=True):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
     # step 2: same parameters as the reference; the 32x32 weight is compressed to P P^T M, a rank-1
     # orthogonal projection of the single-process gradient M; 1-D biases go uncompressed
@@ -132,9 +132,15 @@ def _test_counting_hook(rank, world_size, which):
     after_no_sync = counter.calls
     for _ in range(3):
         ddp(x).sum().backward()
-    return after_no_sync, counter.calls, counter.bytes, counter.rounds, _user_hook.seen, numel, [
-        p.grad.clone() for p in net.parameters()
-    ]
+    return (
+        after_no_sync,
+        counter.calls,
+        counter.bytes,
+        counter.rounds,
+        _user_hook.seen,
+        numel,
+        [p.grad.clone() for p in net.parameters()],
+    )
 
 
 def test_counting_hook_counts_calls_and_bytes_and_keeps_the_default_math(dist_pool):
@@ -150,7 +156,7 @@ def test_counting_hook_counts_calls_and_bytes_and_keeps_the_default_math(dist_po
         assert after_no_sync == 0, "no_sync step sent something"
         assert (calls, rounds) == (3, 3), "one bucket per synchronized backward"
         assert nbytes == 3 * numel * 4, "fp32 bucket bytes"
-        for g, e in zip(grads, [p.grad for p in net.parameters()]):
+        for g, e in zip(grads, [p.grad for p in net.parameters()], strict=True):
             torch.testing.assert_close(g, e)
 
 

@@ -146,7 +146,9 @@ def test_gather_for_metrics_is_the_dataset_in_order(dist_pool, num_samples):
 
 def _test_drop_last(rank, world_size, num_items, per_device_batch_size):
     dataset = range(num_items)
-    loader = DataLoader(dataset, batch_size=per_device_batch_size, sampler=SequentialDistributedSampler(dataset), drop_last=True)
+    loader = DataLoader(
+        dataset, batch_size=per_device_batch_size, sampler=SequentialDistributedSampler(dataset), drop_last=True
+    )
     batches = list(loader)
     second = distributed_concat(batches[1])  # Accelerate gathers the second batch
     everything = distributed_concat(torch.cat(batches))
@@ -166,7 +168,9 @@ def test_drop_last(dist_pool):
     for second, everything in results:
         # "a full set of complete batches from each GPU"
         assert second.size(0) == per_device_batch_size * WORLD
-        assert second.tolist() == [i for shard in shards for i in shard[per_device_batch_size : 2 * per_device_batch_size]]
+        assert second.tolist() == [
+            i for shard in shards for i in shard[per_device_batch_size : 2 * per_device_batch_size]
+        ]
         assert everything.tolist() == [i for shard in full for i in shard]
         assert 10 not in everything.tolist(), "drop_last drops the tail of each rank's shard"
 
@@ -270,7 +274,9 @@ def test_data_loader(dist_pool, kind):
         assert index.tolist() == list(range(NUM_ELEMENTS))
         assert label.tolist() == [i % 2 for i in range(NUM_ELEMENTS)]
         # the per-row random values of each rank, in rank order, padding dropped
-        torch.testing.assert_close(augmentation, torch.cat([local[2] for local in locals_])[:NUM_ELEMENTS], rtol=0, atol=0)
+        torch.testing.assert_close(
+            augmentation, torch.cat([local[2] for local in locals_])[:NUM_ELEMENTS], rtol=0, atol=0
+        )
 
 
 # ---------------------------------------------------------------- even / uneven batches
@@ -295,7 +301,9 @@ def test_even_batch_sizes(dist_pool, dataset_size, batch_size, expected_batch_si
 
 def _test_uneven_batches(rank, world_size, dataset_size, batch_size):
     # even_batches=False: rank r gets batches r, r + world_size, ... of the dataset; no padding
-    batches = list(itertools.islice(iter(DataLoader(range(dataset_size), batch_size=batch_size)), rank, None, world_size))
+    batches = list(
+        itertools.islice(iter(DataLoader(range(dataset_size), batch_size=batch_size)), rank, None, world_size)
+    )
     steps = math.ceil(math.ceil(dataset_size / batch_size) / world_size)
     gathered = []
     for step in range(steps):
@@ -305,7 +313,9 @@ def _test_uneven_batches(rank, world_size, dataset_size, batch_size):
     return [len(b) for b in batches], gathered
 
 
-@pytest.mark.parametrize(("dataset_size", "batch_size", "sizes0", "sizes1"), [(3, 1, [1, 1], [1]), (7, 2, [2, 2], [2, 1])])
+@pytest.mark.parametrize(
+    ("dataset_size", "batch_size", "sizes0", "sizes1"), [(3, 1, [1, 1], [1]), (7, 2, [2, 2], [2, 1])]
+)
 def test_uneven_batches_gathered_step_by_step(dist_pool, dataset_size, batch_size, sizes0, sizes1):
     results = dist_pool.run(_test_uneven_batches, dataset_size, batch_size)
     assert [sizes for sizes, _ in results] == [sizes0, sizes1]
@@ -382,8 +392,12 @@ def test_uneven_rows_are_concatenated_not_padded(dist_pool):
 
 def _test_op_checker(rank, world_size):
     cases = {
-        "pad_across_processes": torch.tensor([[0.0, 1, 2, 3, 4]]) if rank == 0 else torch.tensor([[[0.0, 1, 2, 3, 4, 5]]]),
-        "reduce": torch.tensor([[0.0, 1, 2, 3, 4]]) if rank == 0 else torch.tensor([[[0.0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]]),
+        "pad_across_processes": (
+            torch.tensor([[0.0, 1, 2, 3, 4]]) if rank == 0 else torch.tensor([[[0.0, 1, 2, 3, 4, 5]]])
+        ),
+        "reduce": (
+            torch.tensor([[0.0, 1, 2, 3, 4]]) if rank == 0 else torch.tensor([[[0.0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]])
+        ),
     }
     messages = {}
     for name, tensor in cases.items():
@@ -407,7 +421,7 @@ def test_op_checker_shape_mismatch(dist_pool):
     assert results[0][0] == results[1][0], "every rank raises the same error"
 
 
-# ---------------------------------------------------------------- test_script.py: split_between_processes + gather_object
+# -------------------------------------------------------------- test_script.py: split_between_processes + gather_object
 
 
 SPLIT_DATA = {

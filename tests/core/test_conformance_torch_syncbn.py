@@ -141,7 +141,10 @@ def _case_data(case: str):
 
 
 def _ddp_helper(model, inp, target, scale_factor, memory_format):
-    """torch's ``_test_DDP_helper``: train mode, MSE loss times the scale, backward; whether the memory format was kept."""
+    """torch's ``_test_DDP_helper``: train mode, MSE loss times the scale, backward.
+
+    Returns whether the memory format was kept.
+    """
     model.train()
     output = model(inp)
     (F.mse_loss(output, target) * scale_factor).backward()
@@ -218,7 +221,9 @@ def test_ddp_syncbn_niter_matches_one_process(dist_pool, case):
         for idx, (got, want) in enumerate(zip(params, ref_params, strict=True)):
             assert len(got) == len(want)
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                torch.testing.assert_close(g, w, msg=lambda m, i=i, idx=idx, r=rank: f"param {i}, iteration {idx}, rank {r}: {m}")
+                torch.testing.assert_close(
+                    g, w, msg=lambda m, i=i, idx=idx, r=rank: f"param {i}, iteration {idx}, rank {r}: {m}"
+                )
         for key, want in reference.state_dict().items():
             if key in buffers:
                 torch.testing.assert_close(buffers[key], want, msg=lambda m, key=key, r=rank: f"{key} on rank {r}: {m}")
@@ -230,7 +235,10 @@ def test_ddp_syncbn_niter_matches_one_process(dist_pool, case):
 def _running_value_inputs():
     """torch's inputs: rank i holds (2, 2, 10 ** (i + 1)), channel 0 = 0.1 ** (i - 1), channel 1 = 0.3 ** (i - 1)."""
     return [
-        torch.cat([torch.ones(2, 1, 10 ** (i + 1)) * (0.1 ** (i - 1)), torch.ones(2, 1, 10 ** (i + 1)) * (0.3 ** (i - 1))], dim=1)
+        torch.cat(
+            [torch.ones(2, 1, 10 ** (i + 1)) * (0.1 ** (i - 1)), torch.ones(2, 1, 10 ** (i + 1)) * (0.3 ** (i - 1))],
+            dim=1,
+        )
         for i in range(2)
     ]
 
@@ -359,7 +367,7 @@ def test_process_group_reaches_nested_layers(dist_pool):
     torch.testing.assert_close(y, _nested_model()(x).detach())
 
 
-# ---------------------------------------------------------------- test_ddp_inference / test_ddp_sync_bn_training_vs_eval
+# --------------------------------------------------------------- test_ddp_inference / test_ddp_sync_bn_training_vs_eval
 
 
 def _test_inference(rank, world_size):
@@ -453,7 +461,9 @@ def test_uneven_inputs_stop_iteration(dist_pool):
     results = dist_pool.run(_test_uneven_inputs_stop_iteration)
     for rank, (n, message, equal) in enumerate(results):
         assert n == 5, f"rank {rank} ran {n} iterations"
-        expected = "Detected at least one rank that exhausted inputs." if rank == 0 else f"Rank {rank} exhausted all inputs"
+        expected = (
+            "Detected at least one rank that exhausted inputs." if rank == 0 else f"Rank {rank} exhausted all inputs"
+        )
         assert message is not None and expected in message, f"rank {rank}: {message!r}"
         assert equal, f"rank {rank}: the models differ across ranks"
 

@@ -84,6 +84,8 @@ def _test_rank_logging_follows_the_process_group(rank, world_size):
 
 def test_rank_logging_uses_the_process_group_rank(dist_pool):
     rank0, rank1 = dist_pool.run(_test_rank_logging_follows_the_process_group)
-    assert rank0 == ["[rank 0] INFO ddp_plugins.test_pool_logging: effective network env",
-                     "[rank 0] WARNING ddp_plugins.test_pool_logging: careful"]
+    assert rank0 == [
+        "[rank 0] INFO ddp_plugins.test_pool_logging: effective network env",
+        "[rank 0] WARNING ddp_plugins.test_pool_logging: careful",
+    ]
     assert rank1 == ["[rank 1] WARNING ddp_plugins.test_pool_logging: careful"]

@@ -15,11 +15,11 @@ def test_sampler_gives_contiguous_equal_shards_that_concatenate_to_the_dataset(n
     samplers = [SequentialDistributedSampler(range(n), num_replicas=world_size, rank=r) for r in range(world_size)]
     shards = [list(s) for s in samplers]
     assert len({len(shard) for shard in shards}) == 1, "every rank must run the same number of samples"
-    assert all(len(shard) == len(s) for shard, s in zip(shards, samplers))
+    assert all(len(shard) == len(s) for shard, s in zip(shards, samplers, strict=True))
     assert sum(s.num_real_samples for s in samplers) == n, "real samples must cover the dataset exactly once"
     flat = [i for shard in shards for i in shard]
     assert flat[:n] == list(range(n)), "concatenated shards are not the dataset in order"
-    for shard, s in zip(shards, samplers):
+    for shard, s in zip(shards, samplers, strict=True):
         assert shard[: s.num_real_samples] == sorted(set(shard[: s.num_real_samples])), "a shard is not contiguous"
 
 

@@ -110,7 +110,7 @@ def _train(layer, xs_and_grads, memory_format, reduce_grads, lr=0.1):
         grads = [p.grad.clone() for p in layer.parameters()]
         reduce_grads(grads)
         with torch.no_grad():
-            for p, grad in zip(layer.parameters(), grads):
+            for p, grad in zip(layer.parameters(), grads, strict=True):
                 p -= lr * grad
                 p.grad = None
         record.append({"y": y.detach(), "dx": x.grad, "dparams": grads})
@@ -168,10 +168,10 @@ def test_matches_batchnorm_on_the_global_batch(dist_pool, kind, sizes, momentum)
     ref_record, ref_buffers = _train(reference, global_batch, memory_format, lambda g: None)
     for rank, (record, buffers, counts) in enumerate(results):
         part = _slice(sizes, rank)
-        for step, (got, want) in enumerate(zip(record, ref_record)):
+        for step, (got, want) in enumerate(zip(record, ref_record, strict=True)):
             torch.testing.assert_close(got["y"], want["y"][part], **TOL, msg=f"output, rank {rank} step {step}")
             torch.testing.assert_close(got["dx"], want["dx"][part], **TOL, msg=f"input grad, rank {rank} step {step}")
-            for i, (g, w) in enumerate(zip(got["dparams"], want["dparams"])):
+            for i, (g, w) in enumerate(zip(got["dparams"], want["dparams"], strict=True)):
                 torch.testing.assert_close(g, w, **TOL, msg=f"param {i} grad (summed over ranks), step {step}")
         for name, want in ref_buffers.items():
             torch.testing.assert_close(buffers[name], want, **TOL, msg=f"{name} on rank {rank}")
@@ -187,7 +187,7 @@ def test_matches_without_affine_or_running_stats(dist_pool, affine, track):
     reference = _make_layer(kind, 0.1, affine, track)
     ref_record, ref_buffers = _train(reference, _global_batch(sizes, SHAPES[kind][1], steps), None, lambda g: None)
     for rank, (record, buffers, _) in enumerate(results):
-        for got, want in zip(record, ref_record):
+        for got, want in zip(record, ref_record, strict=True):
             torch.testing.assert_close(got["y"], want["y"][_slice(sizes, rank)], **TOL)
             torch.testing.assert_close(got["dx"], want["dx"][_slice(sizes, rank)], **TOL)
         assert buffers.keys() == ref_buffers.keys()
@@ -314,7 +314,7 @@ def test_revert_round_trip_is_bit_exact():
     assert revert_sync_batchnorm(net) is net
     after = _snapshot(net)
     assert [(n, t) for n, t, _, _ in after] == [(n, t) for n, t, _, _ in before], "classes not restored"
-    for (name, _, attrs_b, tensors_b), (_, _, attrs_a, tensors_a) in zip(before, after):
+    for (name, _, attrs_b, tensors_b), (_, _, attrs_a, tensors_a) in zip(before, after, strict=True):
         assert attrs_a.keys() == attrs_b.keys(), f"attributes of {name!r} changed"
         for key, (ident, value) in tensors_b.items():
             assert tensors_a[key][0] == ident, f"{name}.{key} is a different tensor"
@@ -322,7 +322,7 @@ def test_revert_round_trip_is_bit_exact():
     for clone in copies:
         revert_sync_batchnorm(clone)
         assert [type(m) for m in clone.modules()] == [type(m) for m in net.modules()]
-        for (k, a), b in zip(clone.state_dict().items(), net.state_dict().values()):
+        for (k, a), b in zip(clone.state_dict().items(), net.state_dict().values(), strict=True):
             assert torch.equal(a, b), k
 
 
@@ -334,7 +334,7 @@ def test_converted_model_trains_and_its_state_dict_loads_into_the_original():
     original(x).sum().backward()
     restored = _mixed_net()
     restored.load_state_dict(net.state_dict(), strict=True)
-    for (key, a), b in zip(restored.state_dict().items(), original.state_dict().values()):
+    for (key, a), b in zip(restored.state_dict().items(), original.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=key)
 
 

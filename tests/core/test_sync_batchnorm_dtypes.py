@@ -7,7 +7,12 @@ from torch import nn
 from ddp_plugins.core import convert_sync_batchnorm
 
 # dtype -> (rtol, atol): torch's own tolerances for its SyncBatchNorm dtype tests are of this order
-TOLERANCES = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+TOLERANCES = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
 
 
 def _global_batch(dtype):
@@ -43,7 +48,7 @@ def test_sync_batchnorm_equals_plain_batchnorm_on_the_global_batch(dist_pool, dt
     out = reference(xg)
     out.backward(dy)
     rtol, atol = TOLERANCES[dtype]
-    for rank, (out_r, dx_r, dw_r, db_r, mean_r, var_r) in enumerate(results):
+    for rank, (out_r, dx_r, _dw_r, _db_r, mean_r, var_r) in enumerate(results):
         rows = slice(rank * 4, rank * 4 + 4)
         assert out_r.dtype == dtype and dx_r.dtype == dtype, "outputs and gradients keep the input's dtype"
         torch.testing.assert_close(out_r, out[rows].detach(), rtol=rtol, atol=atol)

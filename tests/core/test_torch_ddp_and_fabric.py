@@ -31,7 +31,9 @@ def _check_against_reference(result: dict) -> None:
     state, preds = _reference()
     assert result["state"].keys() == state.keys(), "conversion must keep the state_dict keys"
     for key, want in state.items():
-        torch.testing.assert_close(result["state"][key], want, rtol=1e-5, atol=1e-6, msg=f"{key} differs from one process")
+        torch.testing.assert_close(
+            result["state"][key], want, rtol=1e-5, atol=1e-6, msg=f"{key} differs from one process"
+        )
     torch.testing.assert_close(result["eval"]["preds"], preds, rtol=1e-5, atol=1e-6)
     assert result["eval"]["ids"] == [f"row{i}" for i in range(torch_ddp.EVAL_ROWS)], "rows out of order or padded"
     noises = result["noises"]
@@ -41,7 +43,15 @@ def _check_against_reference(result: dict) -> None:
 @pytest.mark.slow
 def test_raw_torch_ddp_under_torchrun_without_lightning(tmp_path):
     out = tmp_path / "result.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}", SCRIPT, str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        SCRIPT,
+        str(out),
+    ]
     env = loopback_env(DDP_PLUGINS_BLOCK_LIGHTNING="1", PYTHONPATH=str(REPO_ROOT))
     check_ok(run_command(cmd, timeout=180, env=env))
     _check_against_reference(torch.load(out, weights_only=False))
@@ -60,7 +70,8 @@ def test_the_core_imports_without_lightning():
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric', 'lightning_utilities'):\n"
+        "        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric',"
+        " 'lightning_utilities'):\n"
         "            raise ImportError(name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import ddp_plugins, ddp_plugins.core\n"
@@ -71,5 +82,7 @@ def test_the_core_imports_without_lightning():
         "except ImportError:\n"
         "    print('adapters need lightning')\n"
     )
-    result = check_ok(run_command([sys.executable, "-c", code], timeout=60, env=loopback_env(PYTHONPATH=str(REPO_ROOT))))
+    result = check_ok(
+        run_command([sys.executable, "-c", code], timeout=60, env=loopback_env(PYTHONPATH=str(REPO_ROOT)))
+    )
     assert result.stdout.strip() == "adapters need lightning", result.stdout

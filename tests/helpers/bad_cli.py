@@ -32,7 +32,10 @@ def _children() -> list[int]:
 
 def _run(argv: list[str]) -> dict:
     folder = tempfile.mkdtemp(prefix="ddp_plugins_bad_")
-    out_path, err_path = os.path.join(folder, "..", f"{os.path.basename(folder)}.out"), os.path.join(folder, "..", f"{os.path.basename(folder)}.err")
+    out_path, err_path = (
+        os.path.join(folder, "..", f"{os.path.basename(folder)}.out"),
+        os.path.join(folder, "..", f"{os.path.basename(folder)}.err"),
+    )
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the app, as `python -m ddp_plugins.train ARGV` would run it, in its own folder

@@ -51,9 +51,7 @@ def _init_worker(ranks: Any, port: int, world_size: int, pg_timeout: float) -> N
     os.environ.update(LOOPBACK_ENV, MASTER_PORT=str(port))
     torch.set_num_threads(1)
     rank = ranks.get(timeout=60)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
 
 
 def _call(fn: Callable[..., Any], args: tuple) -> tuple[int, Any]:

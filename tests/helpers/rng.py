@@ -47,11 +47,7 @@ def draw() -> dict:
 
 
 def same(a: dict, b: dict) -> bool:
-    return (
-        torch.equal(a["torch"], b["torch"])
-        and np.array_equal(a["numpy"], b["numpy"])
-        and a["python"] == b["python"]
-    )
+    return torch.equal(a["torch"], b["torch"]) and np.array_equal(a["numpy"], b["numpy"]) and a["python"] == b["python"]
 
 
 def assert_all_differ(a: dict, b: dict, what: str) -> None:
@@ -61,4 +57,11 @@ def assert_all_differ(a: dict, b: dict, what: str) -> None:
 
 
 # Seeds every seeding entry point refuses, with the exception each must raise.
-BAD_SEEDS = [(-1, ValueError), (2**32, ValueError), (1.5, TypeError), ("42", TypeError), (True, TypeError), (None, TypeError)]
+BAD_SEEDS = [
+    (-1, ValueError),
+    (2**32, ValueError),
+    (1.5, TypeError),
+    ("42", TypeError),
+    (True, TypeError),
+    (None, TypeError),
+]

@@ -36,7 +36,10 @@ def install_packages() -> None:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise SlurmUnavailable("slurm-wlm and munge are not installed and cannot be (needs root and apt-get)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge"]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge"],
+    ):
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             raise SlurmUnavailable(f"cannot install slurm-wlm and munge: {result.stderr.strip()[-300:]}")
@@ -91,7 +94,9 @@ class SlurmCluster:
     def start(self) -> None:
         install_packages()
         if system_slurm_answers():
-            raise SlurmUnavailable("a system Slurm controller answers on this machine; the test cluster will not start beside it")
+            raise SlurmUnavailable(
+                "a system Slurm controller answers on this machine; the test cluster will not start beside it"
+            )
         root = self.root
         for sub in ("state", "spool", "log", "run"):
             (root / sub).mkdir()
@@ -104,7 +109,9 @@ class SlurmCluster:
             f"--pid-file={root / 'run' / 'munged.pid'}", f"--log-file={root / 'log' / 'munged.log'}",
             f"--seed-file={root / 'state' / 'munged.seed'}",
         ])  # fmt: skip
-        _wait(lambda: self._alive() or sock.exists(), 30, "munged did not create its socket", root / "log" / "munged.log")
+        _wait(
+            lambda: self._alive() or sock.exists(), 30, "munged did not create its socket", root / "log" / "munged.log"
+        )
         host = socket.gethostname().split(".")[0]
         cpus = os.cpu_count() or 1
         with open("/proc/meminfo") as f:
@@ -136,7 +143,9 @@ class SlurmCluster:
             out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30)
             if any(s in out.stdout for s in ("idle", "mixed", "allocated")):
                 return True
-            subprocess.run(["scontrol", "update", f"nodename={host}", "state=resume"], env=env, capture_output=True, timeout=30)
+            subprocess.run(
+                ["scontrol", "update", f"nodename={host}", "state=resume"], env=env, capture_output=True, timeout=30
+            )
             return False
 
         _wait(idle, 60, "the test cluster's node did not come up", root / "log" / "slurmctld.log")
@@ -166,7 +175,7 @@ class SlurmCluster:
         return "\n".join(parts)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self.root / "log" / f"{name}.out", "wb")  # noqa: SIM115 (the daemon keeps it)
+        log = open(self.root / "log" / f"{name}.out", "wb")
         # The daemons end with the test process even when it is killed before its teardown runs
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 preexec_fn=parent_death_signal(signal.SIGTERM))  # fmt: skip
@@ -177,7 +186,9 @@ class SlurmCluster:
         for proc in self._procs:
             if proc.poll() is not None:
                 log = self.root / "log" / f"{Path(proc.args[0]).name}.out"
-                raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}: {log.read_text(errors='replace')[-1500:]}")
+                raise RuntimeError(
+                    f"{proc.args[0]} exited with {proc.returncode}: {log.read_text(errors='replace')[-1500:]}"
+                )
 
 
 def _wait(ready, seconds: float, what: str, log: Path) -> None:

@@ -86,9 +86,7 @@ class _ManualRegression(pl.LightningModule):
         loss = mse_loss(self.net(x), y) / acc.accumulate_grad_batches
         self.manual_backward(loss)
         grads = [p.grad.detach().clone() for p in self.net.parameters()]
-        self.records.append(
-            (acc.is_boundary, grads, all(p.requires_grad for p in self.parameters()))
-        )
+        self.records.append((acc.is_boundary, grads, all(p.requires_grad for p in self.parameters())))
         if acc.is_boundary:
             opt = self.optimizers()
             opt.step()
@@ -180,7 +178,7 @@ def _reference_regression(k, epochs):
     opt = _sgd(net.parameters())
     grads = []
     for _ in range(epochs):
-        for (x, y), boundary in zip(_global_batches(_regression_data()), _boundaries(k)):
+        for (x, y), boundary in zip(_global_batches(_regression_data()), _boundaries(k), strict=True):
             (mse_loss(net(x), y) / k).backward()
             grads.append([p.grad.clone() for p in net.parameters()])
             if boundary:
@@ -193,7 +191,7 @@ def _reference_gan(schedule):
     gen, disc = _gan_nets()
     opt_g, opt_d = _sgd(gen.parameters()), _sgd(disc.parameters())
     for k in schedule:
-        for (real, noise), boundary in zip(_global_batches(_gan_data()), _boundaries(k)):
+        for (real, noise), boundary in zip(_global_batches(_gan_data()), _boundaries(k), strict=True):
             ones, zeros = torch.ones_like(real[:, :1]), torch.zeros_like(real[:, :1])
             fake = gen(noise)
             ((bce(disc(real), ones) + bce(disc(fake.detach()), zeros)) / k).backward()
@@ -354,12 +352,12 @@ def test_manual_no_sync_on_2_ranks_equals_one_process():
     r0, r1 = ranks
     assert len(r0["records"]) == epochs * BATCHES_PER_EPOCH
     assert [b for b, _, _ in r0["records"]] == _boundaries(k) * epochs
-    for i, ((boundary, g0, rg0), (_, g1, rg1)) in enumerate(zip(r0["records"], r1["records"])):
+    for i, ((boundary, g0, rg0), (_, g1, rg1)) in enumerate(zip(r0["records"], r1["records"], strict=True)):
         assert rg0 and rg1, "requires_grad was changed"
-        same = all(torch.equal(a, b) for a, b in zip(g0, g1))
+        same = all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
         if boundary:
             assert same, f"micro-step {i} (boundary): gradients not in sync when they should be"
-            for a, e in zip(g0, ref_grads[i]):
+            for a, e in zip(g0, ref_grads[i], strict=True):
                 torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-8, msg=f"boundary {i}: not the global gradient")
         else:
             assert not same, f"micro-step {i} (non-boundary): gradients in sync when they should not be"

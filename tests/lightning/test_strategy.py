@@ -132,19 +132,35 @@ def _fit_each_hook(out_dir):
         pl.seed_everything(0, verbose=False)
         model, counter, probe = _BNModel(), AllReduceCounter(log=False), _Probe()
         strategy = DDPPluginsStrategy(
-            backend="gloo", timeout=45, comm_hook=name, powersgd_start_iter=2, bucket_cap_mb=1,
-            gradient_as_bucket_view=True, find_unused_parameters=True,
+            backend="gloo",
+            timeout=45,
+            comm_hook=name,
+            powersgd_start_iter=2,
+            bucket_cap_mb=1,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=True,
         )
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_steps=6, sync_batchnorm=True,
-            callbacks=[counter, probe], enable_progress_bar=False, logger=False,
-            enable_checkpointing=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=6,
+            sync_batchnorm=True,
+            callbacks=[counter, probe],
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
         )
         trainer.fit(model)
         numel = sum(p.numel() for p in model.parameters())
-        results[name] = {**probe.seen, "history": counter.history, "numel": numel,
-                         "gloo_ifname_after_fit": os.environ.get("GLOO_SOCKET_IFNAME"),
-                         "finite": all(torch.isfinite(p).all().item() for p in model.parameters())}
+        results[name] = {
+            **probe.seen,
+            "history": counter.history,
+            "numel": numel,
+            "gloo_ifname_after_fit": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "finite": all(torch.isfinite(p).all().item() for p in model.parameters()),
+        }
     return results
 
 
@@ -214,8 +230,13 @@ class _FailingModel(_BNModel):
 
 def _fit_and_fail(out_dir, mode, rank):
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=DDPPluginsStrategy(backend="gloo", timeout=FAIL_TIMEOUT),
-        max_epochs=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPPluginsStrategy(backend="gloo", timeout=FAIL_TIMEOUT),
+        max_epochs=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
         enable_model_summary=False,
     )
     trainer.fit(_FailingModel(mode, rank))

@@ -3,7 +3,6 @@
 from datetime import timedelta
 
 import pytest
-
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 
 from ddp_plugins.lightning import DDPPluginsStrategy
@@ -33,7 +32,9 @@ def test_more_ranks_than_devices_under_torchrun_is_a_clear_error(monkeypatch):
     for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "4",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
-    with pytest.raises(ValueError, match=r"`devices` should be devices x num_nodes = the world size the launcher started \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"`devices` should be devices x num_nodes = the world size the launcher started \(4\)"
+    ):
         Trainer(accelerator="cpu", devices=2, strategy=DDPPluginsStrategy(backend="gloo"), logger=False)
 
 

@@ -45,7 +45,11 @@ def make_net() -> nn.Module:
 
 def make_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(STEPS, GLOBAL_BATCH, 4, generator=gen), torch.randn(STEPS, GLOBAL_BATCH, 1, generator=gen), torch.randn(EVAL_ROWS, 4, generator=gen)
+    return (
+        torch.randn(STEPS, GLOBAL_BATCH, 4, generator=gen),
+        torch.randn(STEPS, GLOBAL_BATCH, 1, generator=gen),
+        torch.randn(EVAL_ROWS, 4, generator=gen),
+    )
 
 
 def main() -> None:
