@@ -5,7 +5,7 @@ Everything the pack needs that Lightning or torch offer only under a private nam
 with the versions it was checked against, so an upgrade is one file to read.
 ``tests/test_compat.py`` fails with a clear message when an installed version changes one.
 
-Checked against torch 2.13.0 and Lightning 2.4.0 to 2.6.6.
+Checked against torch 2.13.0 and Lightning 2.6.1 (the floor, `make matrix`) to 2.6.6 (the pinned set).
 
 torch (imported at once: the core uses it and must not need Lightning):
 
