@@ -331,9 +331,10 @@ CHECKPOINT_KEYS = ("every_n_train_steps", "keep")
 def check_resume(resume: Any) -> str:
     """``resume``: ``"auto"``, ``"never"`` or the path of a verified checkpoint file.
 
-    A path must pass :func:`ddp_plugins.core.checkpoints.verify_checkpoint` (its SHA-256 sidecar
-    matches) and load with ``weights_only=True``: a file that is not a whole pack checkpoint is
-    refused before anything of it runs.
+    A path must load with ``weights_only=True`` and, when it has a SHA-256 sidecar, match it
+    (:func:`ddp_plugins.core.checkpoints.verify_checkpoint`): a file that is not a whole Lightning
+    checkpoint is refused before anything of it runs. A checkpoint without a sidecar (written before
+    ddp_plugins 0.3.1) is taken as given by an explicit path, unverified.
 
     Example::
 
@@ -344,7 +345,7 @@ def check_resume(resume: Any) -> str:
         ...
         ddp_plugins.core.checks.ArgumentValueError: `resume` should be ... got 'no/such.ckpt' (no such file).
     """
-    from ddp_plugins.core.checkpoints import verify_checkpoint
+    from ddp_plugins.core.checkpoints import NO_DIGEST, verify_checkpoint
 
     allowed = "'auto', 'never' or the path of a checkpoint file"
     if not isinstance(resume, str):
@@ -352,7 +353,8 @@ def check_resume(resume: Any) -> str:
     if resume in ("auto", "never"):
         return resume
     reason = verify_checkpoint(resume)
-    if reason is None:
+    if reason is None or reason.startswith(NO_DIGEST):  # a checkpoint of an earlier version: unverified
+        reason = None
         try:
             checkpoint_position(resume)
         except ValueError as err:

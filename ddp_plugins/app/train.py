@@ -143,13 +143,21 @@ def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
         >>> resume_path("auto", tempfile.mkdtemp()) is None, resume_path("never", "outputs/x")
         (True, None)
     """
-    from ddp_plugins.core.checkpoints import newest_valid_checkpoint
+    from ddp_plugins.core.checkpoints import NO_DIGEST, newest_valid_checkpoint
 
     if resume == "never":
         return None
     if resume != "auto":
         return resume
-    found, skipped = newest_valid_checkpoint(Path(output_dir) / "checkpoints")
+    folder = Path(output_dir) / "checkpoints"
+    found, skipped = newest_valid_checkpoint(folder)
+    if found is None and any(reason.startswith(NO_DIGEST) for _, reason in skipped):
+        # Unverified files only (an earlier version's run): starting over would silently lose them
+        raise ConfigError(
+            "resume",
+            f"got 'auto', but no checkpoint in {folder} has a digest (written before ddp_plugins 0.3.1?)",
+            "resume=<one of them> to continue from it unverified, or resume=never with a new hydra.run.dir",
+        )
     if get_rank() == 0:
         for path, reason in skipped:
             log.warning("resume: skipped %s (%s)", path, reason)
@@ -211,10 +219,15 @@ def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[in
     Raises:
         ConfigError: the checkpoint does not load safely or does not fit the model.
     """
+    from ddp_plugins.core.checkpoints import NO_DIGEST, verify_checkpoint
+
     try:
         checkpoint = load_checkpoint_safely(path)
     except ValueError as err:
         raise ConfigError("resume", f"got {path!r} ({err})", "a checkpoint written by ddp_plugins") from None
+    unverified = verify_checkpoint(path)
+    if get_rank() == 0 and unverified is not None and unverified.startswith(NO_DIGEST):
+        log.warning("resume: %s is not verified (%s)", path, unverified)
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise ConfigError("resume", f"got {path!r} (not a Lightning checkpoint: no state_dict)", "a checkpoint file")

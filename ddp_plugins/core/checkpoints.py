@@ -38,6 +38,7 @@ from ddp_plugins.core.process import save_atomic
 
 __all__ = [
     "DIGEST_SUFFIX",
+    "NO_DIGEST",
     "PER_RANK",
     "count_csv_rows",
     "digest_path",
@@ -112,6 +113,7 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
 
 
 DIGEST_SUFFIX = ".sha256"
+NO_DIGEST = "no digest"  # how verify_checkpoint's reason begins for a file without a sidecar
 _TEMPORARY = re.compile(r"^\..+\.\d+\.tmp$")  # save_atomic's and write_text_atomic's temporary names
 
 
@@ -195,7 +197,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     try:
         recorded = sidecar.read_text().split()[0]
     except (OSError, IndexError, UnicodeDecodeError):
-        return f"no digest ({sidecar.name} missing or empty): not a checkpoint written by ddp_plugins"
+        return f"{NO_DIGEST} ({sidecar.name} missing or empty): not a checkpoint written by ddp_plugins 0.3.1 or later"
     try:
         actual = _sha256(path)
     except OSError as err:
