@@ -22,14 +22,11 @@ under Slurm (job id) and torchrun (rendezvous run id). Plain torch and the stand
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import logging
 import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -50,7 +47,6 @@ __all__ = [
     "check_signals",
     "exit_code",
     "slurm_job_id",
-    "requeue_at_exit",
     "slurm_requeue",
     "stable_run_name",
     "restart_scoped_store",
@@ -248,37 +244,6 @@ def slurm_requeue(job_id: str | None = None) -> bool:
         return False
     log.info("requeued Slurm job %s", job_id)
     return True
-
-
-_requeue_armed: list[str | None] = []  # the job requeue_at_exit requeues (at most one)
-
-
-def requeue_at_exit(job_id: str | None = None) -> None:
-    """Requeue the Slurm job (:func:`slurm_requeue`) as the last thing this process does, at exit.
-
-    ``scontrol requeue`` makes Slurm end the running job at once: it sends ``SIGCONT`` and
-    ``SIGTERM`` to every process of the step, and ``SIGKILL`` after ``KillWait``. Requeued from
-    inside the run, those signals reach ranks that are still tearing down, where the handlers of
-    whatever framework is current run: Lightning's own SIGTERM handler broadcasts from inside the
-    handler, and when the peer rank has already exited that raises into rank 0's teardown, in place
-    of the stop being reported (the stop's line and exit code were lost). At interpreter exit the
-    run's output is written and its process group is gone; ``SIGTERM`` is ignored from there, so
-    the process still ends with its own exit code. Call it on one rank, once the checkpoint is on disk.
-    """
-    if not _requeue_armed:
-        atexit.register(_requeue_now)
-    _requeue_armed[:] = [job_id]
-
-
-def _requeue_now() -> None:
-    if not _requeue_armed:
-        return
-    job_id = _requeue_armed.pop()
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm's SIGTERM for this very requeue
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    slurm_requeue(job_id)
 
 
 def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = None) -> dist.Store | None:

@@ -61,8 +61,8 @@ from ddp_plugins.core.preemption import (
     SignalFlag,
     agree_on_signal,
     check_signals,
-    requeue_at_exit,
     slurm_job_id,
+    slurm_requeue,
     submitit_signal,
 )
 from ddp_plugins.lightning.accumulation import is_step_boundary
@@ -167,9 +167,10 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, Preempted):
-            # Our handlers stay until Lightning's teardown puts back the ones it found: a signal
-            # arriving while a stopped run tears down (Slurm's, after the requeue) must not reach
-            # Lightning's handler, which broadcasts from inside the handler.
+            # Our handlers stay until Lightning's teardown puts back the ones it found: the signals
+            # Slurm sends for the requeue reach ranks that are tearing down, and Lightning's handler
+            # would broadcast from inside the handler (with the other rank gone, the gloo error
+            # replaced the stop: no "preempted by" line, exit 0).
             self._finish_rows(trainer)
             return
         self._flag.restore()
@@ -201,7 +202,7 @@ class PreemptionCheckpoint(Callback):
             if trainer.is_global_zero:
                 log.warning("preempted by signal %d at step %d: checkpoint %s", signum, step, path)
                 if self._should_requeue(signum):
-                    requeue_at_exit()  # not now: Slurm would signal every rank while it tears down
+                    slurm_requeue()
             # Raised at the next hook, once Lightning has logged this step's metrics
             self._stop = Preempted(signum, str(path))
         elif step_due:

@@ -224,8 +224,8 @@ def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slu
     (`--signal=USR2@<delay>`, before the time limit) to the first job mid-epoch: both tasks stop at
     one step, the job requeues itself, and the requeued job resumes in its own sweep folder and ends
     as the reference did; the multirun returns 0 after both jobs. Rank 0 tears down 2 s slower
-    (SlowStop), as on a loaded machine: the window where a requeue issued during the run let Slurm's
-    SIGTERM reach Lightning's handler, which replaced the stop with a gloo error (line and code lost)."""
+    (SlowStop), as on a loaded machine: the window where Slurm's SIGTERM for the requeue reached
+    Lightning's handler, whose broadcast replaced the stop with a gloo error (line and code lost)."""
     sweep = tmp_path / "multirun"
     small = [arg for arg in SMALL if not arg.startswith("model.dropout=")]
     cmd = [*APP, "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}",
@@ -260,7 +260,7 @@ def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slu
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{logs}"
     assert "preempted by SIGUSR2 (exit code 140)" in logs, f"{logs}\n{slurm_cluster.log_tail()}"
     assert "Caught signal SIGUSR2" not in logs, "submitit's handler (requeue from inside the handler) must not run"
-    # the requeue is rank 0's last act: Slurm's SIGTERM for it never reaches a rank that still tears down
+    # Slurm's SIGTERM for the requeue meets our handlers in a rank that tears down, never Lightning's
     assert "Received SIGTERM" not in logs, f"Lightning's SIGTERM handler ran in a stopping rank:\n{logs}"
     found = RESUMING.findall(logs)
     assert len(found) == 1 and Path(found[0][0]).parent == sweep / "0" / "checkpoints", logs[-3000:]

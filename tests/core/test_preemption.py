@@ -210,24 +210,3 @@ def test_resumable_sampler_skips_once_sets_the_epoch_first_and_draws_nothing_glo
 def test_preempted_is_a_system_exit_with_the_checkpoint():
     err = Preempted(signal.SIGUSR1, "c.ckpt")
     assert isinstance(err, SystemExit) and err.code == 128 + signal.SIGUSR1 and err.checkpoint == "c.ckpt"
-
-
-def test_the_requeue_is_the_last_thing_the_process_does_and_slurms_sigterm_does_not_change_its_exit(tmp_path):
-    """``scontrol requeue`` makes Slurm signal the job's processes at once: requeued at exit, after
-    the process wrote everything, with SIGTERM ignored, the stop's line and exit code stay."""
-    events = tmp_path / "events"
-    fake = tmp_path / "bin" / "scontrol"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/bin/sh\necho "scontrol $*" >> {events}\nkill -TERM $PPID\n')  # as Slurm does
-    fake.chmod(0o755)
-    script = textwrap.dedent(f"""
-        from ddp_plugins.core.preemption import requeue_at_exit
-        requeue_at_exit("41_0")
-        with open({str(events)!r}, "a") as f:
-            f.write("stop reported\\n")
-        raise SystemExit(140)
-    """)
-    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 140, result.stderr
-    assert events.read_text().splitlines() == ["stop reported", "scontrol requeue 41_0"], result.stderr

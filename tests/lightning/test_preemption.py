@@ -61,20 +61,29 @@ def test_sigterm_stops_after_the_step_with_one_checkpoint_and_exit_code_143(tmp_
 
 def test_in_a_submitit_job_usr2_stops_at_the_step_and_requeues(tmp_path, monkeypatch):
     """submitit asks Slurm for USR2 before the time limit and would requeue from inside its
-    handler on rank 0; the callback takes USR2 at the step boundary and requeues at exit."""
+    handler on rank 0; the callback takes USR2 at the step boundary and requeues from there."""
     requeued = []
-    monkeypatch.setattr("ddp_plugins.lightning.preemption.requeue_at_exit", lambda: requeued.append(True))
+    monkeypatch.setattr("ddp_plugins.lightning.preemption.slurm_requeue", lambda: requeued.append(True))
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "41")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
     submitits_handler = lambda signum, frame: pytest.fail("submitit's handler ran during training")  # noqa: E731
     previous = signal.signal(signal.SIGUSR2, submitits_handler)
     try:
-        trainer = _trainer(tmp_path, _SigtermAt(3, signal.SIGUSR2), PreemptionCheckpoint())
+        callback = PreemptionCheckpoint()
+        trainer = _trainer(tmp_path, _SigtermAt(3, signal.SIGUSR2), callback)
+        # Slurm signals every task for the requeue while it tears down: until Lightning puts back the
+        # handlers it found, SIGTERM must be ours, not Lightning's (which broadcasts in the handler)
+        during_teardown = []
+        connector = trainer._signal_connector
+        original_teardown = connector.teardown
+        monkeypatch.setattr(connector, "teardown", lambda: (during_teardown.append(signal.getsignal(signal.SIGTERM)),
+                                                            original_teardown()))  # fmt: skip
         with pytest.raises(Preempted) as stop:
             trainer.fit(BoringModel())
         assert stop.value.code == 128 + signal.SIGUSR2 and trainer.global_step == 3
-        assert requeued == [True], "the job requeues itself once, from rank 0, at exit"
+        assert requeued == [True], "the job requeues itself once, from rank 0"
+        assert during_teardown == [callback._flag._handle], f"SIGTERM went to {during_teardown} during teardown"
         assert signal.getsignal(signal.SIGUSR2) is submitits_handler, "submitit's handler is given back"
     finally:
         signal.signal(signal.SIGUSR2, previous)
