@@ -219,15 +219,15 @@ def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[in
     Raises:
         ConfigError: the checkpoint does not load safely or does not fit the model.
     """
-    from ddp_plugins.core.checkpoints import NO_DIGEST, verify_checkpoint
+    from ddp_plugins.core.checkpoints import NO_DIGEST, digest_path
 
     try:
         checkpoint = load_checkpoint_safely(path)
     except ValueError as err:
         raise ConfigError("resume", f"got {path!r} ({err})", "a checkpoint written by ddp_plugins") from None
-    unverified = verify_checkpoint(path)
-    if get_rank() == 0 and unverified is not None and unverified.startswith(NO_DIGEST):
-        log.warning("resume: %s is not verified (%s)", path, unverified)
+    # A file with a digest was verified on the way here (resume_path or the up-front check): no second hash
+    if get_rank() == 0 and not digest_path(path).is_file():
+        log.warning("resume: %s is not verified (%s: %s missing)", path, NO_DIGEST, digest_path(path).name)
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise ConfigError("resume", f"got {path!r} (not a Lightning checkpoint: no state_dict)", "a checkpoint file")

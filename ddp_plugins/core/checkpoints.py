@@ -105,11 +105,16 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
         >>> latest_checkpoint(folder).name
         'step=12.ckpt'
     """
+    return next(iter(_newest_first(folder)), None)
+
+
+def _newest_first(folder: str | os.PathLike) -> list[Path]:
+    """The ``*.ckpt`` files of ``folder``, the last written first (temporary, hidden names ignored)."""
     folder = Path(folder)
     if not folder.is_dir():
-        return None
+        return []
     found = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".") and p.is_file()]
-    return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name)) if found else None
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
 
 
 DIGEST_SUFFIX = ".sha256"
@@ -219,12 +224,8 @@ def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, lis
         >>> found.name, [(p.name, why.split(" (")[0]) for p, why in skipped]
         ('step-1.ckpt', [('step-2.ckpt', 'no digest')])
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None, []
-    found = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".") and p.is_file()]
     skipped: list[tuple[Path, str]] = []
-    for path in sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True):
+    for path in _newest_first(folder):
         reason = verify_checkpoint(path)
         if reason is None:
             return path, skipped
