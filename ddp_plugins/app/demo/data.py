@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugins.core.checks import check_int, check_number
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Start loader workers from a forkserver, never by forking a rank.
+
+    A rank has threads when its loaders start (gloo's, the queue feeders of a loader whose
+    workers persist). A fork copies the locks those threads hold: under load on 2 cores about one
+    run in 25 had a new worker stuck inside ``os.fork()`` before its first batch, its rank
+    waiting for it and the other rank in a collective (torch issue 130610 is the same class of
+    hang). The forkserver is a fresh single-threaded process that imports, once per rank, what a
+    worker unpickles (torch, Lightning's worker seeding, the strategy's ``worker_init_fn``, the
+    main module); it is started in ``setup`` so that this overlaps the rank's own start.
+    """
+    context = multiprocessing.get_context("forkserver")
+    preload = ["torch", "lightning.fabric.utilities.seed", "ddp_plugins.lightning.strategy"]
+    main = getattr(sys.modules["__main__"], "__spec__", None)  # a worker re-imports it by name
+    if main is not None and main.name:
+        preload.append(main.name)
+    context.set_forkserver_preload(preload)
+    return context
 
 
 class _TensorDataModule(pl.LightningDataModule):
@@ -31,6 +54,11 @@ class _TensorDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        if self.num_workers > 0:
+            from multiprocessing import forkserver
+
+            _worker_context()
+            forkserver.ensure_running()
         x, y = self._tensors()
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
         n_val = int(round(len(x) * self.val_fraction))
@@ -47,6 +75,7 @@ class _TensorDataModule(pl.LightningDataModule):
             shuffle=shuffle,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            multiprocessing_context=_worker_context() if self.num_workers > 0 else None,
         )
 
     def train_dataloader(self) -> DataLoader:
