@@ -12,6 +12,7 @@ app's own work (compose, build every object, the Trainer) runs in full for each 
 import ctypes
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -32,10 +33,7 @@ def _children() -> list[int]:
 
 def _run(argv: list[str]) -> dict:
     folder = tempfile.mkdtemp(prefix="ddp_plugins_bad_")
-    out_path, err_path = (
-        os.path.join(folder, "..", f"{os.path.basename(folder)}.out"),
-        os.path.join(folder, "..", f"{os.path.basename(folder)}.err"),
-    )
+    out_path, err_path = folder + ".out", folder + ".err"
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the app, as `python -m ddp_plugins.train ARGV` would run it, in its own folder
@@ -55,6 +53,9 @@ def _run(argv: list[str]) -> dict:
     with open(out_path) as out, open(err_path) as err:
         result = {"argv": argv, "code": os.waitstatus_to_exitcode(status), "stdout": out.read(), "stderr": err.read()}
     result.update(files=sorted(os.listdir(folder)), left_behind=left, seconds=elapsed)
+    shutil.rmtree(folder)
+    os.remove(out_path)
+    os.remove(err_path)
     return result
 
 
