@@ -286,3 +286,56 @@ def _check_failed_run(mode, rank, message):
     assert message in result.stderr, f"{message!r} not shown:\n{result.stderr[-4000:]}"
     if mode == "sigkill" and rank == 1:  # named by the rank watcher, or by rank 0 if its collective failed first
         assert re.search(r"\[ddp_plugins\] rank 1 \(PID \d+\) was killed by signal SIGKILL", result.stderr)
+
+
+_KILLED_RANK = """
+import multiprocessing, os, signal, sys
+import lightning.pytorch as pl, torch
+from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+
+out = sys.argv[1]
+
+def note_pid(worker_id):
+    open(os.path.join(out, f"worker-{os.getpid()}"), "w").close()
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a torchrun restart would
+        return self.lin(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(64, 2))
+        return torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, persistent_workers=True,
+            worker_init_fn=note_pid, multiprocessing_context=multiprocessing.get_context("forkserver"))
+
+if __name__ == "__main__":
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPPluginsStrategy(backend="gloo"), max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Net())
+"""
+
+
+def test_forkserver_workers_of_a_killed_rank_leave_instead_of_holding_its_pipes_forever(tmp_path):
+    # torch's workers watch their parent, which is the forkserver here: without the strategy's
+    # rank watch they and the forkserver outlive the rank and keep its stdout open (a test or a
+    # Slurm step waiting for EOF hangs)
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_RANK)
+    start = time.monotonic()
+    result = run_command([sys.executable, str(script), str(tmp_path)], timeout=120, env=loopback_env())
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    workers = [int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")]
+    assert len(workers) == 2, sorted(p.name for p in tmp_path.iterdir())
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    for pid in alive:  # ours: started by this test's script
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their killed rank"
+    assert time.monotonic() - start < 100
