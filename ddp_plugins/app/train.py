@@ -42,6 +42,7 @@ from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.core.stalls import RendezvousError
+from ddp_plugins.lightning.data_plan import ResumeMismatch
 from ddp_plugins.lightning.launchers import hydra_quote
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 
@@ -351,6 +352,10 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             return train(cfg, output_dir)
     except ConfigError as err:  # a job whose config changed after the up-front check, or its checkpoint
         print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(_ERROR_EXIT) from None
+    except ResumeMismatch as err:  # every rank refuses the same resume: one line, from rank 0
+        if get_rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(_ERROR_EXIT) from None
     except RendezvousError as err:  # a rank that never came: one line, not a store traceback per rank
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -80,11 +80,20 @@ from ddp_plugins.core.checks import (
     check_number,
 )
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
+from ddp_plugins.core.plan import GlobalPlan
 from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.ranks import get_rank, get_world_size
 from ddp_plugins.core.samplers import ResumableSampler, loader_seed
 from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
+from ddp_plugins.lightning.data_plan import (
+    CHECKPOINT_KEY,
+    StepRows,
+    check_resume,
+    data_record,
+    planned_train_loader,
+    step_rows,
+)
 from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _failure_tag, _JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import pin_gloo_to_loopback
@@ -178,6 +187,12 @@ class DDPPluginsStrategy(DDPStrategy):
         find_unused_parameters: let DDP find parameters that got no gradient.
         static_graph: tell DDP the graph is the same every iteration.
         gradient_as_bucket_view: gradients are views into DDP's buckets (saves a copy).
+        global_batch_size: train on one global plan per epoch (:mod:`ddp_plugins.core.plan`): every
+            optimizer step trains this many rows of one per-epoch order, split as evenly as possible
+            over however many ranks run (and into ``accumulate_grad_batches`` micro-batches), with no
+            padded row; losses are weighted by rows, so the gradient is one process's on the step's
+            rows. A run resumes on any number of ranks. ``None``: Lightning's ``DistributedSampler``.
+        drop_last: with ``global_batch_size``, leave out each epoch's short last step.
         **kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel``.
 
@@ -206,6 +221,8 @@ class DDPPluginsStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
+        global_batch_size: int | None = None,
+        drop_last: bool = False,
         **kwargs: Any,
     ) -> None:
         backend = _backend_synonym(backend, kwargs.pop("process_group_backend", None))
@@ -221,6 +238,8 @@ class DDPPluginsStrategy(DDPStrategy):
         check_bool("find_unused_parameters", find_unused_parameters)
         check_bool("static_graph", static_graph)
         check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+        check_int("global_batch_size", global_batch_size, 1, allow_none=True)
+        check_bool("drop_last", drop_last)
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ArgumentValueError(
                 "comm_hook",
@@ -249,6 +268,13 @@ class DDPPluginsStrategy(DDPStrategy):
         self._comm_hook = comm_hook
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
+        self.global_batch_size = global_batch_size
+        self.drop_last = drop_last
+        self._plan: GlobalPlan | None = None  # the training loader's, when global_batch_size is set
+        self._data_record: dict[str, Any] | None = None  # the training data's layout, for checkpoints
+        self._resumed_record: dict[str, Any] | None = None  # the one in the checkpoint resumed from
+        self._rows: StepRows | None = None  # the current micro-batch's rows (planned training only)
+        self._in_training_step = False
         if comm_hook != "none":
             # set now so that callbacks (AllReduceCounter) can wrap it in `setup`; the state is
             # built per fit in `configure_ddp`
@@ -370,7 +396,7 @@ class DDPPluginsStrategy(DDPStrategy):
         if trainer is None:
             return dataloader
         if trainer.training:
-            dataloader = _resumable_train_loader(dataloader, trainer)
+            dataloader = self._train_loader(dataloader, trainer)
         elif isinstance(dataloader, DataLoader) and dataloader.generator is None:
             # Making an iterator draws the workers' base seed from the loader's generator, else
             # from the global stream: a resumed run, which makes its evaluation iterators at other
@@ -381,12 +407,84 @@ class DDPPluginsStrategy(DDPStrategy):
             dataloader.worker_init_fn = _WorkerInit(dataloader.worker_init_fn, trainer.global_rank)
         return dataloader
 
+    def _train_loader(self, dataloader: Any, trainer: Any) -> Any:
+        accumulate = trainer.accumulate_grad_batches
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        self._plan = None
+        if self.global_batch_size is not None:
+            dataloader, self._plan, epoch = planned_train_loader(
+                dataloader, self.global_batch_size, self.drop_last, self.global_rank, self.world_size, accumulate,
+                trainer.current_epoch, done,
+            )  # fmt: skip
+            mid_epoch = epoch == trainer.current_epoch and done > 0
+        else:
+            mid_epoch = 0 < done < _length(dataloader)
+            dataloader = _resumable_train_loader(dataloader, trainer)
+        self._data_record = data_record(dataloader, self._plan, self.world_size, accumulate)
+        check_resume(self._resumed_record, self._data_record, mid_epoch)
+        return dataloader
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resumed_record = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._plan is not None and self.lightning_module is not None:
+            trainer = self.lightning_module.trainer
+            self._rows = step_rows(
+                self._plan, batch_idx, self.global_rank, self.world_size, trainer.accumulate_grad_batches
+            )
+
+    @property
+    def step_rows(self) -> StepRows | None:
+        """Rows of the current micro-batch on a global plan (``None`` without ``global_batch_size``).
+
+        Under manual optimization, multiply a mean loss by ``step_rows.loss_weight /
+        accumulate_grad_batches`` (what the strategy does for automatic optimization) for the
+        gradient of one process on the step's rows.
+        """
+        return self._rows
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_training_step = True  # `reduce` weights means by rows while the step logs
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._in_training_step = False
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan,
+        # each micro-batch's mean loss is weighted by its rows instead (0 for an empty one)
+        module = self.lightning_module
+        if self._rows is not None and module is not None and module.automatic_optimization:
+            closure_loss = closure_loss * self._rows.loss_weight
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        rows = self._rows
+        weighted = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if not (rows is not None and self._in_training_step and weighted and isinstance(tensor, torch.Tensor)):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        # `self.log(..., sync_dist=True)` in training_step: the mean over the micro-batch's rows (an
+        # empty micro-batch's value, NaN for a mean loss, counts for nothing)
+        local = tensor * rows.rank_rows if rows.rank_rows else torch.zeros_like(tensor)
+        return super().reduce(local, group=group, reduce_op="sum") / rows.micro_rows
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Every rank gets here through Trainer.save_checkpoint, in step: the one point where the
         # per-rank parts of callback states (RankAwareSeed's RNG streams) are gathered, so that no
         # state_dict has to communicate (see ddp_plugins.core.checkpoints).
         gather_per_rank(checkpoint)
+        if self._data_record is not None:
+            checkpoint[CHECKPOINT_KEY] = self._data_record
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self.last_checkpoint_path = str(filepath)
 
@@ -485,6 +583,13 @@ def _leave_when_gone(pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="rank-watch", daemon=True).start()
+
+
+def _length(dataloader: Any) -> float:
+    try:
+        return len(dataloader)
+    except TypeError:
+        return float("inf")
 
 
 def _resumable_train_loader(dataloader: Any, trainer: Any) -> Any:

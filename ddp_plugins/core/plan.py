@@ -1,0 +1,258 @@
+"""One global plan per epoch
+=========================
+
+:class:`GlobalPlan` fixes, for every epoch, the order of the rows and their split into optimizer
+steps of ``global_batch_size`` rows, whatever the number of ranks. :class:`PlanBatchSampler`
+gives rank ``r`` of ``N`` its share of every step (contiguous, as even as possible: shares differ
+by at most one row, and a rank may get none in a short last step), split into ``accumulate``
+micro-batches. No row is padded, dropped or repeated, unless ``drop_last`` asks to drop the
+short last step. ``DistributedSampler`` pads the last shard with rows from the start, needs the
+same per-rank batch on every rank, and its order depends on ``N``; so a resume on another number
+of ranks cannot continue it.
+
+Every rank runs the same number of micro-batches per epoch; a rank with an empty share gets a
+zero-row batch (:class:`EmptyShareCollate`), so every collective (DDP's buckets, SyncBN) is
+entered by every rank. :meth:`GlobalPlan.loss_weight` is the factor that makes DDP's average of
+per-rank mean losses the mean over the rows of the step: ``N * K * rows / step_rows``.
+
+Plain torch, no Lightning. Example::
+
+    >>> plan = GlobalPlan(dataset_length=10, global_batch_size=4, shuffle=False)
+    >>> plan.steps_per_epoch, plan.step_rows(0, 2)
+    (3, [8, 9])
+    >>> [list(PlanBatchSampler(plan, rank=r, world_size=3)) for r in range(3)]
+    [[[0, 1], [4, 5], [8]], [[2], [6], [9]], [[3], [7], []]]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_int
+
+__all__ = ["EmptyShareCollate", "GlobalPlan", "PlanBatchSampler", "PlanOrder", "even_split"]
+
+
+def even_split(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` counts that differ by at most one, the larger ones first.
+
+    Example::
+
+        >>> even_split(7, 3), even_split(2, 4)
+        ([3, 2, 2], [1, 1, 0, 0])
+    """
+    q, extra = divmod(n, parts)
+    return [q + 1] * extra + [q] * (parts - extra)
+
+
+def _bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for n in counts:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class GlobalPlan:
+    """The rows of every epoch in order, and their split into steps of ``global_batch_size`` rows.
+
+    Args:
+        dataset_length: rows in the dataset.
+        global_batch_size: rows per optimizer step over all ranks and micro-batches (``G``).
+        seed: the order of epoch ``e`` is ``torch.randperm`` seeded with ``seed + e``
+            (``DistributedSampler``'s convention).
+        shuffle: ``False`` keeps the dataset's order.
+        drop_last: leave out the short last step of an epoch (off: it is trained as it is).
+
+    Raises:
+        TypeError, ValueError: a count that is not an integer >= 1 (``seed`` >= 0).
+    """
+
+    dataset_length: int
+    global_batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("dataset_length", self.dataset_length, 1)
+        check_int("global_batch_size", self.global_batch_size, 1)
+        check_int("seed", self.seed, 0)
+        check_bool("shuffle", self.shuffle)
+        check_bool("drop_last", self.drop_last)
+        if self.drop_last and self.global_batch_size > self.dataset_length:
+            raise ArgumentValueError(
+                "global_batch_size",
+                f"at most the dataset's {self.dataset_length} rows with drop_last=True",
+                self.global_batch_size,
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        rounding = math.floor if self.drop_last else math.ceil
+        return int(rounding(self.dataset_length / self.global_batch_size))
+
+    def order(self, epoch: int) -> list[int]:
+        """Every row of epoch ``epoch``, in the order it is trained (the same for any world size)."""
+        if not self.shuffle:
+            return list(range(self.dataset_length))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.dataset_length, generator=generator).tolist()
+
+    def step_rows(self, epoch: int, step: int, order: Sequence[int] | None = None) -> list[int]:
+        """The rows of optimizer step ``step`` of ``epoch`` (the last one may be short)."""
+        order = self.order(epoch) if order is None else order
+        return list(order[step * self.global_batch_size : (step + 1) * self.global_batch_size])
+
+    def step_size(self, step: int) -> int:
+        """How many rows step ``step`` has (``global_batch_size`` except a short last step)."""
+        return max(0, min(self.global_batch_size, self.dataset_length - step * self.global_batch_size))
+
+    def counts(self, step: int, world_size: int, accumulate: int = 1) -> list[list[int]]:
+        """``counts[r][m]``: the rows rank ``r`` trains in micro-batch ``m`` of step ``step``."""
+        return [even_split(share, accumulate) for share in even_split(self.step_size(step), world_size)]
+
+    def micro_batches(self, epoch: int, step: int, rank: int, world_size: int, accumulate: int = 1, order=None):
+        """The ``accumulate`` micro-batches (lists of rows, maybe empty) of ``rank`` in a step."""
+        rows = self.step_rows(epoch, step, order)
+        start, stop = _bounds(even_split(len(rows), world_size))[rank]
+        share = rows[start:stop]
+        return [share[a:b] for a, b in _bounds(even_split(len(share), accumulate))]
+
+    def loss_weight(self, step: int, micro: int, rank: int, world_size: int, accumulate: int = 1) -> float:
+        """The factor on a rank's mean loss (already divided by ``accumulate``) for single-process math.
+
+        DDP averages the ranks' gradients and Lightning divides each micro-batch's loss by
+        ``accumulate``; the mean over the step's rows weights micro-batch ``(r, m)`` by
+        ``rows[r][m] / step_rows``. So the factor is ``world_size * accumulate * rows / step_rows``
+        (0 for an empty micro-batch, whose gradient is then zero). A loss that is a *sum* over its
+        rows needs no weight at all, only a division by ``step_rows`` instead of the batch size.
+        """
+        rows = self.counts(step, world_size, accumulate)[rank][micro]
+        return world_size * accumulate * rows / self.step_size(step)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint stores to check a resume against (plain Python values)."""
+        return asdict(self)
+
+
+class PlanOrder(Sampler):
+    """Every row of the current epoch in the plan's order; :meth:`set_epoch` chooses the epoch.
+
+    The ``sampler`` of a :class:`PlanBatchSampler`: Lightning calls ``set_epoch`` on a loader's
+    ``batch_sampler.sampler``, so the epoch lives here.
+    """
+
+    def __init__(self, plan: GlobalPlan, epoch: int = 0) -> None:
+        self.plan = plan
+        self.epoch = epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.plan.order(self.epoch))
+
+    def __len__(self) -> int:
+        return self.plan.dataset_length
+
+
+class PlanBatchSampler(Sampler):
+    """Rank ``rank``'s micro-batches of every step of a :class:`GlobalPlan`, as a batch sampler.
+
+    Yields ``steps_per_epoch * accumulate`` lists of row indices per epoch on every rank (some
+    may be empty). :meth:`set_epoch` chooses the epoch; ``start_step`` leaves out the first steps
+    of the first iteration only (a resumed epoch), without drawing a random number.
+
+    Args:
+        plan: the global plan.
+        rank, world_size: this rank and the number of ranks (any: the plan does not depend on it).
+        accumulate: micro-batches per optimizer step (Lightning's ``accumulate_grad_batches``).
+        epoch: the epoch of the first iteration.
+        start_step: optimizer steps of the first iteration already trained.
+
+    Example::
+
+        >>> plan = GlobalPlan(dataset_length=5, global_batch_size=4, shuffle=False)
+        >>> list(PlanBatchSampler(plan, rank=0, world_size=2, accumulate=2))
+        [[0], [1], [4], []]
+    """
+
+    def __init__(
+        self,
+        plan: GlobalPlan,
+        rank: int,
+        world_size: int,
+        accumulate: int = 1,
+        epoch: int = 0,
+        start_step: int = 0,
+    ) -> None:
+        check_int("world_size", world_size, 1)
+        check_int("rank", rank, 0, world_size - 1)
+        check_int("accumulate", accumulate, 1)
+        check_int("start_step", start_step, 0, plan.steps_per_epoch)
+        self.plan = plan
+        self.rank = rank
+        self.world_size = world_size
+        self.accumulate = accumulate
+        self.sampler = PlanOrder(plan, epoch)
+        self.start_step = start_step
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, self.start_step = self.start_step, 0
+        epoch = self.epoch
+        order = self.plan.order(epoch)
+        for step in range(start, self.plan.steps_per_epoch):
+            yield from self.plan.micro_batches(epoch, step, self.rank, self.world_size, self.accumulate, order)
+
+    def __len__(self) -> int:
+        return self.plan.steps_per_epoch * self.accumulate
+
+
+class EmptyShareCollate:
+    """A ``collate_fn`` that turns an empty list of samples into a batch with zero rows.
+
+    The batch has the structure, dtypes and trailing shapes of ``collate_fn([template])``, each
+    tensor cut to ``[:0]`` (other leaves stay as collated). Picklable, for DataLoader workers.
+
+    Example::
+
+        >>> collate = EmptyShareCollate(torch.utils.data.default_collate, (torch.ones(3), 1))
+        >>> [tuple(t.shape) for t in collate([])]
+        [(0, 3), (0,)]
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], template: Any) -> None:
+        self.collate_fn = collate_fn
+        self.template = template
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if samples:
+            return self.collate_fn(samples)
+        return _cut(self.collate_fn([self.template]))
+
+
+def _cut(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return type(batch)({k: _cut(v) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_cut(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cut(v) for v in batch)
+    return batch

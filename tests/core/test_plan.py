@@ -1,0 +1,95 @@
+"""The global plan: every row once per epoch, in one order for any world size, shares as even as possible."""
+
+import pickle
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset, default_collate
+
+from ddp_plugins.core.checks import ArgumentValueError
+from ddp_plugins.core.plan import EmptyShareCollate, GlobalPlan, PlanBatchSampler, even_split
+
+CASES = [(23, 8), (23, 5), (7, 16), (64, 64), (1438, 64)]
+
+
+@pytest.mark.parametrize(
+    "length,g,drop_last", [(n, g, False) for n, g in CASES] + [(n, g, True) for n, g in CASES if g <= n]
+)
+def test_every_row_once_per_epoch_in_one_order_for_any_world_size_and_accumulation(length, g, drop_last):
+    plan = GlobalPlan(length, g, seed=3, drop_last=drop_last)
+    for epoch in (0, 1):
+        order = plan.order(epoch)
+        kept = order[: plan.steps_per_epoch * g] if drop_last else order
+        for world in (1, 2, 3, 5):
+            for k in (1, 2, 3):
+                per_rank = [list(PlanBatchSampler(plan, r, world, k, epoch=epoch)) for r in range(world)]
+                assert {len(b) for b in per_rank} == {plan.steps_per_epoch * k}, "ranks run different step counts"
+                trained = []
+                for step in range(plan.steps_per_epoch):
+                    micro = [b[step * k : (step + 1) * k] for b in per_rank]
+                    shares = [sum(len(m) for m in rank_micro) for rank_micro in micro]
+                    assert max(shares) - min(shares) <= 1, f"shares {shares} are not as even as possible"
+                    rows = [i for rank_micro in micro for m in rank_micro for i in m]
+                    assert rows == plan.step_rows(epoch, step), "a step is not the plan's rows in order"
+                    counts = plan.counts(step, world, k)
+                    assert [[len(m) for m in rank_micro] for rank_micro in micro] == counts
+                    weights = [plan.loss_weight(step, m, r, world, k) for r in range(world) for m in range(k)]
+                    assert sum(weights) == pytest.approx(world * k)  # DDP's mean of K-divided losses: one mean
+                    trained += rows
+                assert trained == kept, f"epoch {epoch}, {world} ranks, K={k}: rows padded, dropped or repeated"
+        assert sorted(order) == list(range(length))
+    assert plan.order(0) != plan.order(1), "the order does not change between epochs"
+
+
+def test_a_resumed_epoch_starts_at_the_step_and_the_next_epoch_is_whole():
+    plan = GlobalPlan(20, 6, seed=1)
+    full = list(PlanBatchSampler(plan, 1, 2, 2, epoch=4))
+    resumed = PlanBatchSampler(plan, 1, 2, 2, epoch=4, start_step=2)
+    assert list(resumed) == full[4:]
+    assert list(resumed) == full and len(resumed) == len(full) == 8
+    sampler = PlanBatchSampler(plan, 0, 1)
+    sampler.sampler.set_epoch(3)  # Lightning sets the epoch on a loader's `batch_sampler.sampler`
+    assert [i for b in sampler for i in b] == plan.order(3) == list(sampler.sampler)
+
+
+def test_the_plan_refuses_bad_values_with_the_argument_named():
+    with pytest.raises(ArgumentValueError, match="global_batch_size"):
+        GlobalPlan(10, 0)
+    with pytest.raises(ArgumentValueError, match="global_batch_size.*at most the dataset's 10 rows"):
+        GlobalPlan(10, 11, drop_last=True)
+    with pytest.raises(ArgumentValueError, match="start_step"):
+        PlanBatchSampler(GlobalPlan(10, 5), 0, 2, start_step=3)
+    with pytest.raises(ArgumentValueError, match="rank"):
+        PlanBatchSampler(GlobalPlan(10, 5), 2, 2)
+
+
+def test_even_split():
+    for n in range(12):
+        for parts in range(1, 6):
+            split = even_split(n, parts)
+            assert sum(split) == n and max(split) - min(split) <= 1 and split == sorted(split, reverse=True)
+
+
+Pair = namedtuple("Pair", "x y")
+
+
+def test_an_empty_share_is_a_zero_row_batch_of_the_same_structure_also_from_workers():
+    x, y = torch.randn(5, 3, 2, dtype=torch.float64), torch.arange(5)
+    dataset = TensorDataset(x, y)
+    collate = pickle.loads(pickle.dumps(EmptyShareCollate(default_collate, dataset[0])))
+    empty = collate([])
+    assert [t.shape for t in empty] == [(0, 3, 2), (0,)] and [t.dtype for t in empty] == [x.dtype, y.dtype]
+    full = collate([dataset[0], dataset[1]])
+    assert torch.equal(full[0], x[:2])
+    nested = EmptyShareCollate(default_collate, {"a": Pair(torch.ones(2), 1.5), "n": "name"})([])
+    assert nested["a"].x.shape == (0, 2) and isinstance(nested["a"], Pair) and nested["n"] == ["name"]
+    plan = GlobalPlan(3, 3, shuffle=False)
+    sampler = PlanBatchSampler(plan, 2, 4)  # ranks 3 of 4 get nothing: [[0], [1], [2], []]
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptyShareCollate(default_collate, dataset[0]))
+    assert [b[1].tolist() for b in loader] == [[2]]
+    last = PlanBatchSampler(plan, 3, 4)
+    loader = DataLoader(
+        dataset, batch_sampler=last, num_workers=1, collate_fn=EmptyShareCollate(default_collate, dataset[0])
+    )
+    assert [tuple(b[0].shape) for b in loader] == [(0, 3, 2)]

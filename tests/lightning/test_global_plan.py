@@ -1,0 +1,212 @@
+"""Exact epochs on a global plan (``DDPPluginsStrategy(global_batch_size=G)``), against one process.
+
+53 rows, global steps of 16 (the last has 5): 3 ranks get shares of 6/5/5 rows and, with 2
+micro-batches each, micro-batches of 3/3, 3/2, 3/2 rows; in the last step rank 2 has one row and
+an empty micro-batch. The model has SyncBatchNorm (through ``sync_batchnorm=True``), so gradients,
+BatchNorm statistics and the row-weighted ``sync_dist`` loss are all checked against one process
+that trains the same micro-batches (the union over ranks). A run stopped at step 3 resumes on
+another number of ranks and ends where one process does; resumes that would train rows twice or
+never are refused with one line.
+"""
+
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn.functional import cross_entropy
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_plugins.core.plan import GlobalPlan, PlanBatchSampler
+from ddp_plugins.lightning.data_plan import ResumeMismatch
+from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+from tests.helpers.multiprocess import run_lightning
+
+ROWS, G, SEED, EPOCHS = 53, 16, 7, 2
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, 8, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return x, y, torch.arange(ROWS)
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+class _Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = _net()
+        self.seen = []  # the row ids of every micro-batch this rank trained
+        self.logged = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        self.seen.append(ids.tolist())
+        loss = cross_entropy(self.net(x), y)
+        self.log("train/loss", loss, sync_dist=True, on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.logged.append(float(self.trainer.callback_metrics["train/loss"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*_data()), batch_size=4, shuffle=True)  # batch_size: replaced by the plan
+
+
+def _trainer(global_batch_size, accumulate=1, callbacks=(), epochs=EPOCHS):
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE_HINT"]),
+        strategy=DDPPluginsStrategy(backend="gloo", global_batch_size=global_batch_size),
+        sync_batchnorm=True,
+        accumulate_grad_batches=accumulate,
+        max_epochs=epochs,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+
+
+def _run_accumulated(out_dir):
+    pl.seed_everything(SEED)
+    model = _Model()
+    _trainer(G, accumulate=2).fit(model)
+    return {"state": _state(model), "seen": model.seen, "logged": model.logged}
+
+
+def _run_and_checkpoint(out_dir, ckpt_dir):
+    pl.seed_everything(SEED)
+    model = _Model()
+    every3 = ModelCheckpoint(dirpath=ckpt_dir, filename="plan-{step}", every_n_train_steps=3, save_top_k=-1)
+    _trainer(G, callbacks=[every3]).fit(model)
+    # a plain run (Lightning's DistributedSampler, 8 rows per rank) checkpointed in the middle of its epoch
+    pl.seed_everything(SEED)
+    plain = _Model()
+    plain.train_dataloader = lambda: DataLoader(TensorDataset(*_data()), batch_size=8, shuffle=True)
+    every2 = ModelCheckpoint(dirpath=ckpt_dir, filename="plain-{step}", every_n_train_steps=2, save_top_k=-1)
+    _trainer(None, callbacks=[every2], epochs=1).fit(plain)
+    return {"state": _state(model), "seen": model.seen}
+
+
+def _resume(out_dir, ckpt, global_batch_size):
+    pl.seed_everything(SEED)
+    model = _Model()
+    try:
+        _trainer(global_batch_size, callbacks=[ModelCheckpoint(dirpath=out_dir)]).fit(model, ckpt_path=ckpt)
+    except ResumeMismatch as err:
+        return {"refused": str(err)}
+    return {"state": _state(model), "seen": model.seen}
+
+
+def _reference(world, accumulate, epochs=EPOCHS):
+    """One process: every step's micro-batch m is the union of the ranks' micro-batches m, each
+    row's loss divided by the step's rows; returns the state and the mean loss of every micro-batch."""
+    x, y, _ = _data()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    plan = GlobalPlan(ROWS, G, seed=SEED, shuffle=True)
+    losses = []
+    for epoch in range(epochs):
+        order = plan.order(epoch)
+        for step in range(plan.steps_per_epoch):
+            shares = [plan.micro_batches(epoch, step, r, world, accumulate, order) for r in range(world)]
+            for m in range(accumulate):
+                rows = [i for share in shares for i in share[m]]
+                loss = cross_entropy(net(x[rows]), y[rows], reduction="sum")
+                (loss / plan.step_size(step)).backward()
+                losses.append(float(loss.detach()) / len(rows))
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
+
+
+def _assert_state(state, ref, where):
+    for key, value in ref.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key: f"{where} {k}: {m}")
+
+
+def _assert_each_row_once_per_epoch(ranks, epochs, micro_per_epoch):
+    for epoch in range(epochs):
+        rows = sorted(
+            i for r in ranks for ids in r["seen"][epoch * micro_per_epoch : (epoch + 1) * micro_per_epoch] for i in ids
+        )
+        assert rows == list(range(ROWS)), f"epoch {epoch}: rows padded, dropped or repeated"
+
+
+def test_lightning_sets_the_epoch_of_the_plan():
+    from lightning.fabric.utilities.data import _set_sampler_epoch  # what the fit loop calls every epoch
+
+    plan = GlobalPlan(20, 6, seed=1)
+    loader = DataLoader(range(20), batch_sampler=PlanBatchSampler(plan, 0, 1))
+    _set_sampler_epoch(loader, 3)
+    assert [i for b in loader for i in b.tolist()] == plan.order(3)
+
+
+@pytest.mark.slow
+def test_three_uneven_ranks_with_accumulation_and_syncbn_equal_one_process():
+    ranks = run_lightning(_run_accumulated, world_size=3, timeout=240)
+    ref_state, ref_losses = _reference(world=3, accumulate=2)
+    micro_per_epoch = GlobalPlan(ROWS, G).steps_per_epoch * 2
+    assert [len(r["seen"]) for r in ranks] == [EPOCHS * micro_per_epoch] * 3, "ranks ran different step counts"
+    assert [len(ids) for ids in ranks[2]["seen"][:micro_per_epoch]] == [3, 2, 3, 2, 3, 2, 1, 0]
+    _assert_each_row_once_per_epoch(ranks, EPOCHS, micro_per_epoch)
+    for rank, r in enumerate(ranks):
+        _assert_state(r["state"], ref_state, f"rank {rank}")
+    # `sync_dist=True` means weighted by rows (the empty micro-batch's NaN counts for nothing)
+    torch.testing.assert_close(torch.tensor(ranks[0]["logged"]), torch.tensor(ref_losses), rtol=1e-9, atol=1e-11)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    ckpt_dir = tmp_path_factory.mktemp("plan_ckpts")
+    ranks = run_lightning(_run_and_checkpoint, str(ckpt_dir), world_size=2, timeout=240)
+    return ranks, ckpt_dir
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_and_a_resume_on_three_ranks_continues_at_the_same_row(two_rank_run):
+    ranks, ckpt_dir = two_rank_run
+    ref_state, _ = _reference(world=1, accumulate=1)  # one micro-batch per step: the same for any world size
+    for rank, r in enumerate(ranks):
+        _assert_state(r["state"], ref_state, f"2 ranks, rank {rank}")
+    _assert_each_row_once_per_epoch(ranks, EPOCHS, GlobalPlan(ROWS, G).steps_per_epoch)
+    resumed = run_lightning(_resume, str(ckpt_dir / "plan-step=3.ckpt"), G, world_size=3, timeout=240)
+    for rank, r in enumerate(resumed):
+        assert "refused" not in r, r
+        _assert_state(r["state"], ref_state, f"resumed on 3 ranks, rank {rank}")
+    # the resumed epoch trained only its last step (5 rows), then the whole next epoch
+    assert sorted(i for r in resumed for ids in r["seen"][:1] for i in ids) == sorted(
+        GlobalPlan(ROWS, G, seed=SEED).step_rows(0, 3)
+    )
+
+
+@pytest.mark.slow
+def test_a_resume_on_one_rank_continues_and_resumes_that_would_skew_the_epoch_are_refused(two_rank_run):
+    _, ckpt_dir = two_rank_run
+    ref_state, _ = _reference(world=1, accumulate=1)
+    plan_ckpt, plain_ckpt = str(ckpt_dir / "plan-step=3.ckpt"), str(ckpt_dir / "plain-step=2.ckpt")
+    (one,) = run_lightning(_resume, plan_ckpt, G, world_size=1, timeout=240)
+    _assert_state(one["state"], ref_state, "resumed on 1 rank")
+    (changed,) = run_lightning(_resume, plan_ckpt, 8, world_size=1, timeout=240)
+    assert "global_batch_size 16 -> 8" in changed["refused"] and "\n" not in changed["refused"], changed
+    (plain,) = run_lightning(_resume, plain_ckpt, None, world_size=1, timeout=240)
+    assert "world_size 2 -> 1" in plain["refused"] and "global_batch_size" in plain["refused"], plain
+    assert Path(plain_ckpt).exists()
