@@ -42,12 +42,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = [
+    "STOP_SIGNALS",
     "exit_at_interpreter_exit",
     "exit_process",
     "owns_exit",
     "parent_death_signal",
     "run_main",
     "save_atomic",
+    "start_forkserver",
     "system_exit_code",
 ]
 
@@ -165,6 +167,35 @@ def parent_death_signal(sig: int) -> Callable[[], None] | None:
             os.kill(os.getpid(), sig)
 
     return set_signal
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+def start_forkserver() -> None:
+    """Start multiprocessing's forkserver and resource tracker deaf to a job's stop signals.
+
+    Slurm and a terminal signal every process of a job step or process group. The forkserver
+    (whose DataLoader workers it forks) and the resource tracker keep the default action for
+    SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP, so a preemption signal killed them while the ranks were
+    stopping at a step boundary, and the rank's next loader failed with "DataLoader worker exited
+    unexpectedly". Both are started here with those signals blocked, which they inherit (the
+    stdlib sets nothing for them but SIGINT and SIGTERM in the tracker, which it ignores); this
+    thread's mask is restored afterwards, so a signal sent meanwhile still reaches the rank.
+    Nothing happens when they are already running. Both leave when every process holding their
+    pipes has ended (see ``DDPPluginsStrategy``'s worker set-up for workers of a killed rank).
+    """
+    import signal
+    from multiprocessing import forkserver, resource_tracker
+
+    signals = {getattr(signal, name) for name in STOP_SIGNALS}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        resource_tracker.ensure_running()  # unblocks SIGINT and SIGTERM again on its way out
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def system_exit_code(exc: SystemExit) -> int:

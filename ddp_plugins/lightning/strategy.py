@@ -82,6 +82,7 @@ from ddp_plugins.core.checks import (
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
 from ddp_plugins.core.plan import GlobalPlan
 from ddp_plugins.core.preemption import restart_scoped_store
+from ddp_plugins.core.process import start_forkserver
 from ddp_plugins.core.ranks import get_rank, get_world_size
 from ddp_plugins.core.samplers import ResumableSampler, loader_seed
 from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
@@ -405,6 +406,8 @@ class DDPPluginsStrategy(DDPStrategy):
             dataloader.generator = torch.Generator().manual_seed(loader_seed(seed, trainer.global_rank, _EVAL_LOADER))
         if isinstance(dataloader, DataLoader) and dataloader.num_workers > 0:
             dataloader.worker_init_fn = _WorkerInit(dataloader.worker_init_fn, trainer.global_rank)
+            if _start_method(dataloader) == "forkserver":
+                start_forkserver()  # now, deaf to the job's stop signals, not at the first batch
         return dataloader
 
     def _train_loader(self, dataloader: Any, trainer: Any) -> Any:
@@ -566,6 +569,15 @@ class _WorkerInit:
             from lightning.fabric.utilities.seed import pl_worker_init_function
 
             pl_worker_init_function(worker_id, rank=self.rank)
+
+
+def _start_method(dataloader: DataLoader) -> str | None:
+    context = dataloader.multiprocessing_context
+    if context is not None:
+        return context.get_start_method()
+    import multiprocessing
+
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_context().get_start_method()
 
 
 def _leave_when_gone(pid: int) -> None:

@@ -339,3 +339,45 @@ def test_forkserver_workers_of_a_killed_rank_leave_instead_of_holding_its_pipes_
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived their killed rank"
     assert time.monotonic() - start < 100
+
+
+_SIGNALED_HELPERS = """
+import multiprocessing, os, signal, sys
+from multiprocessing import forkserver, resource_tracker
+import lightning.pytorch as pl, torch
+from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch == 0 and batch_idx == 1:  # what Slurm does to every process of the step
+            helpers = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+            for pid in helpers:
+                for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+                    os.kill(pid, sig)
+            print("signalled", helpers, flush=True)
+        return self.lin(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):  # workers forked anew every epoch, by the forkserver
+        data = torch.utils.data.TensorDataset(torch.randn(16, 2))
+        return torch.utils.data.DataLoader(data, batch_size=4, num_workers=2,
+            multiprocessing_context=multiprocessing.get_context("forkserver"))
+
+if __name__ == "__main__":
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPPluginsStrategy(backend="gloo"), max_epochs=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Net())
+    print("steps", trainer.global_step)
+"""
+
+
+def test_the_forkserver_and_resource_tracker_survive_the_stop_signals_a_job_step_gets(tmp_path):
+    script = tmp_path / "signalled.py"
+    script.write_text(_SIGNALED_HELPERS)
+    result = run_command([sys.executable, str(script)], timeout=120, env=loopback_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "signalled" in result.stdout and "steps 8" in result.stdout, result.stdout[-2000:]
+    assert "died unexpectedly" not in result.stderr, result.stderr[-3000:]

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugins.core.checks import check_int, check_number
+from ddp_plugins.core.process import start_forkserver
 
 
 def _worker_context() -> multiprocessing.context.BaseContext:
@@ -55,10 +56,8 @@ class _TensorDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         if self.num_workers > 0:
-            from multiprocessing import forkserver
-
             _worker_context()
-            forkserver.ensure_running()
+            start_forkserver()
         x, y = self._tensors()
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
         n_val = int(round(len(x) * self.val_fraction))
