@@ -21,6 +21,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugins.core.plan import GlobalPlan, PlanBatchSampler
+from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
 from ddp_plugins.lightning.data_plan import ResumeMismatch
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from tests.helpers.multiprocess import run_lightning
@@ -64,7 +65,7 @@ class _Model(pl.LightningModule):
         return DataLoader(TensorDataset(*_data()), batch_size=4, shuffle=True)  # batch_size: replaced by the plan
 
 
-def _trainer(global_batch_size, accumulate=1, callbacks=(), epochs=EPOCHS):
+def _trainer(global_batch_size, accumulate=1, callbacks=(), epochs=EPOCHS, checkpoints=False):
     return pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE_HINT"]),
@@ -74,7 +75,7 @@ def _trainer(global_batch_size, accumulate=1, callbacks=(), epochs=EPOCHS):
         max_epochs=epochs,
         callbacks=list(callbacks),
         logger=False,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=checkpoints,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -88,21 +89,22 @@ def _state(model):
 def _run_accumulated(out_dir):
     pl.seed_everything(SEED)
     model = _Model()
-    _trainer(G, accumulate=2).fit(model)
-    return {"state": _state(model), "seen": model.seen, "logged": model.logged}
+    counter = AllReduceCounter(log=False)
+    _trainer(G, accumulate=2, callbacks=[counter]).fit(model)
+    return {"state": _state(model), "seen": model.seen, "logged": model.logged, "rounds": counter.history}
 
 
 def _run_and_checkpoint(out_dir, ckpt_dir):
     pl.seed_everything(SEED)
     model = _Model()
     every3 = ModelCheckpoint(dirpath=ckpt_dir, filename="plan-{step}", every_n_train_steps=3, save_top_k=-1)
-    _trainer(G, callbacks=[every3]).fit(model)
+    _trainer(G, callbacks=[every3], checkpoints=True).fit(model)
     # a plain run (Lightning's DistributedSampler, 8 rows per rank) checkpointed in the middle of its epoch
     pl.seed_everything(SEED)
     plain = _Model()
     plain.train_dataloader = lambda: DataLoader(TensorDataset(*_data()), batch_size=8, shuffle=True)
     every2 = ModelCheckpoint(dirpath=ckpt_dir, filename="plain-{step}", every_n_train_steps=2, save_top_k=-1)
-    _trainer(None, callbacks=[every2], epochs=1).fit(plain)
+    _trainer(None, callbacks=[every2], epochs=1, checkpoints=True).fit(plain)
     return {"state": _state(model), "seen": model.seen}
 
 
@@ -110,7 +112,9 @@ def _resume(out_dir, ckpt, global_batch_size):
     pl.seed_everything(SEED)
     model = _Model()
     try:
-        _trainer(global_batch_size, callbacks=[ModelCheckpoint(dirpath=out_dir)]).fit(model, ckpt_path=ckpt)
+        _trainer(global_batch_size, callbacks=[ModelCheckpoint(dirpath=out_dir)], checkpoints=True).fit(
+            model, ckpt_path=ckpt
+        )
     except ResumeMismatch as err:
         return {"refused": str(err)}
     return {"state": _state(model), "seen": model.seen}
@@ -168,8 +172,11 @@ def test_three_uneven_ranks_with_accumulation_and_syncbn_equal_one_process():
     assert [len(r["seen"]) for r in ranks] == [EPOCHS * micro_per_epoch] * 3, "ranks ran different step counts"
     assert [len(ids) for ids in ranks[2]["seen"][:micro_per_epoch]] == [3, 2, 3, 2, 3, 2, 1, 0]
     _assert_each_row_once_per_epoch(ranks, EPOCHS, micro_per_epoch)
+    steps = EPOCHS * GlobalPlan(ROWS, G).steps_per_epoch
     for rank, r in enumerate(ranks):
         _assert_state(r["state"], ref_state, f"rank {rank}")
+        # one gradient all-reduce per optimizer step, also with an empty micro-batch in the window
+        assert len(r["rounds"]) == steps and all(rounds == 1 for _, _, rounds in r["rounds"]), r["rounds"]
     # `sync_dist=True` means weighted by rows (the empty micro-batch's NaN counts for nothing)
     torch.testing.assert_close(torch.tensor(ranks[0]["logged"]), torch.tensor(ref_losses), rtol=1e-9, atol=1e-11)
 
