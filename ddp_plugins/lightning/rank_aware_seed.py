@@ -155,7 +155,7 @@ class RankAwareSeed(Callback):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # DDPPluginsStrategy gathers the per-rank parts when it saves; any other strategy does not,
-        # so they are gathered here (every rank dumps the checkpoint, in step, as in 0.2)
+        # so they are gathered here (every rank dumps the checkpoint, in step)
         from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 
         if not isinstance(trainer.strategy, DDPPluginsStrategy):

@@ -312,10 +312,11 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        # Lightning calls this once accelerator and devices are known, before any process starts
+        # Lightning calls this once accelerator and devices are known, before any process starts;
+        # the world size first: the backend check reads the device at this process's local rank
+        _check_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
         if self.accelerator is not None and self.parallel_devices:
             check_comm_hook(self._comm_hook, self._get_process_group_backend())
-        _check_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
         if self._start_method == "popen":
             self._launcher = _JobSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:

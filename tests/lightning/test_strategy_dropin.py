@@ -25,17 +25,19 @@ def test_timeout_in_seconds_or_as_a_timedelta():
         DDPPluginsStrategy(timeout="soon")
 
 
-def test_more_ranks_than_devices_under_torchrun_is_a_clear_error(monkeypatch):
+@pytest.mark.parametrize("backend", ["gloo", "auto"])  # auto: the device decides, read at its local rank
+@pytest.mark.parametrize("local_rank", ["0", "3"])  # 3: past `devices`, where a bare IndexError came first
+def test_more_ranks_than_devices_under_torchrun_is_a_clear_error(monkeypatch, local_rank, backend):
     from lightning.pytorch import Trainer
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
-    for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "4",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():  # fmt: skip
+    for key, value in {"WORLD_SIZE": "4", "RANK": local_rank, "LOCAL_RANK": local_rank, "GROUP_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     with pytest.raises(
         ValueError, match=r"`devices` should be devices x num_nodes = the world size the launcher started \(4\)"
     ):
-        Trainer(accelerator="cpu", devices=2, strategy=DDPPluginsStrategy(backend="gloo"), logger=False)
+        Trainer(accelerator="cpu", devices=2, strategy=DDPPluginsStrategy(backend=backend), logger=False)
 
 
 class _UserSyncBatchNorm(TorchSyncBatchNorm):
