@@ -31,8 +31,9 @@ def test_more_ranks_than_devices_under_torchrun_is_a_clear_error(monkeypatch, lo
     from lightning.pytorch import Trainer
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
-    for key, value in {"WORLD_SIZE": "4", "RANK": local_rank, "LOCAL_RANK": local_rank, "GROUP_RANK": "0",
-                       "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():  # fmt: skip
+    env = {"WORLD_SIZE": "4", "RANK": local_rank, "LOCAL_RANK": local_rank, "GROUP_RANK": "0"}
+    env.update(LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(
         ValueError, match=r"`devices` should be devices x num_nodes = the world size the launcher started \(4\)"
