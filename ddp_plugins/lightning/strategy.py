@@ -226,8 +226,12 @@ class DDPPluginsStrategy(DDPStrategy):
         drop_last: bool = False,
         **kwargs: Any,
     ) -> None:
-        backend = _backend_synonym(backend, kwargs.pop("process_group_backend", None))
-        check_backend(backend, str(kwargs.get("accelerator") or "auto"))
+        process_group_backend = kwargs.pop("process_group_backend", None)
+        backend = _backend_synonym(backend, process_group_backend)
+        if process_group_backend is None or process_group_backend in BACKENDS:
+            check_backend(backend, str(kwargs.get("accelerator") or "auto"))
+        # else another backend torch.distributed knows by name (ucc, xccl, ccl, hccl, a registered
+        # third-party one): passed to init_process_group as Lightning's DDPStrategy passes it
         check_choice("start_method", start_method, _START_METHODS)
         if isinstance(timeout, timedelta):  # Lightning's own type for it
             timeout = timeout.total_seconds()
