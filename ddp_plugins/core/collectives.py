@@ -7,7 +7,7 @@ dim 0 in rank order and truncates to the true length. Ranks may hold different n
 like torchmetrics' ``gather_all_tensors`` it exchanges shapes first, pads, gathers, trims; like
 Accelerate it checks structures and dtypes on every rank before any tensor collective and raises
 one error listing every rank's shapes on *every* rank, instead of hanging. The row helpers
-(:func:`concat_batches`, :func:`num_rows`, :func:`truncate_rows`, :func:`to_cpu`) serve the
+(:func:`concat_batches`, :func:`num_rows`, :func:`truncate_rows`) serve the
 Lightning adapter that collects step outputs. Plain torch, no Lightning.
 """
 
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ddp_plugins.core.checks import check_int, check_number
 
-__all__ = ["concat_batches", "distributed_concat", "num_rows", "to_cpu", "truncate_rows"]
+__all__ = ["concat_batches", "distributed_concat", "num_rows", "truncate_rows"]
 
 
 def distributed_concat(
@@ -63,19 +63,6 @@ def distributed_concat(
         {'preds': tensor([0, 1, 2]), 'ids': ['a', 'b', 'c']}
     """
     return _concat(data, num_total_examples, pad_value=pad_value, group=group, error=local_error)
-
-
-def to_cpu(data: Any) -> Any:
-    """``data`` with every tensor detached and on the CPU, containers rebuilt alike."""
-    if isinstance(data, Tensor):
-        return data.detach().cpu()
-    if isinstance(data, Mapping):
-        return {key: to_cpu(value) for key, value in data.items()}
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(to_cpu(value) for value in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(to_cpu(value) for value in data)
-    return data
 
 
 def _holds_tensor(value: Any) -> bool:

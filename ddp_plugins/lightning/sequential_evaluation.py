@@ -36,6 +36,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -44,7 +45,7 @@ from typing_extensions import override
 
 from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_choice, check_number
-from ddp_plugins.core.collectives import concat_batches, distributed_concat, num_rows, to_cpu, truncate_rows
+from ddp_plugins.core.collectives import concat_batches, distributed_concat, num_rows, truncate_rows
 from ddp_plugins.core.process import save_atomic
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 
@@ -229,7 +230,7 @@ class SequentialEvaluation(Callback):
         if trainer.sanity_checking or stage not in self._samplers:
             return
         self._batches[dataloader_idx] += 1
-        self._buffers[dataloader_idx].append(to_cpu(outputs))
+        self._buffers[dataloader_idx].append(apply_to_collection(outputs, Tensor, _detached_on_cpu))
 
     def _finish(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.sanity_checking or stage not in self._samplers:
@@ -363,3 +364,7 @@ def _check_replaceable(dl: Any, hook: str) -> Dataset:
 
 def _never_distributed() -> bool:
     return False
+
+
+def _detached_on_cpu(tensor: Tensor) -> Tensor:
+    return tensor.detach().cpu()
