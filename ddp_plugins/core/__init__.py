@@ -31,7 +31,7 @@ from ddp_plugins.core.comm_hooks import (
     check_comm_hook,
     count_collectives,
 )
-from ddp_plugins.core.plan import EmptyShareCollate, GlobalPlan, PlanBatchSampler
+from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
 from ddp_plugins.core.preemption import Preempted, SignalFlag, agree_on_signal, slurm_requeue, stable_run_name
 from ddp_plugins.core.process import exit_process, run_main, save_atomic
 from ddp_plugins.core.ranks import get_rank, get_world_size, rank_zero_first, setup_rank_logging
@@ -61,6 +61,7 @@ __all__ = [
     "COMM_HOOKS",
     "CountingCommHook",
     "EmptyShareCollate",
+    "EvenSteps",
     "GlobalPlan",
     "LOOPBACK_ENV",
     "PlanBatchSampler",

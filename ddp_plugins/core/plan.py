@@ -27,16 +27,18 @@ Plain torch, no Lightning. Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_int
 
-__all__ = ["EmptyShareCollate", "GlobalPlan", "PlanBatchSampler", "PlanOrder", "even_split"]
+__all__ = ["EmptyShareCollate", "EvenSteps", "GlobalPlan", "PlanBatchSampler", "PlanOrder", "even_split"]
 
 
 def even_split(n: int, parts: int) -> list[int]:
@@ -256,3 +258,93 @@ def _cut(batch: Any) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_cut(v) for v in batch)
     return batch
+
+
+def _first_tensor_rows(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return len(batch) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        rows = _first_tensor_rows(value)
+        if rows >= 0:
+            return rows
+    return -1
+
+
+class EvenSteps:
+    """A rank's batches, in step with every other rank's whatever their counts (uneven shards).
+
+    Each step, one ``all_reduce`` of a few integers tells every rank how many rows all ranks
+    have; the iteration ends on every rank at the same step, when no rank has a batch left. A rank
+    whose shard is exhausted (or empty) yields a zero-row batch of its data's structure (its first
+    batch cut to no rows, or, when it never had one, the lowest such rank's, sent once), so it
+    still enters every collective of the step. torch's ``Join`` counts ranks, not rows, and does
+    not cover SyncBN or other collectives in the forward; Accelerate's ``even_batches`` repeats rows.
+
+    :attr:`steps` gets ``(this rank's rows, all ranks' rows)`` for each batch yielded, in order,
+    for a consumer (the strategy's loss weighting) to take from the left.
+
+    Args:
+        batches: this rank's batches (a DataLoader of its shard).
+        rows_of: the rows of a batch (the first tensor's length by default).
+        group: the process group (the default one when ``None``).
+        device: where the counts are reduced (``cuda`` for nccl).
+    """
+
+    def __init__(
+        self,
+        batches: Iterable[Any],
+        rows_of: Callable[[Any], int] | None = None,
+        group: Any = None,
+        device: torch.device | str = "cpu",
+        length: int | None = None,
+    ) -> None:
+        self.batches = batches
+        self.rows_of = rows_of or _first_tensor_rows
+        self.group = group
+        self.device = torch.device(device)
+        self.length = length
+        self.steps: deque[tuple[int, int]] = deque()
+        self._template: Any = None
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("the ranks' shards have no agreed length")
+        return self.length
+
+    def __getattr__(self, name: str) -> Any:  # sampler, num_workers, ... of the wrapped loader
+        if name == "batches":
+            raise AttributeError(name)
+        return getattr(self.batches, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.steps.clear()
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        it: Iterator[Any] | None = iter(self.batches)
+        while True:
+            batch, has = None, False
+            if it is not None:
+                try:
+                    batch, has = next(it), True
+                except StopIteration:
+                    it = None
+            if has and self._template is None:
+                self._template = _cut(batch)
+            mine = self.rows_of(batch) if has else 0
+            counts = torch.zeros(3 + world, dtype=torch.int64)
+            counts[0], counts[1], counts[2] = mine, int(has), int(self._template is None)
+            counts[3 + rank] = int(self._template is not None)
+            counts = counts.to(self.device)
+            dist.all_reduce(counts, group=self.group)
+            total, with_data, without_template = (int(v) for v in counts[:3].tolist())
+            if with_data == 0:
+                return
+            if without_template:  # a rank that never had a batch: the lowest rank with one sends it
+                source = int(torch.nonzero(counts[3:].cpu())[0])
+                box = [self._template if rank == source else None]
+                src = source if self.group is None else dist.get_global_rank(self.group, source)
+                dist.broadcast_object_list(box, src=src, group=self.group)
+                if self._template is None:
+                    self._template = box[0]
+            self.steps.append((mine, total))
+            yield batch if has else self._template

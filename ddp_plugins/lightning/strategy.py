@@ -64,9 +64,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
@@ -80,7 +81,7 @@ from ddp_plugins.core.checks import (
     check_number,
 )
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
-from ddp_plugins.core.plan import GlobalPlan
+from ddp_plugins.core.plan import EvenSteps, GlobalPlan
 from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.process import start_forkserver
 from ddp_plugins.core.ranks import get_rank, get_world_size
@@ -143,6 +144,17 @@ def check_backend(backend: Any, accelerator: str = "auto") -> None:
         )
 
 
+def _registered_elsewhere(process_group_backend: Any) -> bool:
+    """A ``process_group_backend`` torch knows besides ours (ucc, xccl, or one a plugin registered,
+    such as oneCCL's ccl or Ascend's hccl): passed to ``init_process_group`` as ``DDPStrategy`` does."""
+    known = getattr(dist.Backend, "backend_list", [])
+    return (
+        isinstance(process_group_backend, str)
+        and process_group_backend not in BACKENDS
+        and process_group_backend.lower() in known
+    )
+
+
 def _backend_synonym(backend: str, process_group_backend: Any) -> Any:
     """``backend``, or Lightning's ``process_group_backend`` when that is the one given."""
     if process_group_backend is None:
@@ -194,6 +206,11 @@ class DDPPluginsStrategy(DDPStrategy):
             padded row; losses are weighted by rows, so the gradient is one process's on the step's
             rows. A run resumes on any number of ranks. ``None``: Lightning's ``DistributedSampler``.
         drop_last: with ``global_batch_size``, leave out each epoch's short last step.
+        uneven_data: ranks whose training loaders yield different numbers of batches (per-rank
+            shards, iterable datasets, a sampler of your own) keep stepping together until the
+            longest ends, an exhausted rank training zero-row batches (:class:`~ddp_plugins.core.plan.EvenSteps`);
+            losses are weighted by rows. Loaders on Lightning's ``DistributedSampler`` or a global
+            plan are even already and left alone.
         **kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel``.
 
@@ -224,14 +241,13 @@ class DDPPluginsStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = False,
         global_batch_size: int | None = None,
         drop_last: bool = False,
+        uneven_data: bool = True,
         **kwargs: Any,
     ) -> None:
         process_group_backend = kwargs.pop("process_group_backend", None)
         backend = _backend_synonym(backend, process_group_backend)
-        if process_group_backend is None or process_group_backend in BACKENDS:
+        if not _registered_elsewhere(process_group_backend):
             check_backend(backend, str(kwargs.get("accelerator") or "auto"))
-        # else another backend torch.distributed knows by name (ucc, xccl, ccl, hccl, a registered
-        # third-party one): passed to init_process_group as Lightning's DDPStrategy passes it
         check_choice("start_method", start_method, _START_METHODS)
         if isinstance(timeout, timedelta):  # Lightning's own type for it
             timeout = timeout.total_seconds()
@@ -245,6 +261,7 @@ class DDPPluginsStrategy(DDPStrategy):
         check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
         check_int("global_batch_size", global_batch_size, 1, allow_none=True)
         check_bool("drop_last", drop_last)
+        check_bool("uneven_data", uneven_data)
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ArgumentValueError(
                 "comm_hook",
@@ -275,6 +292,8 @@ class DDPPluginsStrategy(DDPStrategy):
         self._powersgd_start_iter = powersgd_start_iter
         self.global_batch_size = global_batch_size
         self.drop_last = drop_last
+        self.uneven_data = uneven_data
+        self._even: EvenSteps | None = None  # the training loader in step across uneven shards
         self._plan: GlobalPlan | None = None  # the training loader's, when global_batch_size is set
         self._data_record: dict[str, Any] | None = None  # the training data's layout, for checkpoints
         self._resumed_record: dict[str, Any] | None = None  # the one in the checkpoint resumed from
@@ -418,7 +437,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def _train_loader(self, dataloader: Any, trainer: Any) -> Any:
         accumulate = trainer.accumulate_grad_batches
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        self._plan = None
+        self._plan = self._even = None
         if self.global_batch_size is not None:
             dataloader, self._plan, epoch = planned_train_loader(
                 dataloader, self.global_batch_size, self.drop_last, self.global_rank, self.world_size, accumulate,
@@ -427,10 +446,27 @@ class DDPPluginsStrategy(DDPStrategy):
             mid_epoch = epoch == trainer.current_epoch and done > 0
         else:
             mid_epoch = 0 < done < _length(dataloader)
-            dataloader = _resumable_train_loader(dataloader, trainer)
+            if self.uneven_data and self.world_size > 1 and _per_rank_shards(dataloader):
+                dataloader = self._even = EvenSteps(
+                    dataloader,
+                    rows_of=extract_batch_size,
+                    device=self.root_device,
+                    length=self._agreed_length(dataloader),
+                )
+            else:
+                dataloader = _resumable_train_loader(dataloader, trainer)
         self._data_record = data_record(dataloader, self._plan, self.world_size, accumulate)
         check_resume(self._resumed_record, self._data_record, mid_epoch)
         return dataloader
+
+    def _agreed_length(self, dataloader: Any) -> int | None:
+        """The longest rank's batch count (``None`` when a rank's loader has no length): one all_reduce."""
+        local = _length(dataloader)
+        local = -1 if local == float("inf") else int(local)
+        both = torch.tensor([local, -local], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        longest, shortest = int(both[0]), -int(both[1])
+        return None if shortest < 0 else longest
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -441,6 +477,10 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if self._even is not None and self._even.steps:
+            mine, total = self._even.steps.popleft()  # the rows of this batch, counted when it was fetched
+            weight = self.world_size * mine / total if total else 0.0
+            self._rows = StepRows(rank_rows=mine, micro_rows=total, step_rows=total, loss_weight=weight)
         if self._plan is not None and self.lightning_module is not None:
             trainer = self.lightning_module.trainer
             self._rows = step_rows(
@@ -600,6 +640,16 @@ def _leave_when_gone(pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="rank-watch", daemon=True).start()
+
+
+def _per_rank_shards(dataloader: Any) -> bool:
+    """Whether ranks may yield different numbers of batches: anything but Lightning's ``DistributedSampler``."""
+    if not isinstance(dataloader, DataLoader):
+        return True
+    if isinstance(dataloader.dataset, IterableDataset):
+        return True
+    sampler = getattr(dataloader.batch_sampler, "sampler", None) or dataloader.sampler
+    return not isinstance(sampler, DistributedSampler)
 
 
 def _length(dataloader: Any) -> float:

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from ddp_plugins.core.checks import ArgumentValueError
-from ddp_plugins.core.plan import EmptyShareCollate, GlobalPlan, PlanBatchSampler, even_split
+from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler, even_split
 
 CASES = [(23, 8), (23, 5), (7, 16), (64, 64), (1438, 64)]
 
@@ -93,3 +93,18 @@ def test_an_empty_share_is_a_zero_row_batch_of_the_same_structure_also_from_work
         dataset, batch_sampler=last, num_workers=1, collate_fn=EmptyShareCollate(default_collate, dataset[0])
     )
     assert [tuple(b[0].shape) for b in loader] == [(0, 3, 2)]
+
+
+def _test_even_steps(rank, world_size):
+    # rank 0: 3 batches of dicts; rank 1: none at all (its template comes from rank 0)
+    shard = [{"x": torch.full((n, 2), float(rank)), "name": "a"} for n in ((2, 3, 1) if rank == 0 else ())]
+    steps = EvenSteps(shard, rows_of=lambda b: len(b["x"]))
+    epochs = [[(tuple(b["x"].shape), b["name"]) for b in steps] for _ in range(2)]
+    return epochs, list(steps.steps)
+
+
+def test_even_steps_end_together_with_zero_row_batches_from_a_rank_that_had_none(dist_pool):
+    (r0, s0), (r1, s1) = dist_pool.run(_test_even_steps)
+    assert r0 == [[((2, 2), "a"), ((3, 2), "a"), ((1, 2), "a")]] * 2
+    assert r1 == [[((0, 2), "a")] * 3] * 2, "rank 1 must step with rank 0 on zero-row batches of its structure"
+    assert s0 == [(2, 2), (3, 3), (1, 1)] and s1 == [(0, 2), (0, 3), (0, 1)]

@@ -217,3 +217,62 @@ def test_a_resume_on_one_rank_continues_and_resumes_that_would_skew_the_epoch_ar
     (plain,) = run_lightning(_resume, plain_ckpt, None, world_size=1, timeout=240)
     assert "world_size 2 -> 1" in plain["refused"] and "global_batch_size" in plain["refused"], plain
     assert Path(plain_ckpt).exists()
+
+
+# ---------------------------------------------------------------- uneven per-rank shards
+
+SHARDS = [range(0, 38), range(38, 64), range(64, 64)]  # rows per rank: 10, 7 and 0 batches of 4
+
+
+def _uneven_data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g, dtype=torch.float64)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long(), torch.arange(64)
+
+
+class _Shard(torch.utils.data.IterableDataset):
+    """This rank's own rows, as per-rank files or a streaming dataset would give them."""
+
+    def __iter__(self):
+        x, y, ids = _uneven_data()
+        for i in SHARDS[torch.distributed.get_rank()]:
+            yield x[i], y[i], ids[i]
+
+
+def _run_uneven(out_dir):
+    pl.seed_everything(SEED)
+    model = _Model()
+    model.train_dataloader = lambda: DataLoader(_Shard(), batch_size=4)
+    trainer = _trainer(None)
+    trainer.fit(model)
+    return {"state": _state(model), "seen": model.seen, "logged": model.logged, "steps": trainer.global_step}
+
+
+def _reference_uneven(epochs=EPOCHS):
+    x, y, _ = _uneven_data()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    batches = [[list(shard)[i : i + 4] for i in range(0, len(shard), 4)] for shard in SHARDS]
+    losses = []
+    for _ in range(epochs):
+        for step in range(max(len(b) for b in batches)):
+            rows = [i for b in batches if step < len(b) for i in b[step]]
+            loss = cross_entropy(net(x[rows]), y[rows], reduction="sum")
+            (loss / len(rows)).backward()
+            losses.append(float(loss.detach()) / len(rows))
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
+
+
+@pytest.mark.slow
+def test_uneven_per_rank_shards_step_together_and_equal_one_process_on_the_rows_present():
+    ranks = run_lightning(_run_uneven, world_size=3, timeout=240)
+    ref_state, ref_losses = _reference_uneven()
+    for rank, r in enumerate(ranks):
+        assert r["steps"] == EPOCHS * 10, f"rank {rank} ran {r['steps']} steps, not the longest shard's"
+        assert len(r["seen"]) == EPOCHS * 10
+        _assert_state(r["state"], ref_state, f"rank {rank}")
+    assert [len(ids) for ids in ranks[1]["seen"][:10]] == [4] * 6 + [2, 0, 0, 0]  # exhausted: zero-row batches
+    assert all(ids == [] for ids in ranks[2]["seen"]), "rank 2 has no rows: only zero-row batches"
+    torch.testing.assert_close(torch.tensor(ranks[0]["logged"]), torch.tensor(ref_losses), rtol=1e-9, atol=1e-11)

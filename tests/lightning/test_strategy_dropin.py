@@ -14,7 +14,7 @@ def test_process_group_backend_is_a_synonym_of_backend():
     assert DDPPluginsStrategy(backend="gloo", process_group_backend="gloo").process_group_backend == "gloo"
     with pytest.raises(ValueError, match=r"`process_group_backend` should be the same as `backend` \('gloo'\)"):
         DDPPluginsStrategy(backend="gloo", process_group_backend="nccl")
-    # other backends pass through `process_group_backend=` as in DDPStrategy; `backend=` names ours
+    # backends torch knows besides ours pass through `process_group_backend=`; `backend=` names ours
     assert DDPPluginsStrategy(process_group_backend="ucc").process_group_backend == "ucc"
     with pytest.raises(ValueError, match=r"`backend` should be one of 'auto', 'gloo', 'nccl', 'mpi', got 'ucc'"):
         DDPPluginsStrategy(backend="ucc")
