@@ -11,6 +11,7 @@ Module map
     ``process``                  run_main / exit_process (the clean exit), save_atomic
     ``collectives``              distributed_concat and its row helpers
     ``samplers``                 SequentialDistributedSampler, ResumableSampler (exact mid-epoch resume)
+    ``plan``                     GlobalPlan, PlanBatchSampler (exact epochs), EvenSteps (uneven shards)
     ``preemption``               signal flags, agreement at a step boundary, Preempted, Slurm requeue
     ``checkpoints``              per-rank state gathered at save, the latest checkpoint, metrics rows
     ``sync_batchnorm_function``  the SyncBN autograd function (one all_reduce forward, one backward)
@@ -26,7 +27,8 @@ Module map
     ``preemption``               PreemptionCheckpoint (stop on a signal at one step, step checkpoints)
     ``checkpoint_io``            AtomicCheckpointIO (a checkpoint file is whole or absent)
     ``csv_logger``               ResumableCSVLogger (a resumed run continues metrics.csv)
-    ``strategy``                 DDPPluginsStrategy (backend, timeout, comm hooks, DDP options)
+    ``strategy``                 DDPPluginsStrategy (backend, timeout, comm hooks, DDP options, data plan)
+    ``data_plan``                the global plan in the training loader, resumes checked against it
     ``launchers``                child-rank launchers (job-scoped commands, rank watcher, clean exit)
     ``network``                  network presets into the environment, gloo on loopback
 ``ddp_plugins.app`` (the training app)
