@@ -414,6 +414,22 @@ def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, A
     resolve_precision(str(resolved["precision"]["name"]), accelerator)
     _check_trainer_args(trainer)
     _check_devices(trainer.get("devices", "auto"), accelerator)
+    _check_global_batch(resolved.get("strategy") or {}, trainer)
+
+
+def _check_global_batch(strategy: Mapping[str, Any], trainer: Mapping[str, Any]) -> None:
+    """A global batch with fewer rows than ranks x micro-batches would leave every step partly empty."""
+    g, devices, nodes = strategy.get("global_batch_size"), trainer.get("devices"), trainer.get("num_nodes", 1)
+    accumulate = trainer.get("accumulate_grad_batches", 1)
+    sizes = (g, devices, nodes, accumulate)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+        return  # null, "auto", or a type the strategy's own check names
+    if g < devices * nodes * accumulate:
+        raise ConfigError(
+            "strategy.global_batch_size",
+            f"got {g}, fewer rows than ranks x micro-batches ({devices * nodes} x {accumulate})",
+            f"at least {devices * nodes * accumulate}",
+        )
 
 
 def build_objects(cfg: DictConfig) -> dict[str, Any]:

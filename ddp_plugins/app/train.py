@@ -42,6 +42,7 @@ from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.core.stalls import RendezvousError
+from ddp_plugins.lightning.data_plan import CHECKPOINT_KEY as DATA_RECORD
 from ddp_plugins.lightning.data_plan import ResumeMismatch
 from ddp_plugins.lightning.launchers import hydra_quote
 from ddp_plugins.lightning.network import apply_network_env, restore_env
@@ -119,9 +120,11 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     if ckpt_path is not None:
         # A resume writes into its own checkpoint folder by design: one "resuming from" line says it
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        epoch, step = _check_resume_checkpoint(ckpt_path, model, cfg)
+        epoch, step, was = _check_resume_checkpoint(ckpt_path, model, cfg)
         if get_rank() == 0:
-            print(f"resuming from {ckpt_path} (epoch {epoch}, step {step})", flush=True)
+            n = trainer.world_size
+            ranks = f" on {n} rank{'s' * (n != 1)}" + (f" (was {was})" if was and was != n else "")
+            print(f"resuming from {ckpt_path} (epoch {epoch}, step {step}){ranks}", flush=True)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     metrics, key = trainer.callback_metrics, _accuracy_key(cfg)
     if not trainer.is_global_zero or key not in metrics:
@@ -209,8 +212,8 @@ def _prepare_checkpoint_folder(folder: Path, resume: str) -> None:
 _SAME_MODEL = "a checkpoint of the same model.* settings, or resume=never with a new hydra.run.dir"
 
 
-def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[int, int]:
-    """(epoch, step) of the checkpoint to resume from, after checking that it fits ``model``.
+def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[int, int, int | None]:
+    """(epoch, step, world size) of the checkpoint to resume from, after checking that it fits ``model``.
 
     Loaded once, memory-mapped and with ``weights_only=True``. A parameter of another shape (another
     ``model.*`` setting) is one line naming the first such key and both shapes, on every rank,
@@ -256,7 +259,9 @@ def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[in
                 " For one schedule over trainer.max_epochs=%d, start a new run",
                 t_max - 1, t_max, t_max, max_epochs,
             )  # fmt: skip
-    return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
+    record = checkpoint.get(DATA_RECORD) or {}
+    was = record.get("world_size") if isinstance(record, dict) else None
+    return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)), was
 
 
 _held_folders: dict[str, Any] = {}  # run folders this process locked for its whole life (real path -> handle)

@@ -88,6 +88,13 @@ def planned_train_loader(
         )
     if dataloader.batch_size is None:
         raise ArgumentValueError("global_batch_size", f"used with {what}", problem="the DataLoader has a batch sampler")
+    if global_batch_size < world_size * accumulate:
+        raise ArgumentValueError(
+            "global_batch_size",
+            f"at least world size x accumulate_grad_batches ({world_size} x {accumulate} = {world_size * accumulate})",
+            global_batch_size,
+            hint="Smaller global batches would leave part of every step without rows.",
+        )
     shuffle, seed = _shuffle_and_seed(dataloader.sampler)
     plan = GlobalPlan(len(dataset), global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
     per_epoch = plan.steps_per_epoch * accumulate

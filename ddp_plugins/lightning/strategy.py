@@ -294,6 +294,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self.drop_last = drop_last
         self.uneven_data = uneven_data
         self._even: EvenSteps | None = None  # the training loader in step across uneven shards
+        self._plan_accumulate = 1  # micro-batches per step of the plan
         self._plan: GlobalPlan | None = None  # the training loader's, when global_batch_size is set
         self._data_record: dict[str, Any] | None = None  # the training data's layout, for checkpoints
         self._resumed_record: dict[str, Any] | None = None  # the one in the checkpoint resumed from
@@ -435,7 +436,10 @@ class DDPPluginsStrategy(DDPStrategy):
         return dataloader
 
     def _train_loader(self, dataloader: Any, trainer: Any) -> Any:
-        accumulate = trainer.accumulate_grad_batches
+        accumulate = (
+            _run_accumulation(trainer) if self.global_batch_size is not None else trainer.accumulate_grad_batches
+        )
+        self._plan_accumulate = accumulate
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         self._plan = self._even = None
         if self.global_batch_size is not None:
@@ -444,6 +448,8 @@ class DDPPluginsStrategy(DDPStrategy):
                 trainer.current_epoch, done,
             )  # fmt: skip
             mid_epoch = epoch == trainer.current_epoch and done > 0
+            # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the plan's is exact
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
         else:
             mid_epoch = 0 < done < _length(dataloader)
             if self.uneven_data and self.world_size > 1 and _per_rank_shards(dataloader):
@@ -483,9 +489,14 @@ class DDPPluginsStrategy(DDPStrategy):
             self._rows = StepRows(rank_rows=mine, micro_rows=total, step_rows=total, loss_weight=weight)
         if self._plan is not None and self.lightning_module is not None:
             trainer = self.lightning_module.trainer
-            self._rows = step_rows(
-                self._plan, batch_idx, self.global_rank, self.world_size, trainer.accumulate_grad_batches
-            )
+            if trainer.accumulate_grad_batches != self._plan_accumulate:
+                raise ArgumentValueError(
+                    "accumulate_grad_batches",
+                    f"the {self._plan_accumulate} the global plan was made with, for the whole run",
+                    trainer.accumulate_grad_batches,
+                    hint="A schedule that changes it needs global_batch_size unset.",
+                )
+            self._rows = step_rows(self._plan, batch_idx, self.global_rank, self.world_size, self._plan_accumulate)
 
     @property
     def step_rows(self) -> StepRows | None:
@@ -640,6 +651,29 @@ def _leave_when_gone(pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="rank-watch", daemon=True).start()
+
+
+def _run_accumulation(trainer: Any) -> int:
+    """The micro-batches per optimizer step of the whole run, known before its first epoch starts.
+
+    A callback that sets ``trainer.accumulate_grad_batches`` at each epoch start
+    (``AccumulationNoSync``, ``GradientAccumulationScheduler``) says so in an ``accumulate_grad_batches``
+    or ``scheduling`` attribute; a global plan needs one value for the run.
+    """
+    values = {trainer.accumulate_grad_batches}
+    for callback in trainer.callbacks:
+        schedule = getattr(callback, "scheduling", None) or getattr(callback, "accumulate_grad_batches", None)
+        if isinstance(schedule, int) and not isinstance(schedule, bool):
+            values = {schedule}
+        elif isinstance(schedule, dict) and schedule:
+            values = set(schedule.values())
+    if len(values) > 1:
+        raise ArgumentValueError(
+            "accumulate_grad_batches",
+            "one value for the whole run with global_batch_size",
+            f"a schedule of {sorted(values)}",
+        )
+    return int(values.pop())
 
 
 def _per_rank_shards(dataloader: Any) -> bool:
