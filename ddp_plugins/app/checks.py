@@ -390,6 +390,8 @@ def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, A
         check_seed(resolved.get("seed"))
     with _as_config_error("deterministic", raw):
         check_bool("deterministic", resolved.get("deterministic"))
+    with _as_config_error("global_batch_size", raw):
+        check_int("global_batch_size", resolved.get("global_batch_size"), 1, allow_none=True)
     with _as_config_error("resume", raw):
         check_resume(resolved.get("resume", "auto"))
     checkpoint = resolved.get("checkpoint") or {}
@@ -400,7 +402,7 @@ def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, A
         check_int("every_n_train_steps", checkpoint.get("every_n_train_steps", 0), 0)
     with _as_config_error("checkpoint.keep", raw):
         check_int("keep", checkpoint.get("keep", 2), 1)
-    known = set(_groups()) | {"seed", "deterministic", "hydra", "resume", "checkpoint"}
+    known = set(_groups()) | {"seed", "deterministic", "hydra", "resume", "checkpoint", "global_batch_size"}
     for key in resolved:
         if key not in known:
             raise ConfigError(key, "is not a key of the app's config", f"{_choices(sorted(known - {'hydra'}))}")
@@ -426,7 +428,7 @@ def _check_global_batch(strategy: Mapping[str, Any], trainer: Mapping[str, Any])
         return  # null, "auto", or a type the strategy's own check names
     if g < devices * nodes * accumulate:
         raise ConfigError(
-            "strategy.global_batch_size",
+            "global_batch_size",
             f"got {g}, fewer rows than ranks x micro-batches ({devices * nodes} x {accumulate})",
             f"at least {devices * nodes * accumulate}",
         )

@@ -176,7 +176,7 @@ def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: b
     if "plan" in saved or "plan" in now:
         if "plan" not in now or "plan" not in saved:
             side = "the checkpoint" if "plan" in saved else "this run"
-            changes = [f"only {side} trains on a global plan (strategy global_batch_size)"]
+            changes = [f"only {side} trains on a global plan (global_batch_size)"]
         else:
             before, after = saved["plan"], now["plan"]
             changes = [f"{k} {before.get(k)!r} -> {after[k]!r}" for k in after if before.get(k) != after[k]]
@@ -197,5 +197,5 @@ def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: b
             "resume: the checkpoint stopped in the middle of an epoch and this run splits the data differently ("
             + "; ".join(changes)
             + "): its rows would be trained twice or never. Resume with the same ranks, batch size and seed, or"
-            " train with strategy global_batch_size=G, which resumes on any number of ranks."
+            " train with a global batch (global_batch_size=G), which resumes on any number of ranks."
         )

@@ -474,6 +474,16 @@ class DDPPluginsStrategy(DDPStrategy):
         longest, shortest = int(both[0]), -int(both[1])
         return None if shortest < 0 else longest
 
+    def _plan_position(self) -> dict[str, int]:
+        """Where a planned run is: its epoch and the global rows of that epoch already trained."""
+        module = self.lightning_module
+        if self._plan is None or module is None:
+            return {}
+        trainer: Any = module.trainer
+        steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed // self._plan_accumulate
+        rows = sum(self._plan.step_size(step) for step in range(min(steps, self._plan.steps_per_epoch)))
+        return {"epoch": trainer.current_epoch, "rows_done": rows}
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -543,7 +553,7 @@ class DDPPluginsStrategy(DDPStrategy):
         # state_dict has to communicate (see ddp_plugins.core.checkpoints).
         gather_per_rank(checkpoint)
         if self._data_record is not None:
-            checkpoint[CHECKPOINT_KEY] = self._data_record
+            checkpoint[CHECKPOINT_KEY] = dict(self._data_record, **self._plan_position())
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self.last_checkpoint_path = str(filepath)
 

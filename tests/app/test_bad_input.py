@@ -32,7 +32,7 @@ BAD_COMMAND_LINES = [
     ("+trainer.strategy=ddp", "trainer.strategy"),
     ("data.batch_size=0", "data.batch_size"),
     ("data.val_fraction=1.5", "data.val_fraction"),
-    ("strategy.global_batch_size=1", "strategy.global_batch_size"),  # fewer rows than 2 ranks
+    ("global_batch_size=1", "global_batch_size"),  # fewer rows than 2 ranks
     ("data.num_workers=-1", "data.num_workers"),
     ("data=synthetic data.num_samples=0", "data.num_samples"),
     ("model.channels=0", "model.channels"),

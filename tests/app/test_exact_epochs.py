@@ -1,7 +1,7 @@
 """Exact epochs through the app: a run on a global plan stopped on 2 ranks resumes on 1 at the same row.
 
 What the rows and gradients are is proven against one process in
-``tests/lightning/test_global_plan.py``; here the app's path: ``strategy.global_batch_size``, a
+``tests/lightning/test_global_plan.py``; here the app's path: ``global_batch_size``, a
 SIGTERM stop, a resume with another ``trainer.devices`` that continues at the next global step,
 and a resume that would skew the epoch, refused with one line before training.
 """
@@ -20,7 +20,7 @@ from tests.helpers.multiprocess import check_ok, run_command
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 PLANNED = [
     "data=synthetic", "data.num_samples=400", "model.channels=8", "data.num_workers=0", "trainer.max_epochs=2",
-    "trainer.enable_progress_bar=false", "strategy.global_batch_size=48",
+    "trainer.enable_progress_bar=false", "global_batch_size=48",
     "callbacks.accumulation_no_sync.accumulate_grad_batches=2",
 ]  # fmt: skip  # 320 training rows: 7 steps of 48 rows per epoch (the last has 32) in 2 micro-batches, on any N
 STOP = [
@@ -38,7 +38,7 @@ def test_a_planned_run_stopped_on_two_ranks_resumes_on_one_and_a_changed_plan_is
     stopped = run_command([*cmd, *STOP], timeout=300)
     assert stopped.returncode == 128 + 15, stopped.stderr[-4000:]
 
-    changed = run_command([*cmd, "trainer.devices=1", "strategy.global_batch_size=32"], timeout=300)
+    changed = run_command([*cmd, "trainer.devices=1", "global_batch_size=32"], timeout=300)
     line = _one_line_failure(changed, 2)
     assert "global_batch_size 48 -> 32" in line and "the number of ranks may change" in line, line
 
@@ -50,3 +50,5 @@ def test_a_planned_run_stopped_on_two_ranks_resumes_on_one_and_a_changed_plan_is
     assert final["global_step"] == 2 * 7 and final["epoch"] == 1
     record = final["ddp_plugins_data"]
     assert record["world_size"] == 1 and record["plan"]["global_batch_size"] == 48
+    stop = torch.load(position.group(1), map_location="cpu", weights_only=True)["ddp_plugins_data"]
+    assert (stop["world_size"], stop["epoch"], stop["rows_done"]) == (2, 0, 4 * 48)
