@@ -29,16 +29,17 @@ from tests.helpers.multiprocess import run_lightning
 ROWS, G, SEED, EPOCHS = 53, 16, 7, 2
 
 
-def _data():
+def _data(rows=ROWS):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(ROWS, 8, generator=g, dtype=torch.float64)
+    x = torch.randn(rows, 8, generator=g, dtype=torch.float64)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
-    return x, y, torch.arange(ROWS)
+    return x, y, torch.arange(rows)
 
 
-def _net():
+def _net(bn=True):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3)).double()
+    norm = nn.BatchNorm1d(16) if bn else nn.Identity()
+    return nn.Sequential(nn.Linear(8, 16), norm, nn.Tanh(), nn.Linear(16, 3)).double()
 
 
 class _Model(pl.LightningModule):
@@ -94,6 +95,18 @@ def _run_accumulated(out_dir):
     return {"state": _state(model), "seen": model.seen, "logged": model.logged, "rounds": counter.history}
 
 
+SHORT = 49  # the last step has 1 row: 2 of 3 ranks get none
+
+
+def _run_short_last_step(out_dir):
+    pl.seed_everything(SEED)
+    model = _Model()
+    model.net = _net(bn=False)  # BatchNorm cannot train on one row; plain layers can
+    model.train_dataloader = lambda: DataLoader(TensorDataset(*_data(SHORT)), batch_size=4, shuffle=True)
+    _trainer(G).fit(model)
+    return {"state": _state(model), "seen": model.seen, "logged": model.logged}
+
+
 def _run_and_checkpoint(out_dir, ckpt_dir):
     pl.seed_everything(SEED)
     model = _Model()
@@ -120,13 +133,13 @@ def _resume(out_dir, ckpt, global_batch_size):
     return {"state": _state(model), "seen": model.seen}
 
 
-def _reference(world, accumulate, epochs=EPOCHS):
+def _reference(world, accumulate, epochs=EPOCHS, rows=ROWS, bn=True):
     """One process: every step's micro-batch m is the union of the ranks' micro-batches m, each
     row's loss divided by the step's rows; returns the state and the mean loss of every micro-batch."""
-    x, y, _ = _data()
-    net = _net()
+    x, y, _ = _data(rows)
+    net = _net(bn)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    plan = GlobalPlan(ROWS, G, seed=SEED, shuffle=True)
+    plan = GlobalPlan(rows, G, seed=SEED, shuffle=True)
     losses = []
     for epoch in range(epochs):
         order = plan.order(epoch)
@@ -178,6 +191,18 @@ def test_three_uneven_ranks_with_accumulation_and_syncbn_equal_one_process():
         # one gradient all-reduce per optimizer step, also with an empty micro-batch in the window
         assert len(r["rounds"]) == steps and all(rounds == 1 for _, _, rounds in r["rounds"]), r["rounds"]
     # `sync_dist=True` means weighted by rows (the empty micro-batch's NaN counts for nothing)
+    torch.testing.assert_close(torch.tensor(ranks[0]["logged"]), torch.tensor(ref_losses), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.slow
+def test_a_last_step_shorter_than_the_world_leaves_two_ranks_empty_and_equals_one_process():
+    ranks = run_lightning(_run_short_last_step, world_size=3, timeout=240)
+    ref_state, ref_losses = _reference(world=3, accumulate=1, rows=SHORT, bn=False)
+    steps = GlobalPlan(SHORT, G).steps_per_epoch
+    assert [[len(ids) for ids in r["seen"][steps - 1 :: steps]] for r in ranks] == [[1, 1], [0, 0], [0, 0]]
+    for rank, r in enumerate(ranks):
+        _assert_state(r["state"], ref_state, f"rank {rank}")
+    assert all(torch.isfinite(v).all() for r in ranks for v in r["state"].values()), "an empty rank made NaN"
     torch.testing.assert_close(torch.tensor(ranks[0]["logged"]), torch.tensor(ref_losses), rtol=1e-9, atol=1e-11)
 
 
