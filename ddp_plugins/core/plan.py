@@ -260,6 +260,9 @@ def _cut(batch: Any) -> Any:
     return batch
 
 
+_FLAGS = 65  # flag values 0..64 (signal numbers)
+
+
 def _first_tensor_rows(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return len(batch) if batch.dim() else 1
@@ -281,14 +284,18 @@ class EvenSteps:
     still enters every collective of the step. torch's ``Join`` counts ranks, not rows, and does
     not cover SyncBN or other collectives in the forward; Accelerate's ``even_batches`` repeats rows.
 
-    :attr:`steps` gets ``(this rank's rows, all ranks' rows)`` for each batch yielded, in order,
-    for a consumer (the strategy's loss weighting) to take from the left.
+    :attr:`steps` gets ``(this rank's rows, all ranks' rows, agreed flag)`` for each batch yielded,
+    in order, for a consumer (the strategy's loss weighting) to take from the left. ``flag`` (a
+    preemption signal number, 0 for none) rides along in the same round: the agreed flag is the
+    largest any rank raised, so a per-step stop check costs no round of its own.
 
     Args:
         batches: this rank's batches (a DataLoader of its shard).
         rows_of: the rows of a batch (the first tensor's length by default).
         group: the process group (the default one when ``None``).
         device: where the counts are reduced (``cuda`` for nccl).
+        length: the agreed number of batches (the longest rank's), or ``None`` when unsized.
+        flag: this rank's flag (0 to 64) at each step, agreed across ranks with the counts.
     """
 
     def __init__(
@@ -298,13 +305,15 @@ class EvenSteps:
         group: Any = None,
         device: torch.device | str = "cpu",
         length: int | None = None,
+        flag: Callable[[], int] | None = None,
     ) -> None:
         self.batches = batches
+        self.flag = flag
         self.rows_of = rows_of or _first_tensor_rows
         self.group = group
         self.device = torch.device(device)
         self.length = length
-        self.steps: deque[tuple[int, int]] = deque()
+        self.steps: deque[tuple[int, int, int]] = deque()
         self._template: Any = None
 
     def __len__(self) -> int:
@@ -331,12 +340,14 @@ class EvenSteps:
             if has and self._template is None:
                 self._template = _cut(batch)
             mine = self.rows_of(batch) if has else 0
-            counts = torch.zeros(3 + world, dtype=torch.int64)
+            counts = torch.zeros(3 + world + _FLAGS, dtype=torch.int64)
             counts[0], counts[1], counts[2] = mine, int(has), int(self._template is None)
             counts[3 + rank] = int(self._template is not None)
+            counts[3 + world + (self.flag() if self.flag is not None else 0)] = 1  # one-hot: the sum keeps the max
             counts = counts.to(self.device)
             dist.all_reduce(counts, group=self.group)
             total, with_data, without_template = (int(v) for v in counts[:3].tolist())
+            agreed = int(torch.nonzero(counts[3 + world :].cpu())[-1])
             if with_data == 0:
                 return
             if without_template:  # a rank that never had a batch: the lowest rank with one sends it
@@ -346,5 +357,5 @@ class EvenSteps:
                 dist.broadcast_object_list(box, src=src, group=self.group)
                 if self._template is None:
                     self._template = box[0]
-            self.steps.append((mine, total))
+            self.steps.append((mine, total, agreed))
             yield batch if has else self._template

@@ -10,7 +10,9 @@ end bit-identical to an uninterrupted run:
   checkpoint from inside the handler and its SIGTERM handler broadcasts from there, which
   deadlocks when the other rank is inside a collective (SyncBN's all-reduce).
 * **The ranks agree at a step boundary**: after every ``check_every_n_steps``-th optimizer step,
-  one ``all_reduce(MAX)`` of the flag. All ranks stop after the same step, write one checkpoint
+  one ``all_reduce(MAX)`` of the flag; under ``DDPPluginsStrategy`` with uneven data the flag rides
+  in the strategy's own per-step round (``add_flag_source`` / ``agreed_flag``), every step, at no cost.
+  All ranks stop after the same step, write one checkpoint
   (``step-<S>-preempted.ckpt``), requeue the Slurm job when asked (``scontrol requeue``, from rank 0,
   after the file is on disk) and leave with :class:`~ddp_plugins.core.preemption.Preempted`:
   exit code ``128 + signal``, never 0.
@@ -142,6 +144,9 @@ class PreemptionCheckpoint(Callback):
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         self._trainer, self._boundaries, self._rows_pending, self._stop, self._due = trainer, 0, False, None, None
         self._flag.clear()
+        add = getattr(trainer.strategy, "add_flag_source", None)
+        if callable(add):
+            add(self._signum)
         submitit = submitit_signal()
         self._requeue_signals = {self.requeue_signal} | ({submitit} if submitit else set())
         if submitit and submitit not in self._flag.signals:
@@ -163,6 +168,9 @@ class PreemptionCheckpoint(Callback):
         if stage == "fit":
             self._flag.restore()
             self._trainer = None
+            remove = getattr(trainer.strategy, "remove_flag_source", None)
+            if callable(remove):
+                remove(self._signum)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -185,7 +193,10 @@ class PreemptionCheckpoint(Callback):
             return
         self._boundaries += 1
         signum = 0
-        if self._boundaries % self.check_every_n_steps == 0:
+        agreed = getattr(trainer.strategy, "agreed_flag", lambda: None)()
+        if agreed is not None:  # agreed in the strategy's own round for this batch: no round of ours
+            signum = agreed
+        elif self._boundaries % self.check_every_n_steps == 0:
             signum = agree_on_signal(self._flag.signum, device=trainer.strategy.root_device)
         step_due = bool(self.every_n_train_steps) and trainer.global_step % self.every_n_train_steps == 0
         if _last_batch_of_epoch(trainer):
@@ -239,6 +250,9 @@ class PreemptionCheckpoint(Callback):
         if self._stop is not None:
             stop, self._stop = self._stop, None
             raise stop
+
+    def _signum(self) -> int:
+        return self._flag.signum
 
     def _should_requeue(self, signum: int) -> bool:
         if self.requeue == "never" or slurm_job_id() is None:

@@ -295,6 +295,8 @@ class DDPPluginsStrategy(DDPStrategy):
         self.uneven_data = uneven_data
         self._even: EvenSteps | None = None  # the training loader in step across uneven shards
         self._plan_accumulate = 1  # micro-batches per step of the plan
+        self._flag_sources: list[Any] = []  # callables giving this rank's stop flag (a signal number)
+        self._agreed = 0  # the flag agreed with the current batch's counts (uneven data)
         self._plan: GlobalPlan | None = None  # the training loader's, when global_batch_size is set
         self._data_record: dict[str, Any] | None = None  # the training data's layout, for checkpoints
         self._resumed_record: dict[str, Any] | None = None  # the one in the checkpoint resumed from
@@ -458,6 +460,7 @@ class DDPPluginsStrategy(DDPStrategy):
                     rows_of=extract_batch_size,
                     device=self.root_device,
                     length=self._agreed_length(dataloader),
+                    flag=self._flag,
                 )
             else:
                 dataloader = _resumable_train_loader(dataloader, trainer)
@@ -484,6 +487,29 @@ class DDPPluginsStrategy(DDPStrategy):
         rows = sum(self._plan.step_size(step) for step in range(min(steps, self._plan.steps_per_epoch)))
         return {"epoch": trainer.current_epoch, "rows_done": rows}
 
+    def add_flag_source(self, source: Any) -> None:
+        """Have ``source()`` (this rank's stop flag, a signal number or 0) agreed in each step's round.
+
+        The per-step agreement contract: a callback that must agree on a flag at every step (such
+        as :class:`~ddp_plugins.lightning.PreemptionCheckpoint`) registers here and reads
+        :meth:`agreed_flag`; when the strategy makes no round of its own, that returns ``None`` and
+        the callback makes its own ``all_reduce``.
+        """
+        if source not in self._flag_sources:
+            self._flag_sources.append(source)
+
+    def remove_flag_source(self, source: Any) -> None:
+        if source in self._flag_sources:
+            self._flag_sources.remove(source)
+
+    def agreed_flag(self) -> int | None:
+        """The largest flag any rank raised, agreed with the current batch's row counts (``None``:
+        this run's training data makes no per-step round: uneven data is off or not needed)."""
+        return self._agreed if self._even is not None else None
+
+    def _flag(self) -> int:
+        return max((int(source()) for source in self._flag_sources), default=0)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -494,7 +520,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self._even is not None and self._even.steps:
-            mine, total = self._even.steps.popleft()  # the rows of this batch, counted when it was fetched
+            mine, total, self._agreed = self._even.steps.popleft()  # counted and agreed when it was fetched
             weight = self.world_size * mine / total if total else 0.0
             self._rows = StepRows(rank_rows=mine, micro_rows=total, step_rows=total, loss_weight=weight)
         if self._plan is not None and self.lightning_module is not None:

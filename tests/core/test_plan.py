@@ -98,7 +98,13 @@ def test_an_empty_share_is_a_zero_row_batch_of_the_same_structure_also_from_work
 def _test_even_steps(rank, world_size):
     # rank 0: 3 batches of dicts; rank 1: none at all (its template comes from rank 0)
     shard = [{"x": torch.full((n, 2), float(rank)), "name": "a"} for n in ((2, 3, 1) if rank == 0 else ())]
-    steps = EvenSteps(shard, rows_of=lambda b: len(b["x"]))
+    fetched = []  # rank 1 raises flag 15 from its second step on, rank 0 raises 2 at its third
+
+    def flag():
+        fetched.append(None)
+        return {0: 2 if len(fetched) % 4 == 3 else 0, 1: 15 if len(fetched) % 4 >= 2 else 0}[rank]
+
+    steps = EvenSteps(shard, rows_of=lambda b: len(b["x"]), flag=flag)
     epochs = [[(tuple(b["x"].shape), b["name"]) for b in steps] for _ in range(2)]
     return epochs, list(steps.steps)
 
@@ -107,4 +113,5 @@ def test_even_steps_end_together_with_zero_row_batches_from_a_rank_that_had_none
     (r0, s0), (r1, s1) = dist_pool.run(_test_even_steps)
     assert r0 == [[((2, 2), "a"), ((3, 2), "a"), ((1, 2), "a")]] * 2
     assert r1 == [[((0, 2), "a")] * 3] * 2, "rank 1 must step with rank 0 on zero-row batches of its structure"
-    assert s0 == [(2, 2), (3, 3), (1, 1)] and s1 == [(0, 2), (0, 3), (0, 1)]
+    # the counts, and the largest flag of the step's round, the same on both ranks
+    assert s0 == [(2, 2, 0), (3, 3, 15), (1, 1, 15)] and s1 == [(0, 2, 0), (0, 3, 15), (0, 1, 15)]

@@ -10,6 +10,7 @@ never are refused with one line.
 """
 
 import os
+import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,8 +22,10 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugins.core.plan import GlobalPlan, PlanBatchSampler
+from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
 from ddp_plugins.lightning.data_plan import ResumeMismatch
+from ddp_plugins.lightning.preemption import PreemptionCheckpoint
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from tests.helpers.multiprocess import run_lightning
 
@@ -301,3 +304,39 @@ def test_uneven_per_rank_shards_step_together_and_equal_one_process_on_the_rows_
     assert [len(ids) for ids in ranks[1]["seen"][:10]] == [4] * 6 + [2, 0, 0, 0]  # exhausted: zero-row batches
     assert all(ids == [] for ids in ranks[2]["seen"]), "rank 2 has no rows: only zero-row batches"
     torch.testing.assert_close(torch.tensor(ranks[0]["logged"]), torch.tensor(ref_losses), rtol=1e-9, atol=1e-11)
+
+
+class _SignalledAtStep(_Model):
+    """Rank 1 gets SIGTERM inside its training step 3, as a preempted node's process would."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+
+def _run_uneven_stopped(out_dir):
+    import ddp_plugins.lightning.preemption as preemption
+
+    own_rounds = []
+    agree = preemption.agree_on_signal
+    preemption.agree_on_signal = lambda *args, **kwargs: own_rounds.append(1) or agree(*args, **kwargs)
+    pl.seed_everything(SEED)
+    model = _SignalledAtStep()
+    model.train_dataloader = lambda: DataLoader(_Shard(), batch_size=4)
+    trainer = _trainer(None, callbacks=[PreemptionCheckpoint(dirpath=out_dir)], checkpoints=True)
+    try:
+        trainer.fit(model)
+    except Preempted as stop:
+        return {"signum": stop.signum, "step": trainer.global_step, "own_rounds": len(own_rounds),
+                "files": sorted(p.name for p in Path(out_dir).glob("*.ckpt"))}  # fmt: skip
+    return {"signum": None, "step": trainer.global_step}
+
+
+@pytest.mark.slow
+def test_a_preemption_signal_rides_in_the_uneven_round_and_stops_every_rank_at_one_step():
+    ranks = run_lightning(_run_uneven_stopped, world_size=2, timeout=240)
+    assert [r["signum"] for r in ranks] == [signal.SIGTERM] * 2, ranks
+    assert ranks[0]["step"] == ranks[1]["step"] and 4 <= ranks[0]["step"] <= 6, ranks  # signalled in step 4
+    assert ranks[0]["own_rounds"] == ranks[1]["own_rounds"] == 0, "the stop check made rounds of its own"
+    assert ranks[0]["files"] == [f"step-{ranks[0]['step']}-preempted.ckpt"], ranks[0]["files"]
