@@ -32,5 +32,14 @@ def test_the_examples_run():
     assert tried > 40 and failures == 0, f"{failures} of {tried} examples in docs/API.md failed"
 
 
+def test_every_signature_line_is_the_code_s():
+    import runpy
+
+    script = runpy.run_path(str(REPO_ROOT / "docs" / "api_signatures.py"))
+    _, changed = script["updated"](API.read_text())
+    assert changed == [], f"stale signatures in docs/API.md (run `python docs/api_signatures.py`): {changed}"
+    assert "object at 0x" not in API.read_text()
+
+
 def test_the_readme_links_the_api_reference():
     assert "docs/API.md" in (REPO_ROOT / "README.md").read_text()

@@ -44,7 +44,15 @@ __all__ = [
     "check_number",
 ]
 
-_UNSET: Any = object()
+
+class _Unset:
+    """The default of an argument that was not given (``<unset>`` in signatures and docs)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
 
 
 class ArgumentError(Exception):
