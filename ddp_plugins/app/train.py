@@ -314,8 +314,8 @@ def run_folder_lock(folder: str | os.PathLike) -> Iterator[None]:
     continue the other's. The lock is the kernel's (``flock``): it goes with the process, so a killed,
     requeued or restarted job finds its folder free. A folder this process already holds
     (:func:`hold_run_folder`) stays held. ``filelock`` (installed with torch) takes the same lock but
-    truncates the file on every attempt and keeps its descriptor private, so the refusal could not
-    name the holder's PID, which the file records: hence these few lines.
+    keeps its descriptor private: writing the holder's PID into the file, which the refusal names,
+    would need its internals. Hence these few lines.
 
     Raises:
         ConfigError: another process holds the folder, or it cannot be written.
