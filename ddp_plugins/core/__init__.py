@@ -1,15 +1,9 @@
-"""The torch-only core: importable and usable without Lightning.
+"""The torch-only core
+====================
 
-Use it from a raw ``torch.distributed`` + ``DistributedDataParallel`` loop (``torchrun``) or with
-Lightning Fabric; the Lightning adapters in :mod:`ddp_plugins.lightning` are built on it.
-
-Example::
-
-    >>> import torch
-    >>> from ddp_plugins.core import convert_sync_batchnorm, distributed_concat
-    >>> net = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
-    >>> distributed_concat(torch.arange(4), 3)  # one process: the rows, truncated
-    tensor([0, 1, 2])
+Collectives, SyncBatchNorm, samplers and the global plan, communication hooks, seeding, preemption,
+checkpoints and the clean process exit, usable without Lightning: from a raw ``torch.distributed``
+loop, with Lightning Fabric, and by the adapters in :mod:`ddp_plugins.lightning`.
 """
 
 from ddp_plugins.core.checkpoints import gather_per_rank, latest_checkpoint

@@ -1,23 +1,9 @@
-"""Checkpoint helpers: per-rank state, the latest checkpoint of a folder, metrics rows
-===================================================================================
+"""Checkpoint helpers
+==================
 
-* **Per-rank state without a collective in ``state_dict``.** A component whose state differs per
-  rank (RNG streams) puts this rank's part under the key :data:`PER_RANK` of its state dict.
-  :func:`gather_per_rank` is then called once by every rank where all ranks are known to be in
-  step (the strategy's ``save_checkpoint``, which every rank reaches through
-  ``Trainer.save_checkpoint``) and replaces each such part with the list of every rank's.
-  ``state_dict`` itself never communicates, so a checkpoint taken from any synchronized point
-  cannot deadlock.
-* :func:`latest_checkpoint`: the newest ``*.ckpt`` of a folder (the last one written).
-* **Verified checkpoint files.** :func:`save_checkpoint_file` writes a checkpoint atomically with a
-  SHA-256 sidecar (``<name>.sha256``, in place before the checkpoint is); :func:`verify_checkpoint`
-  checks it before anything is unpickled. torch does not check its zip CRCs, so bytes damaged
-  inside a checkpoint otherwise load as garbage weights; :func:`newest_valid_checkpoint` skips
-  damaged files, :func:`remove_stale_temporaries` clears what a kill left behind.
-* :func:`count_csv_rows` / :func:`truncate_csv_rows`: a metrics CSV cut back to the rows logged
-  before a checkpoint, so a resumed run neither loses nor repeats a row.
-
-Plain torch and the standard library.
+Per-rank state gathered when a checkpoint is saved, checkpoint files written with a SHA-256
+sidecar and verified before loading, the latest checkpoint of a folder, and metrics CSV rows cut
+back to a checkpoint. Plain torch and the standard library.
 """
 
 from __future__ import annotations
@@ -54,6 +40,7 @@ __all__ = [
     "write_text_atomic",
 ]
 
+#: The key of a callback state's per-rank part, which :func:`gather_per_rank` gathers.
 PER_RANK = "per_rank"
 
 
@@ -67,8 +54,10 @@ def _per_rank_slots(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
 def gather_per_rank(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Replace every callback's :data:`PER_RANK` part with the list of all ranks' parts (in place).
 
-    One ``all_gather_object`` for all of them; every rank must call it at the same point. Without
-    a process group each part becomes a one-element list.
+    A component whose state differs per rank (RNG streams) puts this rank's part under
+    :data:`PER_RANK` in its state dict. One ``all_gather_object`` for all of them; every rank must
+    call it at the same point (the strategy's ``save_checkpoint``), so ``state_dict`` itself needs
+    no collective. Without a process group each part becomes a one-element list.
 
     Example::
 

@@ -1,30 +1,8 @@
 """Argument checks
 ===============
 
-The one set of argument validators every class and function of the pack uses, so the same
-mistake always gives the same exception and the same sentence, wherever it is made.
-
-One exception policy: a value of the wrong *type* raises :class:`ArgumentTypeError` (a
-``TypeError``), a value of the right type outside what is allowed raises
-:class:`ArgumentValueError` (a ``ValueError``). Both carry the argument's name, what was
-received and what is allowed, so a caller that knows where the argument came from (the training
-app knows the config key) can restate the error in its own words::
-
-    `timeout` should be a positive finite number, got inf.          (the library's message)
-    error: strategy.timeout got inf, allowed: a positive finite number  (the app's line)
-
-Example::
-
-    >>> check_int("devices", 2, minimum=1)
-    2
-    >>> check_int("devices", 0, minimum=1)
-    Traceback (most recent call last):
-    ...
-    ddp_plugins.core.checks.ArgumentValueError: `devices` should be an integer >= 1, got 0.
-    >>> check_bool("static_graph", "maybe")
-    Traceback (most recent call last):
-    ...
-    ddp_plugins.core.checks.ArgumentTypeError: `static_graph` should be True or False, got 'maybe'.
+The validators every class and function of the pack uses: a wrong type raises
+:class:`ArgumentTypeError`, a wrong value :class:`ArgumentValueError`, both naming the argument.
 """
 
 from __future__ import annotations
@@ -59,7 +37,16 @@ class ArgumentError(Exception):
     """A bad argument: ``argument`` (its name), ``got`` (what was received), ``allowed`` (what is).
 
     ``problem`` says what is wrong in a few words ("got 'foo'" unless given). The message reads
-    "`<argument>` should be <allowed>, got <got>." plus an optional ``hint``.
+    "`<argument>` should be <allowed>, got <got>." plus an optional ``hint``. A caller that knows
+    where the argument came from (the training app knows the config key) restates it in its own words.
+
+    Example::
+
+        >>> try:
+        ...     check_int("devices", 0, 1)
+        ... except ArgumentError as err:
+        ...     print(err.argument, "|", err.problem, "|", err.allowed)
+        devices | got 0 | an integer >= 1
     """
 
     def __init__(self, argument: str, allowed: str, got: Any = _UNSET, *, problem: str | None = None, hint: str = ""):
@@ -73,11 +60,23 @@ class ArgumentError(Exception):
 
 
 class ArgumentTypeError(ArgumentError, TypeError):
-    """An argument of the wrong type."""
+    """An argument of the wrong type (a ``TypeError``).
+
+    Example::
+
+        >>> isinstance(ArgumentTypeError("flag", "True or False", "yes"), TypeError)
+        True
+    """
 
 
 class ArgumentValueError(ArgumentError, ValueError):
-    """An argument of the right type with a value that is not allowed."""
+    """An argument of the right type with a value that is not allowed (a ``ValueError``).
+
+    Example::
+
+        >>> str(ArgumentValueError("timeout", "a positive finite number", -1))
+        '`timeout` should be a positive finite number, got -1.'
+    """
 
 
 def _is_int(value: Any) -> bool:
@@ -117,6 +116,15 @@ def check_int(
     Raises:
         ArgumentTypeError: not an integer (nor ``None`` when ``allow_none``).
         ArgumentValueError: outside the bounds.
+
+    Example::
+
+        >>> check_int("world_size", 4, 1)
+        4
+        >>> check_int("devices", 0, minimum=1)
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentValueError: `devices` should be an integer >= 1, got 0.
     """
     allowed = f"an integer{_bounds(minimum, maximum)}" + (" or None" if allow_none else "")
     if value is None and allow_none:
@@ -153,6 +161,13 @@ def check_number(
     Raises:
         ArgumentTypeError: not a real number (nor ``None`` when ``allow_none``).
         ArgumentValueError: NaN, infinite, or outside the bounds.
+
+    Example::
+
+        >>> check_number("timeout", float("inf"), 0, exclusive_minimum=True)
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentValueError: `timeout` should be a positive finite number, got inf.
     """
     if minimum == 0 and exclusive_minimum and maximum is None:
         span = "a positive finite number"
@@ -184,6 +199,15 @@ def check_bool(name: str, value: Any) -> bool:
 
     Raises:
         ArgumentTypeError: anything else (``1``, ``"true"``, ``None``).
+
+    Example::
+
+        >>> check_bool("static_graph", False)
+        False
+        >>> check_bool("static_graph", "maybe")
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentTypeError: `static_graph` should be True or False, got 'maybe'.
     """
     if not isinstance(value, bool):
         raise ArgumentTypeError(name, "True or False", value)

@@ -1,14 +1,9 @@
 """Collectives
 ===========
 
-:func:`distributed_concat` all-gathers every rank's results (a tensor or nested dict/list/tuple
-of tensors, plus lists of Python objects such as ids or per-row records), concatenates them along
-dim 0 in rank order and truncates to the true length. Ranks may hold different numbers of rows:
-like torchmetrics' ``gather_all_tensors`` it exchanges shapes first, pads, gathers, trims; like
-Accelerate it checks structures and dtypes on every rank before any tensor collective and raises
-one error listing every rank's shapes on *every* rank, instead of hanging. The row helpers
-(:func:`concat_batches`, :func:`num_rows`, :func:`truncate_rows`) serve the
-Lightning adapter that collects step outputs. Plain torch, no Lightning.
+:func:`distributed_concat` gathers every rank's rows (tensors, nested containers of them, lists of
+Python objects) in rank order, whatever each rank holds; the row helpers serve the adapter that
+collects step outputs. Plain torch.
 """
 
 from __future__ import annotations

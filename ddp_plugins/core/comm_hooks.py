@@ -1,10 +1,8 @@
 """DDP communication hooks
 ========================
 
-Hooks by name for ``DistributedDataParallel.register_comm_hook`` (:func:`build_comm_hook`), the
-check of a name against a backend (:func:`check_comm_hook`), a hook wrapper that counts what
-another hook sends (:class:`CountingCommHook`), and the one collective counter of the pack
-(:func:`count_collectives`, also used by the benchmarks and tests). Plain torch, no Lightning.
+Hooks by name for ``DistributedDataParallel.register_comm_hook``, and counters of what hooks and
+``torch.distributed`` collectives send. Plain torch.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ __all__ = [
     "count_collectives",
 ]
 
-# DDP communication hooks by name.
+#: The names of the DDP communication hooks, for :func:`build_comm_hook` and :func:`check_comm_hook`.
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
@@ -40,6 +38,14 @@ def check_comm_hook(comm_hook: Any, backend: str | None = None) -> None:
 
     Raises:
         ArgumentValueError: an unknown name, or ``bf16`` without NCCL 2.10+ (torch registers it on nccl only).
+
+    Example::
+
+        >>> check_comm_hook("fp16", "gloo")  # fine: returns None
+        >>> check_comm_hook("bf16", "gloo")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentValueError: `comm_hook` should be ..., got 'bf16' with the gloo backend.
     """
     check_choice("comm_hook", comm_hook, COMM_HOOKS)
     if comm_hook != "bf16" or backend is None:
@@ -180,7 +186,15 @@ class CountingCommHook:
 
 @dataclass
 class CollectiveCounts:
-    """Calls and bytes per collective name, filled by :func:`count_collectives`."""
+    """Calls and bytes per collective name, filled by :func:`count_collectives`.
+
+    Example::
+
+        >>> with count_collectives(("broadcast",)) as counts:
+        ...     pass
+        >>> isinstance(counts, CollectiveCounts), counts.calls["broadcast"], counts.bytes["broadcast"]
+        (True, 0, 0)
+    """
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)

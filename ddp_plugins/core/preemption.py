@@ -1,23 +1,9 @@
-"""Preemption: signals that only set a flag, and ranks that agree at a step boundary
-==================================================================================
+"""Preemption
+==========
 
-A scheduler preempts a DDP job by sending a signal (Slurm: ``SIGUSR1`` or ``SIGTERM`` before the
-kill, torchrun and Kubernetes: ``SIGTERM``, a terminal: ``SIGINT``) to some or all ranks, at any
-moment: often while a rank is inside a collective. Writing a checkpoint or issuing a collective
-from the signal handler (what Lightning's ``SIGUSR1``/``SIGTERM`` handlers do) then mismatches
-the collectives of the ranks and hangs the job until the timeout. Here the handler only records
-the signal (:class:`SignalFlag`); the training loop calls :func:`agree_on_signal` at a step
-boundary on every rank, one small ``all_reduce(MAX)``, so all ranks learn of a signal that reached
-any of them at the same step, write one checkpoint and leave with :class:`Preempted`, exit code
-``128 + signal`` (what a shell reports for a process killed by that signal; never 0).
-
-A second Ctrl-C (SIGINT, a second or more after the first) is taken as "now": the default action
-runs and the process ends at once, so a stuck run can still be stopped. Other signals are taken
-once: Slurm signals every process of a step and launchers forward what they receive, so they
-often arrive twice.
-
-:func:`slurm_requeue` and :func:`stable_run_name` let a preempted job come back to its own folder
-under Slurm (job id) and torchrun (rendezvous run id). Plain torch and the standard library.
+Signal handlers that only set a flag (:class:`SignalFlag`), the ranks' agreement on it at a step
+boundary (:func:`agree_on_signal`), the exit that follows (:class:`Preempted`), and what brings a
+preempted job back to its own folder under Slurm and torchrun. Plain torch and the standard library.
 """
 
 from __future__ import annotations
@@ -131,6 +117,10 @@ def check_signals(signals: Iterable[str | int]) -> tuple[signal.Signals, ...]:
 class SignalFlag:
     """Handlers that only remember the first signal received; install, read, restore.
 
+    A second Ctrl-C (SIGINT, a second or more after the first) runs the default action, so a stuck
+    run can still be stopped at once. Other signals are taken once: Slurm signals every process of
+    a step and launchers forward what they receive, so they often arrive twice.
+
     Example::
 
         >>> flag = SignalFlag(["SIGUSR2"]).install()
@@ -228,7 +218,14 @@ def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
 def slurm_requeue(job_id: str | None = None) -> bool:
     """``scontrol requeue <job>``, as Lightning's SLURMEnvironment does; True when Slurm accepted it.
 
-    Call it from one rank, after the checkpoint is on disk (never from a signal handler).
+    Array tasks are requeued as ``<array job>_<task>``. Call it from one rank, after the checkpoint
+    is on disk (never from a signal handler). Outside Slurm, or when Slurm refuses, it logs a
+    warning and returns False.
+
+    Example::
+
+        >>> slurm_requeue("not-a-job")
+        False
     """
     job_id = job_id or slurm_job_id()
     if not job_id or not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):

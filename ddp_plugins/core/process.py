@@ -1,31 +1,9 @@
 """Process exit and atomic files
 ==============================
 
-The clean process exit that every process of a DDP run goes through, the atomic write every
-file of the pack goes through, and the parent-death signal that ends a child rank with its launcher.
-
-Why the clean exit exists (torch 2.13 + gloo: about 1 process in 10 aborts at exit)
-----------------------------------------------------------------------------------------
-Every ``backward()`` stashes the caller's ``contextvars`` context, a Python object, in
-thread-local storage (``torch.autograd.graph._engine_run_backward``). Each gloo collective that
-DDP issues during backward is an ``AsyncWork`` that captures that thread-local state, so it holds
-a reference to the Python object. The work runs on a ``pt_gloo_runloop`` thread, which completes
-the work's future (waking the caller) and only *then* drops its own reference to the work. When
-that is the last reference, the runloop thread must take the GIL to decref the context. If the
-main thread has reached interpreter shutdown by then (or the process group dies later, in the
-final garbage collection), CPython answers ``take_gil`` with ``pthread_exit()``; the forced
-unwind crosses a ``noexcept`` C++ destructor, so libstdc++ calls ``std::terminate()``:
-"terminate called without an active exception", SIGABRT, exit code 134, after all the work was
-done. ``destroy_process_group()`` does not help: DDP's reducer still owns the process group.
-
-The fix: a DDP process never enters interpreter finalization. :func:`exit_process` runs the
-``atexit`` handlers and flushes every stream while the interpreter is fully alive (so nothing is
-lost), then leaves with ``os._exit``, exactly as ``multiprocessing`` ends its forked children; a
-runloop thread still waiting for the GIL is simply ended with the process. :func:`run_main`
-wraps an entry point with it and turns exceptions into the usual exit codes. The process group is
-not destroyed on the way out: that is not needed, and destroying it while a DDP model is still
-alive would move the last reference to the reducer, whose destruction joins the runloop threads
-with the GIL held (a deadlock when one of them waits for the GIL).
+The clean exit every process of a DDP run goes through (:func:`run_main`, :func:`exit_process`),
+the atomic write every file of the pack goes through (:func:`save_atomic`), and the parent-death
+signal that ends a child rank with its launcher.
 """
 
 from __future__ import annotations
@@ -96,9 +74,18 @@ def save_atomic(obj: Any, path: str | os.PathLike, before_rename: Callable[[Path
 def exit_process(code: int = 0) -> NoReturn:
     """End the process with ``code``, skipping interpreter finalization.
 
-    See the module docstring for the gloo abort this avoids. Everything that a normal exit would
-    do for the user still happens: ``atexit`` handlers run, logging is shut down and stdout and
-    stderr are flushed before ``os._exit``.
+    A DDP process that finalizes the interpreter can abort after its work is done (the gloo abort
+    at exit, ``docs/design.md``). Everything that a normal exit would do for the user still
+    happens: ``atexit`` handlers run, logging is shut down and stdout and stderr are flushed before
+    ``os._exit``. Daemonic ``multiprocessing`` children left running (DataLoader workers) are killed.
+
+    Example::
+
+        >>> import subprocess
+        >>> script = "from ddp_plugins.core.process import exit_process; print('flushed'); exit_process(4)"
+        >>> done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        >>> done.returncode, done.stdout.strip()
+        (4, 'flushed')
     """
     try:
         _kill_daemonic_children()

@@ -1,9 +1,8 @@
 """Ranks and rank-aware logging
 =============================
 
-The one rank lookup of the pack (:func:`get_rank`, right before and after the process group
-starts), :func:`get_world_size`, :func:`rank_zero_first` and :func:`setup_rank_logging`. Plain
-torch, no Lightning.
+The one rank lookup of the pack (:func:`get_rank`, before and after the process group starts),
+:func:`get_world_size`, :func:`rank_zero_first` and :func:`setup_rank_logging`. Plain torch.
 """
 
 from __future__ import annotations

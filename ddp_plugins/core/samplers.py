@@ -1,22 +1,8 @@
 """Samplers
 ========
 
-:class:`SequentialDistributedSampler`: contiguous, equal-length shards for exact distributed
-evaluation. ``DistributedSampler`` interleaves samples over ranks and pads the last shard with
-samples from the *start* of the dataset, so metrics reduced over ranks count duplicates
-(pytorch issue 25162); this one pads only at the end, so concatenating the shards in rank order
-and truncating gives the dataset exactly, in order. It subclasses ``DistributedSampler`` so that
-Lightning leaves it in place.
-
-:class:`ResumableSampler`: wraps a training sampler so that a run resumed in the middle of an
-epoch continues at the next unseen batch, exactly. The first iteration after a resume skips the
-indices of the batches already trained, without loading them (DataLoader workers never see
-them) and without drawing a random number; the wrapped sampler gets the resumed epoch *before*
-the first iterator is made (Lightning sets it after, so workers prefetch epoch 0's order:
-Lightning issue 21938). It also owns the DataLoader's generator and reseeds it per
-``(seed, rank, epoch)``, so that making an iterator (which draws the workers' base seed) never
-draws from the global torch stream and the workers of an epoch get the same seeds in a resumed
-run as in an uninterrupted one. Plain torch, no Lightning.
+Contiguous shards for exact distributed evaluation (:class:`SequentialDistributedSampler`) and a
+training sampler that resumes in the middle of an epoch (:class:`ResumableSampler`). Plain torch.
 """
 
 from __future__ import annotations
@@ -43,7 +29,8 @@ class SequentialDistributedSampler(DistributedSampler):
     repeating the last index, so every rank runs the same number of steps and collectives line
     up; concatenating the shards in rank order and keeping the first ``len(dataset)`` entries
     gives the dataset exactly, in order. ``num_real_samples`` says how many of this rank's
-    samples are real (the rest are padding, at the end of the shard).
+    samples are real (the rest are padding, at the end of the shard). A ``DistributedSampler``
+    subclass, so Lightning leaves it in place.
 
     Args:
         dataset: a map-style dataset (with ``__len__``).
@@ -92,6 +79,13 @@ _LOADER_SEED_TAG = 0xD47A  # spawn-key tag: the loader streams never equal a ran
 
 class ResumableSampler(Sampler):
     """A sampler that starts its first iteration ``skip`` indices in, at epoch ``epoch``.
+
+    Wraps a training sampler so that a run resumed in the middle of an epoch continues at the next
+    unseen batch: the first iteration leaves out the indices of the batches already trained
+    without loading them and without drawing a random number, and the wrapped sampler gets the
+    resumed epoch before the first iterator is made. With ``seed`` it also owns the DataLoader's
+    :attr:`generator`, reseeded per ``(seed, rank, epoch)``: making an iterator (which draws the
+    workers' base seed) never draws from the global torch stream.
 
     Args:
         sampler: the sampler to wrap (any; ``set_epoch`` is passed on when it has one).

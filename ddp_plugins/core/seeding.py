@@ -1,21 +1,8 @@
 """Rank-aware seeding
 ===================
 
-``lightning.seed_everything(s)`` gives every rank the same seed, so random augmentations, dropout
-masks and sampled noise repeat on every rank (Lightning issue 16166), and N ranks see less
-randomness than one process on the global batch would. :func:`seed_everything_rank_aware` seeds
-Python, NumPy and torch (CPU and every CUDA device) with the seed of ``(seed, global rank)``: the
-``rank``-th child of ``numpy.random.SeedSequence(seed)``. Children of a ``SeedSequence`` are
-designed to be statistically independent; ``seed + rank`` (timm's ``init_seeds(1 + rank)``) is
-not, since seed 1 rank 1 equals seed 2 rank 0.
-
-``PL_GLOBAL_SEED`` keeps the *base* seed on every rank (``DistributedSampler`` must shuffle alike
-on all ranks) and ``PL_SEED_WORKERS`` asks a Lightning Trainer to seed DataLoader workers per
-(seed, rank, worker id, epoch); both are plain environment variables, so the core needs no
-Lightning. :func:`collect_rng_states` / :func:`set_rng_states` use the generators' own public
-state functions (``random.getstate``, ``numpy.random.get_state``, ``torch.get_rng_state``,
-``torch.cuda.get_rng_state_all``); :func:`encode_rng_states` stores NumPy's state as a tensor,
-because ``torch.load(weights_only=True)`` refuses NumPy arrays. Plain torch and NumPy.
+A distinct, reproducible random stream per rank (:func:`seed_everything_rank_aware`), and every
+generator's state collected, restored and stored in checkpoints. Plain torch and NumPy.
 """
 
 from __future__ import annotations
@@ -153,7 +140,16 @@ def collect_rng_states(include_cuda: bool = True) -> dict[str, Any]:
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what :func:`collect_rng_states` (or :func:`decode_rng_states`) returned."""
+    """Restore what :func:`collect_rng_states` (or :func:`decode_rng_states`) returned.
+
+    Example::
+
+        >>> states = collect_rng_states()
+        >>> first = torch.rand(3)
+        >>> set_rng_states(states)
+        >>> torch.equal(torch.rand(3), first)
+        True
+    """
     torch.set_rng_state(states["torch"])
     if "torch.cuda" in states:
         torch.cuda.set_rng_state_all(states["torch.cuda"])
@@ -164,7 +160,16 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def encode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
-    """:func:`collect_rng_states` with NumPy's state as tensors and plain numbers (``weights_only``-loadable)."""
+    """:func:`collect_rng_states` with NumPy's state as tensors and plain numbers (``weights_only``-loadable).
+
+    ``torch.load(weights_only=True)`` refuses NumPy arrays, so a checkpoint stores this form.
+
+    Example::
+
+        >>> encoded = encode_rng_states(collect_rng_states())
+        >>> type(encoded["numpy"]["keys"]).__name__
+        'Tensor'
+    """
     states = dict(states)
     if "numpy" in states:
         name, keys, pos, has_gauss, cached = states["numpy"]
@@ -179,7 +184,16 @@ def encode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`encode_rng_states`; CUDA states saved with other devices are dropped."""
+    """The inverse of :func:`encode_rng_states`; CUDA states saved with other devices are dropped.
+
+    Example::
+
+        >>> states = decode_rng_states(encode_rng_states(collect_rng_states()))
+        >>> first = torch.rand(2)
+        >>> set_rng_states(states)
+        >>> torch.equal(torch.rand(2), first)
+        True
+    """
     states = dict(states)
     numpy_state = states.get("numpy")
     if isinstance(numpy_state, dict):

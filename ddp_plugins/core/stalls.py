@@ -1,19 +1,8 @@
-"""Which rank stopped: naming the culprit of a failed collective
-==============================================================
+"""Which rank stopped
+==================
 
-When one rank stops progressing (it raised, was killed, or waits in a DataLoader, a deadlock or a
-debugger), the other ranks sit in their next collective until ``timeout`` and then fail with the
-backend's error. gloo's ("Application timeout caused pair closure", "Connection closed by peer")
-names no rank, and the process that fails first, the one launchers and schedulers report, is a
-rank that did nothing wrong. torch offers no diagnosis for gloo (NCCL's flight recorder covers
-NCCL only and needs a tool to read its dumps), so it is written here, with the process group's
-own store and nothing else.
-
-Each rank whose collective failed records its rank in the store; after a short grace (the other
-waiting ranks fail at about the same moment, by the timeout or by the first one's closed
-connections), the ranks that recorded nothing are the ones that stopped progressing. When every
-rank recorded a failure, none stopped elsewhere: the ranks called different collectives, or the
-network failed.
+When a collective fails, the rank that stopped progressing is named (from the process group's own
+store: each rank whose collective failed records itself); a failed rendezvous is one line.
 """
 
 from __future__ import annotations

@@ -1,40 +1,8 @@
-"""SyncBatchNorm on any device, with a conversion that keeps each layer's class and reverts exactly.
+"""SyncBatchNorm
+=============
 
-Why this is written by hand
----------------------------
-``torch.nn.SyncBatchNorm`` only runs on GPUs: its kernels (``batch_norm_stats``,
-``batch_norm_elemt``, ``batch_norm_backward_reduce``...) have no CPU implementation, so
-``Trainer(sync_batchnorm=True)`` fails on CPU clusters, CI jobs and notebooks. Its conversion
-replaces every ``_BatchNorm`` with a bare ``SyncBatchNorm`` (a subclass's own ``forward`` is lost,
-BN-like classes outside ``_BatchNorm`` are skipped, frozen layers are converted anyway) and there is
-no way back to the original classes (pytorch issue 41081).
-
-Here the synchronized batch norm is a :class:`torch.autograd.Function` built from ops every device
-has (sums, ``batch_norm`` with given statistics, ``native_batch_norm_backward``)
-with ONE fused ``all_reduce`` in forward (per-channel sums, sums of squares and the count) and ONE in
-backward (``sum(dy)`` and ``sum(dy * x_hat)``), so per-rank batch sizes may differ, down to 0. The
-sums are formed from each rank's stable local mean and variance and reduced in float64, so the global
-variance does not suffer from the cancellation of a naive ``E[x^2] - E[x]^2``. On CUDA with nccl it
-delegates to torch's native kernel.
-
-Conversion swaps each layer's class in place for a generated subclass that also derives from
-:class:`SyncBatchNorm`, placed in the method resolution order right before ``_BatchNorm``: the
-layer keeps its own ``forward``, attributes, hooks, parameters and buffers (the very same tensors),
-and every ``super().forward(x)`` that reaches ``_BatchNorm.forward`` is synchronized. Reverting
-restores the original class, so the round trip is bit-exact and ``state_dict`` keys never change.
-
-Example::
-
-    >>> import torch
-    >>> from torch import nn
-    >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-    >>> model, report = convert_sync_batchnorm(model, return_report=True)
-    >>> type(model[1]).__name__, isinstance(model[1], nn.BatchNorm2d), isinstance(model[1], SyncBatchNorm)
-    ('SyncBatchNorm2d', True, True)
-    >>> report.converted
-    ['1']
-    >>> type(revert_sync_batchnorm(model)[1]) is nn.BatchNorm2d
-    True
+Batch normalization synchronized over a process group on any device, and the conversion of a
+model's batch-norm layers that keeps each layer's class and reverts exactly.
 """
 
 from __future__ import annotations
@@ -143,7 +111,15 @@ class SyncBatchNorm(_BatchNorm):
 
 @dataclass
 class SyncBatchNormReport:
-    """What :func:`convert_sync_batchnorm` did: converted layer names, skipped names with reasons."""
+    """What :func:`convert_sync_batchnorm` did: converted layer names, skipped names with reasons.
+
+    Example::
+
+        >>> from torch import nn
+        >>> _, report = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3).eval()), return_report=True)
+        >>> report.converted, report.skipped
+        ([], {'0': 'frozen: eval mode'})
+    """
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
@@ -227,6 +203,16 @@ def convert_sync_batchnorm(
     Raises:
         ValueError: for an invalid argument, a declared class without what SyncBatchNorm needs, or a
             ``group_size`` that does not divide the world size.
+
+    Example::
+
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        >>> model, report = convert_sync_batchnorm(model, return_report=True)
+        >>> type(model[1]).__name__, isinstance(model[1], nn.BatchNorm2d), isinstance(model[1], SyncBatchNorm)
+        ('SyncBatchNorm2d', True, True)
+        >>> report.converted
+        ['1']
     """
     if not isinstance(module, nn.Module):
         raise ArgumentTypeError("module", "a torch.nn.Module", problem=f"got {type(module).__name__}")
@@ -279,6 +265,13 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     Returns:
         ``module``.
+
+    Example::
+
+        >>> from torch import nn
+        >>> net = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
+        >>> type(revert_sync_batchnorm(net)[0]) is nn.BatchNorm1d
+        True
     """
     for layer in module.modules():
         original = type(layer).__dict__.get("_sync_batchnorm_original")

@@ -1,16 +1,8 @@
 """The synchronized batch-norm autograd function
 ===============================================
 
-:class:`SyncBatchNormFunction` is training-mode batch normalization over a process group, built
-from ops every device has (sums, ``batch_norm`` with given statistics,
-``native_batch_norm_backward``) with ONE fused ``all_reduce`` in forward (per-channel sums, sums
-of squares and the count) and ONE in backward (``sum(dy)`` and ``sum(dy * x_hat)``), so per-rank
-batch sizes may differ, down to 0. The sums are formed from each rank's stable local mean and
-variance and reduced in float64, so the global variance does not suffer from the cancellation of a
-naive ``E[x^2] - E[x]^2``. float16 and bfloat16 inputs are normalized in float32 and returned in
-their own dtype. :func:`sync_batch_norm` is ``_BatchNorm.forward`` with it; on CUDA with nccl it
-delegates to torch's native kernel. Written by hand because torch's own function has no CPU
-kernels (``batch_norm_stats`` and friends are CUDA-only).
+:class:`SyncBatchNormFunction`, built from ops every device has, and :func:`sync_batch_norm`, the
+``_BatchNorm.forward`` that uses it. Plain torch.
 """
 
 from __future__ import annotations
@@ -39,7 +31,19 @@ def _upcast(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm over a process group: one all_reduce forward, one backward."""
+    """Training-mode batch norm over a process group: one all_reduce forward, one backward.
+
+    Built from sums, ``batch_norm`` with given statistics and ``native_batch_norm_backward``, so it
+    runs on every device. Forward all-reduces the per-channel sums, sums of squares and the count
+    in one tensor, backward ``sum(dy)`` and ``sum(dy * x_hat)``: per-rank batch sizes may differ,
+    down to 0. float16 and bfloat16 inputs are normalized in float32 and returned in their own dtype.
+
+    Example::
+
+        >>> # SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, eps, momentum, group)
+        >>> issubclass(SyncBatchNormFunction, torch.autograd.Function)
+        True
+    """
 
     @staticmethod
     def forward(

@@ -1,10 +1,8 @@
 """Toolkit for multi-process runs on one machine
 =============================================
 
-The one set of helpers the tests, benchmarks and notebooks use to run gloo process groups on
-this machine: a free port, the loopback environment, and :func:`spawn`, which starts ``N`` ranks
-with a process group, a hard timeout and the clean exit of :func:`ddp_plugins.core.exit_process`.
-Collectives are counted with :func:`ddp_plugins.core.count_collectives`. Plain torch.
+A free port, the loopback environment and :func:`spawn`, which runs a function on ``N`` gloo ranks
+on this machine: what the tests, benchmarks and notebooks use. Plain torch.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from ddp_plugins.core.process import exit_process
 
 __all__ = ["LOOPBACK_ENV", "free_port", "loopback_env", "spawn"]
 
-# gloo over loopback, one thread per rank: the environment of every local test and benchmark run.
+#: gloo over loopback, one thread per rank: the environment of every local test and benchmark run.
 LOOPBACK_ENV = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
@@ -87,6 +85,13 @@ def spawn(
     Raises:
         RuntimeError: a rank raised (its exception is chained) or died.
         TimeoutError: the ranks did not all finish within ``timeout`` seconds (all are killed).
+
+    Example::
+
+        >>> # def world(rank, world_size): return torch.distributed.get_world_size()  (in a module)
+        >>> # spawn(world, world_size=2) -> [2, 2], ordered by rank
+        >>> callable(spawn)
+        True
     """
     check_int("world_size", world_size, 1)
     check_number("timeout", timeout, 0, exclusive_minimum=True)

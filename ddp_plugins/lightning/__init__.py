@@ -1,12 +1,12 @@
-"""The Lightning adapters: callbacks, the LayerSync plugin, the DDP strategy and its launchers.
+"""The Lightning adapters
+======================
 
-Each wires one concept of :mod:`ddp_plugins.core` into a ``Trainer``. Importing this package
-registers the strategy names ``ddp_plugins``, ``ddp_plugins_spawn`` and ``ddp_plugins_notebook``
-in Lightning's ``StrategyRegistry``.
+Callbacks, the LayerSync plugin, the DDP strategy and its launchers, each wiring a part of
+:mod:`ddp_plugins.core` into a ``Trainer``. Importing the package registers the strategy names
+``ddp_plugins``, ``ddp_plugins_spawn`` and ``ddp_plugins_notebook``.
 
 Example::
 
-    >>> import ddp_plugins.lightning
     >>> from lightning.pytorch.strategies import StrategyRegistry
     >>> sorted(name for name in StrategyRegistry.available_strategies() if name.startswith("ddp_plugins"))
     ['ddp_plugins', 'ddp_plugins_notebook', 'ddp_plugins_spawn']

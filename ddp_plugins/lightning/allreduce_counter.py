@@ -1,9 +1,7 @@
-"""All-reduce counter callback
-============================
+"""All-reduce counter
+==================
 
-:class:`AllReduceCounter` wraps the strategy's DDP communication hook in a
-:class:`ddp_plugins.core.CountingCommHook` and logs what every optimizer step sent, so users see
-what accumulation with ``no_sync`` (or a compression hook) saves.
+:class:`AllReduceCounter` logs the gradient all-reduce calls and bytes of every optimizer step.
 """
 
 from __future__ import annotations

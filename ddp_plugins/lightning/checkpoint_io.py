@@ -1,13 +1,8 @@
-"""Checkpoint files that are whole, verified and loaded without running code
-==========================================================================
+"""Atomic checkpoint IO
+====================
 
-Lightning 2.6's ``TorchCheckpointIO`` writes through a temporary file in the system temp folder
-(the final move can be a cross-device copy) and fsyncs nothing; it loads with
-``weights_only=False`` unless told otherwise, which runs any pickle a run folder holds.
-:class:`AtomicCheckpointIO` writes local files through
-:func:`ddp_plugins.core.checkpoints.save_checkpoint_file` (temporary name in the same folder, fsync,
-SHA-256 sidecar, rename), removes the sidecar with its checkpoint, and loads with
-``weights_only=True`` unless the caller asks otherwise. Remote (fsspec) paths stay Lightning's.
+:class:`AtomicCheckpointIO`: checkpoint files that are whole or absent, verified, and loaded with
+``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -28,6 +23,12 @@ def _remote(path: Any) -> bool:
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local checkpoints are atomic and verified, loaded with ``weights_only=True``.
+
+    Local files are written by :func:`ddp_plugins.core.checkpoints.save_checkpoint_file`: a
+    temporary name in the checkpoint's own folder, fsync, a SHA-256 sidecar, then a rename, so a
+    checkpoint is whole or absent; the sidecar is removed with its checkpoint. Loading passes
+    ``weights_only=True`` unless the caller asks otherwise. Remote (fsspec) paths stay Lightning's.
+    ``DDPPluginsStrategy``'s default.
 
     Example::
 

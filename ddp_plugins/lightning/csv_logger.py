@@ -1,12 +1,7 @@
-"""A CSV logger that a resumed run continues
-==========================================
+"""Resumable CSV logger
+====================
 
-Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when it opens its log folder, and
-rewrites the file with the header of the keys logged so far in this process (a resumed run that
-logs fewer keys than the file holds fails there). :class:`ResumableCSVLogger` keeps the file,
-starts from its header, and widens the header when new keys appear, so a run resumed from a
-checkpoint appends to the rows of the run it continues (:class:`PreemptionCheckpoint` first cuts
-the file back to the rows logged before the checkpoint).
+:class:`ResumableCSVLogger`: a ``CSVLogger`` whose ``metrics.csv`` a resumed run continues.
 """
 
 from __future__ import annotations
@@ -54,6 +49,13 @@ class _AppendingWriter(ExperimentWriter):
 
 class ResumableCSVLogger(CSVLogger):
     """``CSVLogger`` whose ``metrics.csv`` survives a resume (same arguments as ``CSVLogger``).
+
+    Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when it opens its log folder, and
+    rewrites the file with the header of the keys this process logged, which fails on rows with
+    other keys. This one keeps the file, starts from its header and widens the header when new keys
+    appear, so a run resumed from a checkpoint appends to the rows of the run it continues
+    (:class:`~ddp_plugins.lightning.PreemptionCheckpoint` first cuts the file back to the rows
+    logged before the checkpoint).
 
     Example::
 

@@ -1,10 +1,8 @@
-"""SyncBatchNorm as a Lightning ``LayerSync`` plugin
-==================================================
+"""SyncBatchNorm plugin
+===================
 
-:class:`SyncBatchNormPlugin` puts :func:`ddp_plugins.core.convert_sync_batchnorm` into the shape
-Lightning's strategies call: ``apply`` before DDP wraps the model (only when fitting), ``revert``
-in the strategy's teardown. Pass it as ``Trainer(plugins=[SyncBatchNormPlugin()])``;
-``DDPPluginsStrategy`` also installs it for ``Trainer(sync_batchnorm=True)``.
+:class:`SyncBatchNormPlugin`: :func:`ddp_plugins.core.convert_sync_batchnorm` as a Lightning
+``LayerSync`` plugin.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Network presets
 ===============
 
-:func:`apply_network_env` puts a preset of the ``network`` config group (NCCL/gloo timeouts,
-sockets, InfiniBand settings) into the environment before the process group starts, and
-:func:`restore_env` takes it back out; :func:`pin_gloo_to_loopback` keeps gloo's data connections
-on the loopback interface when every rank is on this machine.
+A preset of the ``network`` config group (NCCL/gloo timeouts, sockets, InfiniBand settings) into
+the environment before the process group starts and back out, and gloo pinned to loopback.
 """
 
 from __future__ import annotations

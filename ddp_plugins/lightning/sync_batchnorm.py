@@ -1,10 +1,8 @@
 """SyncBatchNorm callback
 ======================
 
-:class:`SyncBatchNormCallback` synchronizes batch norm while fitting, on CPU (gloo) or GPU, with
-nothing but public Lightning hooks: the layers are converted in place when fitting starts and
-reverted when it ends. The conversion swaps each layer's class and keeps its tensors, so it may
-happen after DDP has wrapped the model (DDP holds the same parameters and buffers).
+:class:`SyncBatchNormCallback` synchronizes batch norm while fitting, on CPU or GPU, with public
+Lightning hooks only.
 """
 
 from __future__ import annotations
@@ -30,8 +28,9 @@ class SyncBatchNormCallback(Callback):
 
     At ``on_fit_start`` every batch-norm layer of the LightningModule is converted in place (see
     :func:`ddp_plugins.core.convert_sync_batchnorm`); at ``teardown`` (or when fitting raises) the
-    original classes come back, so checkpoints (same keys) load into the original model. With a
-    single-device strategy there is nothing to synchronize and it does nothing.
+    original classes come back, so checkpoints (same keys) load into the original model. The
+    conversion keeps every parameter and buffer tensor, so it may happen after DDP has wrapped the
+    model. With a single-device strategy there is nothing to synchronize and it does nothing.
 
     Args:
         group_size: synchronize within consecutive groups of this many ranks (for example per
