@@ -1,48 +1,10 @@
-"""Private Lightning and torch names, in one place
-================================================
+"""Private Lightning and torch names
+=================================
 
-Everything the pack needs that Lightning or torch offer only under a private name lives here,
-with the versions it was checked against, so an upgrade is one file to read.
-``tests/test_compat.py`` fails with a clear message when an installed version changes one.
-
-Checked against torch 2.13.0 and Lightning 2.6.1 (the floor, `make matrix`) to 2.6.6 (the pinned set).
-
-torch (imported at once: the core uses it and must not need Lightning):
-
-* ``torch.nn.modules._functions.SyncBatchNorm``: torch's CUDA SyncBatchNorm autograd function,
-  used on CUDA tensors with nccl (no public functional form exists).
-* ``torch.distributed.distributed_c10d._get_default_store``: the default process group's store,
-  where ranks whose collective failed record themselves (``core.stalls``); torch has no public
-  getter, and a second client built from ``MASTER_ADDR``/``MASTER_PORT`` would miss torchrun's
-  per-restart key prefix.
-* ``torch.nn.modules.batchnorm._BatchNorm``: the base class of every batch-norm layer, which
-  SyncBatchNorm subclasses and conversion looks for (torch's own SyncBatchNorm does the same).
-
-Lightning (imported when first used):
-
-* ``_MultiProcessingLauncher``, ``_SubprocessScriptLauncher``: the launchers our strategy's
-  launchers subclass (Lightning offers no public launcher base with its behaviour).
-* ``lightning.fabric...subprocess_script._basic_subprocess_cmd`` and
-  ``lightning.fabric.utilities.distributed._set_num_threads_if_needed``: used by the restated
-  ``launch`` / ``_call_children_scripts`` of the subprocess launcher.
-* ``lightning.pytorch.utilities.data._update_dataloader``: rebuilds a user DataLoader with
-  another sampler (what Lightning itself does to inject ``DistributedSampler``).
-* ``_EvaluationLoop._data_source`` / ``_PredictionLoop._data_source``: where a loop requests its
-  dataloaders; SequentialEvaluation swaps the sampler there, before Lightning injects its own.
-* ``CombinedLoader._mode``: the combined loader's mode (no public getter).
-* ``DDPStrategy._ddp_comm_hook`` / ``_ddp_comm_state`` / ``_ddp_comm_wrapper``: the hook given to
-  the strategy, which AllReduceCounter wraps before DDP registers it.
-* Overridden private methods of ``DDPStrategy``: ``_configure_launcher``, ``_register_ddp_hooks``,
-  ``_get_process_group_backend`` and the ``_layer_sync`` attribute (``sync_batchnorm=True``).
-* ``_AcceleratorConnector.__init__``'s ``plugins`` argument, read from its frame while it hands
-  the strategy its ``_layer_sync``: the connector keeps no record of which plugins the user passed,
-  and only the ``TorchSyncBatchNorm`` made for ``sync_batchnorm=True`` may be swapped for ours.
-
-Example::
-
-    >>> import functools, importlib
-    >>> all(functools.reduce(getattr, path.split("."), importlib.import_module(module)) for module, path in CHECKED)
-    True
+Every name the pack uses that Lightning or torch offer only under a private name, checked against
+torch 2.13.0 and Lightning 2.6.1 (the floor in ``pyproject.toml``) to 2.6.6 (``requirements.lock``);
+``tests/test_compat.py`` fails when an installed version drops one. Why each is needed:
+``docs/design.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``python -m ddp_plugins.train``: the training app's entry point (see :mod:`ddp_plugins.app.train`).
 
-A module of its own so the command stays short and child ranks re-run it by this name.
+A module of its own so that the command stays short and child ranks re-run it by this name.
 
 Example::
 

@@ -18,7 +18,7 @@ def test_private_name_still_exists(module, path):
     except (ImportError, AttributeError) as err:
         pytest.fail(
             f"{module}.{path} is gone in torch {torch.__version__} / lightning {lightning.__version__} ({err});"
-            " ddp_plugins/_compat.py was checked against torch 2.13 and Lightning 2.4-2.6: update it there."
+            " ddp_plugins/_compat.py names the versions it was checked against: update it there."
         )
     assert callable(obj), f"{module}.{path} is no longer callable"
 

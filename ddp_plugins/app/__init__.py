@@ -1,13 +1,5 @@
-"""The training app: ``python -m ddp_plugins.train`` (Hydra), its up-front checks and the demo model and data.
+"""The training app
+================
 
-Example::
-
-    >>> from ddp_plugins.app.checks import ConfigError, compose_config
-    >>> compose_config(["backend=gloo"]).backend.name
-    'gloo'
-    >>> try:
-    ...     compose_config(["backend=carrier_pigeon"])
-    ... except ConfigError as err:
-    ...     print(str(err).split(":")[0])
-    override was refused by Hydra
+``python -m ddp_plugins.train`` (Hydra), its up-front checks, and the demo model and data.
 """

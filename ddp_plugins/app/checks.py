@@ -1,21 +1,9 @@
 """The app's up-front check
 ========================
 
-Run before Hydra makes a folder and before any process starts, so bad input ends with one line
-``error: <key> <what is wrong>, allowed: <what is>`` and exit code 2, never a traceback from a
-child rank or a hang.
-
-No bound is restated here. :func:`precheck` composes the config of every job (each sweep job
-under ``-m``) and *builds* every configured object the cheap way (no process group, no data, no
-process): the strategy, each callback, the model, the datamodule and the ``Trainer``. Each class's
-own validator (:mod:`ddp_plugins.core.checks`) runs there, and its
-:class:`~ddp_plugins.core.checks.ArgumentError` is restated with the config key it came from
-(the key the user typed, when the value was interpolated from elsewhere, like ``seed``).
-
-What no class can check stays here: the group choices (one line instead of Hydra's report),
-unknown keys, the types of ``Trainer`` arguments (from ``Trainer.__init__``'s annotations, which
-Lightning itself does not enforce), the backend and precision against this machine, and the
-device count against the hardware.
+Composes the config of every job and builds every configured object before Hydra makes a folder
+or any process starts, so bad input ends with one line ``error: <key> ..., allowed: ...`` and exit
+code 2.
 """
 
 from __future__ import annotations
@@ -333,8 +321,8 @@ def check_resume(resume: Any) -> str:
 
     A path must load with ``weights_only=True`` and, when it has a SHA-256 sidecar, match it
     (:func:`ddp_plugins.core.checkpoints.verify_checkpoint`): a file that is not a whole Lightning
-    checkpoint is refused before anything of it runs. A checkpoint without a sidecar (written before
-    ddp_plugins 0.3.1) is taken as given by an explicit path, unverified.
+    checkpoint is refused before anything of it runs. A checkpoint without a sidecar (one not
+    written by :class:`~ddp_plugins.lightning.AtomicCheckpointIO`) is taken as given, unverified.
 
     Example::
 
@@ -353,7 +341,7 @@ def check_resume(resume: Any) -> str:
     if resume in ("auto", "never"):
         return resume
     reason = verify_checkpoint(resume)
-    if reason is None or reason.startswith(NO_DIGEST):  # a checkpoint of an earlier version: unverified
+    if reason is None or reason.startswith(NO_DIGEST):  # no digest to check: taken unverified
         reason = None
         try:
             checkpoint_position(resume)

@@ -1,16 +1,9 @@
 """Training app
 ============
 
-``python -m ddp_plugins.train [group=option ...] [key=value ...]`` (what ``make train`` runs) trains
-the configured model with DDP and prints the final validation accuracy. The configs are the
-packaged ``ddp_plugins.conf`` (the checkout's ``conf/``), found through Hydra's package search
-path, so the installed package runs as the checkout does.
-
-Everything the user can get wrong is checked before Hydra creates a run folder and before any
-worker process starts (:mod:`ddp_plugins.app.checks`); an error is one line on stderr and exit
-code 2. Checkpoints, metrics (CSV) and the resolved config go to the Hydra run folder, one per
-run: the child ranks of a job write into their parent's folder. Under ``--multirun`` each job is
-a full DDP run in its own folder.
+``python -m ddp_plugins.train [group=option ...] [key=value ...]`` trains the configured model with
+DDP and prints the final validation accuracy; checkpoints, metrics and the resolved config go to
+the Hydra run folder.
 """
 
 from __future__ import annotations
@@ -156,7 +149,7 @@ def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
     folder = Path(output_dir) / "checkpoints"
     found, skipped = newest_valid_checkpoint(folder)
     if found is None and any(reason.startswith(NO_DIGEST) for _, reason in skipped):
-        # Unverified files only (an earlier version's run): starting over would silently lose them
+        # Only files without a digest: starting over would silently lose them
         raise ConfigError(
             "resume",
             f"got 'auto', but no checkpoint in {folder} has a digest (written before ddp_plugins 0.3.1?)",
