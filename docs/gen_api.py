@@ -116,7 +116,7 @@ def split_docstring(doc: str) -> tuple[str, str]:
 def markdown(text: str) -> str:
     """Docstring markup as Markdown: roles and double backquotes as code spans, tags escaped."""
     text = _ROLE.sub(lambda m: f"``{m.group(1).rsplit('.', 1)[-1]}``", text)
-    parts = re.split(r"(``.+?``|`[^`]+`)", text)
+    parts = re.split(r"(``.+?``|`[^`]+`)", text, flags=re.S)
     for i, part in enumerate(parts):
         if part.startswith("``") and "`" not in part[2:-2]:
             parts[i] = f"`{part[2:-2]}`"
