@@ -5,6 +5,7 @@ import pytest
 from ddp_plugins.core.toolkit import LOOPBACK_ENV
 from tests.helpers.multiprocess import DistributedPool
 from tests.helpers.rng import Isolated
+from tests.helpers.slurm import SlurmCluster, SlurmUnavailable
 
 # Every process these tests start talks gloo over loopback with one thread per rank.
 os.environ.update(LOOPBACK_ENV)
@@ -23,3 +24,19 @@ def isolated():
     """Global RNGs, the seeding environment variables and torch's determinism flags restored after the test."""
     with Isolated():
         yield
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A private one-node Slurm cluster (tests/helpers/slurm.py), installed and started if needed;
+    every client these tests run (sbatch, scontrol, submitit) finds it through ``SLURM_CONF``."""
+    try:
+        cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).__enter__()
+    except SlurmUnavailable as error:  # no root, no apt, or a system Slurm already runs here
+        pytest.skip(f"no Slurm test cluster: {error}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLURM_CONF", str(cluster.conf))
+        try:
+            yield cluster
+        finally:
+            cluster.stop()

@@ -3,19 +3,30 @@
 What the rows and gradients are is proven against one process in
 ``tests/lightning/test_global_plan.py``; here the app's path: ``global_batch_size``, a
 SIGTERM stop, a resume with another ``trainer.devices`` that continues at the next global step,
-and a resume that would skew the epoch, refused with one line before training.
+and a resume that would skew the epoch, refused with one line before training. Then the real
+engines change the world size under a running job: torchrun (elastic, ``--nnodes=1:2``) loses one
+of its two agents, and a Slurm job requeued by its USR1 comes back with one task instead of two;
+each run ends with the parameters of one uninterrupted process on the same global batch.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from ddp_plugins.core.toolkit import free_port
 from tests.app.test_safety import _one_line_failure
-from tests.helpers.multiprocess import check_ok, run_command
+from tests.helpers.multiprocess import check_ok, loopback_env, run_command
+from tests.helpers.runs import final_state
+from tests.helpers.slurm import job_fields, release_when_requeued
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 PLANNED = [
@@ -52,3 +63,195 @@ def test_a_planned_run_stopped_on_two_ranks_resumes_on_one_and_a_changed_plan_is
     assert record["world_size"] == 1 and record["plan"]["global_batch_size"] == 48
     stop = torch.load(position.group(1), map_location="cpu", weights_only=True)["ddp_plugins_data"]
     assert (stop["world_size"], stop["epoch"], stop["rows_done"]) == (2, 0, 4 * 48)
+
+
+EXACT = [
+    "data=synthetic", "data.num_samples=640", "model.channels=8", "model.dropout=0", "data.num_workers=0",
+    "trainer.max_epochs=2", "trainer.enable_progress_bar=false", "global_batch_size=32",
+    "checkpoint.every_n_train_steps=2", "checkpoint.keep=2",
+]  # fmt: skip  # 512 training rows: 16 steps of 32 rows per epoch on any N; SyncBN sees each step's 32 rows
+# No gradient accumulation here: the plan splits a step's rows over the ranks first and each share
+# into micro-batches, so micro-batch m holds other rows on 2 ranks than on 1 and SyncBN's batch
+# statistics (hence the gradients) differ by far more than float noise.
+SLURM_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: the same global plan on 1 rank, uninterrupted."""
+    folder = tmp_path_factory.mktemp("one_process") / "run"
+    check_ok(run_command([*APP, *EXACT, "trainer.devices=1", f"hydra.run.dir={folder}"], timeout=180))
+    return final_state(folder)
+
+
+def _assert_ends_as_one_process(reference: dict, folder: Path) -> None:
+    """Parameters, buffers and Adam's moments equal the reference's within float noise (the sums of
+    2 ranks' gradients are added in another order); epoch, step and the plan exactly."""
+    final = final_state(folder)
+    assert (final["epoch"], final["global_step"]) == (reference["epoch"], reference["global_step"]) == (1, 32)
+    torch.testing.assert_close(final["state_dict"], reference["state_dict"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        final["optimizer_states"][0]["state"], reference["optimizer_states"][0]["state"], atol=1e-5, rtol=1e-5
+    )
+    record = torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert record["ddp_plugins_data"]["world_size"] == 1, record["ddp_plugins_data"]
+
+
+def _world_size(path: Path, seen: set[Path]) -> int | None:
+    """The world size a step checkpoint was written on (None when it was pruned before it was read)."""
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)["ddp_plugins_data"]
+    except FileNotFoundError:
+        return None
+    seen.add(path)
+    return int(record["world_size"])
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, parents first (from ``/proc/<pid>/task/*/children``)."""
+    children: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children += [int(child) for child in (task / "children").read_text().split()]
+    except FileNotFoundError:  # it ended meanwhile
+        pass
+    return [pid, *(p for child in children for p in _process_tree(child))]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to a torchrun agent and its workers, by PID: each worker runs in a session of its own
+    (torch.distributed.elastic starts it with ``start_new_session``), out of reach of the agent's group."""
+    for pid in _process_tree(proc.pid) if proc.poll() is None else []:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+# Keep-alive every 1 s, dead after 2 missed: the lost agent leaves the rendezvous in 2 s (default 15).
+# Last call 3 s: a round with fewer than --nnodes' maximum closes 3 s after its first member joined
+# (default 30), which is also how long the second agent has to join the first round.
+RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+
+
+@pytest.mark.slow
+def test_torchrun_elastic_loses_an_agent_and_the_survivor_continues_the_plan_on_one_rank(one_process, tmp_path):
+    """Two torchrun agents (two "nodes" of 1 worker each, ``--nnodes=1:2``) train on 2 ranks; after a
+    checkpoint of that world, the second agent and its worker are SIGKILLed. The first agent hosts
+    the c10d rendezvous store (``is_host=true``) that the survivor meets again through, so the second
+    one (``is_host=false``) is the one lost. The survivor restarts its worker group (one of its
+    ``--max-restarts``), re-rendezvouses alone, and the app resumes from the newest checkpoint on 1
+    rank, to the end state of one process.
+
+    ``trainer.num_nodes`` follows the rendezvous through torchrun's ``GROUP_WORLD_SIZE``: the app
+    checks ``devices x num_nodes`` against the world size, and an elastic job has no fixed node count.
+    """
+    port, run_id = free_port(), "exact-elastic"
+    nodes = "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'"  # Hydra-quoted: a nested interpolation
+
+    def agent(name: str, hosts_the_store: bool) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf=is_host={str(hosts_the_store).lower()},{RDZV_CONF}",
+            "-m", "ddp_plugins.train", "trainer.devices=1", nodes, *EXACT,
+        ]  # fmt: skip
+        with open(tmp_path / f"{name}.log", "w") as log:  # both agents in one cwd: one run folder
+            return subprocess.Popen(cmd, cwd=tmp_path, env=loopback_env(), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+
+    def logs() -> str:
+        return "".join(f"--- {p.name}\n{p.read_text()[-4000:]}\n" for p in sorted(tmp_path.glob("*.log")))
+
+    folder = tmp_path / "outputs" / f"torchrun-{run_id}"
+    first = agent("first", hosts_the_store=True)
+    second = agent("second", hosts_the_store=False)
+    try:
+        # A checkpoint written on 2 ranks, checked before the kill. Both agents reach the rendezvous
+        # within milliseconds of each other; one more than the last call (3 s) late would find a
+        # round of 1 closed, and the scale-up after it hangs in torch 2.13: the joining agent waits
+        # for the MASTER_ADDR that the rank-0 agent publishes only in its own first round.
+        deadline, seen = time.monotonic() + 120, set()
+        while True:
+            assert first.poll() is None and second.poll() is None, f"an agent ended early\n{logs()}"
+            assert time.monotonic() < deadline, f"no checkpoint of 2 ranks within 120 s\n{logs()}"
+            fresh = [p for p in sorted((folder / "checkpoints").glob("step-*.ckpt")) if p not in seen]
+            if any(_world_size(p, seen) == 2 for p in fresh):
+                break
+            time.sleep(0.05)
+        _kill_tree(second)  # the node is gone: its agent cannot restart anything, its worker ends mid-step
+        first.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the surviving agent did not finish within 120 s\n{logs()}") from None
+    finally:
+        for proc in (second, first):
+            _kill_tree(proc)
+    out = (tmp_path / "first.log").read_text()
+    assert first.returncode == 0, f"exit code {first.returncode}\n{logs()}"
+    resumed = RESUMING.findall(out)
+    assert resumed, f"the restarted worker group did not resume\n{logs()}"
+    path, _, step, ranks = resumed[-1]
+    assert ranks == " on 1 rank (was 2)", f"the resume was not 2 -> 1 ranks: {resumed[-1]}\n{logs()}"
+    assert Path(path).parent == folder / "checkpoints" and int(step) > 0, resumed[-1]
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == [folder.name], "one run folder"
+    _assert_ends_as_one_process(one_process, folder)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_job_requeued_with_one_task_instead_of_two_continues_the_plan_on_one_rank(
+    slurm_cluster, one_process, tmp_path
+):
+    """A ``--requeue`` job of 2 tasks, stopped by ``scancel --signal=USR1`` after its first step
+    checkpoint, requeues itself; while it is held (PENDING) its size is changed to 1 task, and the
+    released job resumes from the stop on 1 rank (was 2) to the end state of one process.
+
+    ``scontrol update NumTasks=1`` alone is undone by the job's ``--ntasks-per-node=2`` (Lightning
+    wants that option, not ``--ntasks``): ``TasksPerNode=1`` goes with it. The batch environment
+    keeps sbatch's ``SLURM_NTASKS``/``SLURM_NTASKS_PER_NODE`` (2) after the update, so the script
+    takes the task count from ``SLURM_TASKS_PER_NODE`` (the allocation's: ``1``, or ``2(x3)`` on
+    many nodes) and passes it to ``srun`` and ``trainer.devices``.
+    """
+    env_line = " ".join(f"{k}={v}" for k, v in loopback_env().items() if k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"))
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --job-name=ddp-exact\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n"
+        "#SBATCH --requeue\n#SBATCH --output=slurm-%j.out\n"
+        f"export {env_line}\n"
+        "tasks=${SLURM_TASKS_PER_NODE%%(*}\n"
+        f"srun --ntasks=$tasks --ntasks-per-node=$tasks {sys.executable} -m ddp_plugins.train"
+        f" trainer.devices=$tasks {' '.join(EXACT)}\n"
+    )
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], capture_output=True, text=True, timeout=60,
+        check=True, env=loopback_env(),
+    ).stdout.strip()  # fmt: skip
+    folder = tmp_path / "outputs" / f"slurm-{job}"
+    try:
+        deadline = time.monotonic() + 120
+        while not list((folder / "checkpoints").glob("step-*.ckpt")):
+            assert time.monotonic() < deadline, f"job {job} wrote no step checkpoint: {job_fields(job)}"
+            time.sleep(0.1)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+        shrunk = None
+        while (fields := job_fields(job)).get("JobState") not in SLURM_ENDED:
+            assert time.monotonic() < deadline + 120, f"job {job} did not end: {fields}"
+            if shrunk is None and fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING":
+                update = ["scontrol", "update", f"jobid={job}", "NumTasks=1", "TasksPerNode=1"]
+                subprocess.run(update, check=True, timeout=30)
+                shrunk = job_fields(job)
+                assert (shrunk["JobState"], shrunk["NumTasks"]) == ("PENDING", "1"), shrunk
+                assert release_when_requeued(job, shrunk)
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    log = (tmp_path / f"slurm-{job}.out").read_text()  # the requeued job's (Slurm truncates it on requeue)
+    said = f"{fields}\n{log[-3000:]}\n{slurm_cluster.log_tail()}"
+    assert (fields["JobState"], fields["Restarts"], fields["NumTasks"]) == ("COMPLETED", "1", "1"), said
+    resumed = RESUMING.findall(log)
+    assert len(resumed) == 1, f"one resume, printed once:\n{said}"
+    path, _, _, ranks = resumed[0]
+    assert ranks == " on 1 rank (was 2)", said
+    assert re.fullmatch(r"step-\d+-preempted\.ckpt", Path(path).name) and Path(path).parent == folder / "checkpoints"
+    _assert_ends_as_one_process(one_process, folder)

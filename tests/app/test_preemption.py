@@ -23,7 +23,7 @@ import torch
 from ddp_plugins.core.toolkit import free_port
 from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
-from tests.helpers.slurm import SlurmCluster, SlurmUnavailable
+from tests.helpers.slurm import job_fields, release_when_requeued
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 SMALL = [
@@ -143,27 +143,6 @@ def test_torchrun_restarts_the_group_after_a_worker_is_killed_and_it_resumes(ref
     assert metrics_rows(folder) == metrics_rows(reference)
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """A private one-node Slurm cluster (tests/helpers/slurm.py), installed and started if needed;
-    every client these tests run (sbatch, scontrol, submitit) finds it through ``SLURM_CONF``."""
-    try:
-        cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).__enter__()
-    except SlurmUnavailable as error:  # no root, no apt, or a system Slurm already runs here
-        pytest.skip(f"no Slurm test cluster: {error}")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLURM_CONF", str(cluster.conf))
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
-
-
-def _job_fields(job: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", out))
-
-
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, reference, tmp_path):
@@ -186,17 +165,17 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     try:
         deadline = time.monotonic() + 240
         while not list((folder / "checkpoints").glob("step-*.ckpt")):  # the first step checkpoint (pruned later)
-            assert time.monotonic() < deadline, f"job {job} wrote no step checkpoint: {_job_fields(job)}"
+            assert time.monotonic() < deadline, f"job {job} wrote no step checkpoint: {job_fields(job)}"
             time.sleep(0.3)
         subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
         released = False
-        while (fields := _job_fields(job)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        while (fields := job_fields(job)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             assert time.monotonic() < deadline + 240, f"job {job} did not end: {fields}"
-            released = released or _release_when_requeued(job, fields)
+            released = released or release_when_requeued(job, fields)
             time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job], timeout=30)
-    fields = _job_fields(job)
+    fields = job_fields(job)
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{log[-3000:]}"
     found = RESUMING.findall(log)  # the requeued job's log (Slurm truncates it on requeue)
@@ -207,14 +186,6 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     )
     assert_equal_states(final_state(reference), final_state(folder))
     assert metrics_rows(folder) == metrics_rows(reference)
-
-
-def _release_when_requeued(job: str, fields: dict[str, str]) -> bool:
-    """Slurm holds a requeued job for 2 minutes; an operator's release keeps the tests short."""
-    if fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING":
-        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=30)
-        return True
-    return False
 
 
 @pytest.mark.slow
@@ -243,12 +214,12 @@ def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slu
         subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
         released = False
         while multirun.poll() is None:
-            assert time.monotonic() < deadline + 240, f"the sweep did not end: {_job_fields(job)}"
-            released = released or _release_when_requeued(job, _job_fields(job))
+            assert time.monotonic() < deadline + 240, f"the sweep did not end: {job_fields(job)}"
+            released = released or release_when_requeued(job, job_fields(job))
             time.sleep(0.5)
         out = multirun.stdout.read()
         assert multirun.returncode == 0, out[-3000:]
-        while (fields := _job_fields(job)).get("JobState") in ("RUNNING", "COMPLETING"):  # Slurm catches up
+        while (fields := job_fields(job)).get("JobState") in ("RUNNING", "COMPLETING"):  # Slurm catches up
             assert time.monotonic() < deadline + 300, fields
             time.sleep(0.3)
     finally:
