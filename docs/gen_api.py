@@ -47,19 +47,6 @@ SETUP = """\
 
 PACKAGES = (("Core", ddp_plugins.core), ("Lightning adapters", ddp_plugins.lightning))
 
-# Examples of public names whose docstrings have none yet; each entry goes once its docstring has one.
-FALLBACK_EXAMPLES: dict[str, str] = {
-    "EvenSteps": """\
->>> steps = EvenSteps([[1, 2]], length=1)
->>> len(steps), steps.steps
-(1, deque([]))
-""",
-    "GlobalPlan": """\
->>> plan = GlobalPlan(dataset_length=10, global_batch_size=4, shuffle=False)
->>> plan.steps_per_epoch, plan.step_rows(0, 2), plan.counts(2, world_size=3)
-(3, [8, 9], [[1], [1], [0]])
-""",
-}
 
 _SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Attributes):\s*$")
 _EXAMPLE = re.compile(r"^Examples?::?\s*$")
@@ -147,7 +134,6 @@ def section(package: ModuleType, name: str) -> str:
         description, example = split_docstring(inspect.getdoc(obj) or "")
     else:
         description, example = constant_comment(package, name), f">>> {name}\n{obj!r}"
-    example = example or FALLBACK_EXAMPLES.get(name, "").strip()
     parts = [f"### `{name}`", signature_line(package, name), markdown(description)]
     if example:
         parts.append(f"```pycon\n{example}\n\n```")  # the blank line ends the doctest's expected output

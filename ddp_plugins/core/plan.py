@@ -1,27 +1,8 @@
-"""One global plan per epoch
-=========================
+"""One global plan per epoch: the rows' order and steps of ``G`` rows, whatever the world size.
 
-:class:`GlobalPlan` fixes, for every epoch, the order of the rows and their split into optimizer
-steps of ``global_batch_size`` rows, whatever the number of ranks. :class:`PlanBatchSampler`
-gives rank ``r`` of ``N`` its share of every step (contiguous, as even as possible: shares differ
-by at most one row, and a rank may get none in a short last step), split into ``accumulate``
-micro-batches. No row is padded, dropped or repeated, unless ``drop_last`` asks to drop the
-short last step. ``DistributedSampler`` pads the last shard with rows from the start, needs the
-same per-rank batch on every rank, and its order depends on ``N``; so a resume on another number
-of ranks cannot continue it.
-
-Every rank runs the same number of micro-batches per epoch; a rank with an empty share gets a
-zero-row batch (:class:`EmptyShareCollate`), so every collective (DDP's buckets, SyncBN) is
-entered by every rank. :meth:`GlobalPlan.loss_weight` is the factor that makes DDP's average of
-per-rank mean losses the mean over the rows of the step: ``N * K * rows / step_rows``.
-
-Plain torch, no Lightning. Example::
-
-    >>> plan = GlobalPlan(dataset_length=10, global_batch_size=4, shuffle=False)
-    >>> plan.steps_per_epoch, plan.step_rows(0, 2)
-    (3, [8, 9])
-    >>> [list(PlanBatchSampler(plan, rank=r, world_size=3)) for r in range(3)]
-    [[[0, 1], [4, 5], [8]], [[2], [6], [9]], [[3], [7], []]]
+:class:`GlobalPlan` and :class:`PlanBatchSampler` for map-style data, :class:`EvenSteps` for
+per-rank shards of different lengths. Plain torch; why in docs/design.md ("One global plan per
+epoch, and uneven data").
 """
 
 from __future__ import annotations
@@ -75,6 +56,14 @@ class GlobalPlan:
 
     Raises:
         TypeError, ValueError: a count that is not an integer >= 1 (``seed`` >= 0).
+
+    Example::
+
+        >>> plan = GlobalPlan(dataset_length=10, global_batch_size=4, shuffle=False)
+        >>> plan.steps_per_epoch, plan.step_rows(0, 2), plan.counts(2, world_size=3)
+        (3, [8, 9], [[1], [1], [0]])
+        >>> [list(PlanBatchSampler(plan, rank=r, world_size=3)) for r in range(3)]
+        [[[0, 1], [4, 5], [8]], [[2], [6], [9]], [[3], [7], []]]
     """
 
     dataset_length: int
@@ -118,15 +107,29 @@ class GlobalPlan:
         return max(0, min(self.global_batch_size, self.dataset_length - step * self.global_batch_size))
 
     def counts(self, step: int, world_size: int, accumulate: int = 1) -> list[list[int]]:
-        """``counts[r][m]``: the rows rank ``r`` trains in micro-batch ``m`` of step ``step``."""
-        return [even_split(share, accumulate) for share in even_split(self.step_size(step), world_size)]
+        """``counts[r][m]``: the rows rank ``r`` trains in micro-batch ``m`` of step ``step``.
+
+        The step is cut into ``accumulate`` global micro-batches first, then each one over the
+        ranks: micro-batch ``m`` holds the same rows on any world size, so SyncBN's statistics of
+        each micro-batch are those of one process accumulating over the step.
+        """
+        shares, first = [], 0
+        for micro in even_split(self.step_size(step), accumulate):
+            q, extra = divmod(micro, world_size)  # the extra rows go round the ranks, so that the
+            share = [q + ((r - first) % world_size < extra) for r in range(world_size)]  # step's
+            shares.append(share)  # shares stay as even as possible too
+            first = (first + extra) % world_size
+        return [[share[rank] for share in shares] for rank in range(world_size)]
 
     def micro_batches(self, epoch: int, step: int, rank: int, world_size: int, accumulate: int = 1, order=None):
         """The ``accumulate`` micro-batches (lists of rows, maybe empty) of ``rank`` in a step."""
         rows = self.step_rows(epoch, step, order)
-        start, stop = _bounds(even_split(len(rows), world_size))[rank]
-        share = rows[start:stop]
-        return [share[a:b] for a, b in _bounds(even_split(len(share), accumulate))]
+        counts = self.counts(step, world_size, accumulate)
+        out = []
+        for m, (a, _) in enumerate(_bounds(even_split(len(rows), accumulate))):
+            start, stop = _bounds([c[m] for c in counts])[rank]
+            out.append(rows[a + start : a + stop])
+        return out
 
     def loss_weight(self, step: int, micro: int, rank: int, world_size: int, accumulate: int = 1) -> float:
         """The factor on a rank's mean loss (already divided by ``accumulate``) for single-process math.
@@ -184,7 +187,10 @@ class PlanBatchSampler(Sampler):
 
         >>> plan = GlobalPlan(dataset_length=5, global_batch_size=4, shuffle=False)
         >>> list(PlanBatchSampler(plan, rank=0, world_size=2, accumulate=2))
-        [[0], [1], [4], []]
+        [[0], [2], [4], []]
+
+    Each step is cut into ``accumulate`` micro-batches first (rows 0-1 and 2-3 above), then each
+    micro-batch over the ranks, so micro-batch ``m`` holds the same rows on any world size.
     """
 
     def __init__(
@@ -277,17 +283,19 @@ def _first_tensor_rows(batch: Any) -> int:
 class EvenSteps:
     """A rank's batches, in step with every other rank's whatever their counts (uneven shards).
 
-    Each step, one ``all_reduce`` of a few integers tells every rank how many rows all ranks
-    have; the iteration ends on every rank at the same step, when no rank has a batch left. A rank
-    whose shard is exhausted (or empty) yields a zero-row batch of its data's structure (its first
-    batch cut to no rows, or, when it never had one, the lowest such rank's, sent once), so it
-    still enters every collective of the step. torch's ``Join`` counts ranks, not rows, and does
-    not cover SyncBN or other collectives in the forward; Accelerate's ``even_batches`` repeats rows.
+    Each optimizer step (``window`` micro-batches), one ``all_reduce`` of a few integers tells
+    every rank how many rows all ranks have in each micro-batch of it; the iteration ends on every
+    rank at the same step, when no rank has a batch left. A rank whose shard is exhausted (or
+    empty) yields zero-row batches of its data's structure (its first batch cut to no rows, or,
+    when it never had one, the lowest such rank's, sent once), so it still enters every collective
+    of the step. torch's ``Join`` counts ranks, not rows, and does not cover SyncBN or other
+    collectives in the forward; Accelerate's ``even_batches`` repeats rows.
 
-    :attr:`steps` gets ``(this rank's rows, all ranks' rows, agreed flag)`` for each batch yielded,
-    in order, for a consumer (the strategy's loss weighting) to take from the left. ``flag`` (a
-    preemption signal number, 0 for none) rides along in the same round: the agreed flag is the
-    largest any rank raised, so a per-step stop check costs no round of its own.
+    :attr:`steps` gets ``(this rank's rows, all ranks' rows in the micro-batch, all ranks' rows in
+    the step, agreed flag)`` for each batch yielded, in order, for a consumer (the strategy's loss
+    weighting) to take from the left. ``flag`` (a preemption signal number, 0 for none) rides
+    along in the same round: the agreed flag is the largest any rank raised, so a per-step stop
+    check costs no round of its own.
 
     Args:
         batches: this rank's batches (a DataLoader of its shard).
@@ -296,6 +304,16 @@ class EvenSteps:
         device: where the counts are reduced (``cuda`` for nccl).
         length: the agreed number of batches (the longest rank's), or ``None`` when unsized.
         flag: this rank's flag (0 to 64) at each step, agreed across ranks with the counts.
+        window: micro-batches per optimizer step (gradient accumulation), counted in one round;
+            or a callable giving it, read when each epoch's iteration starts (a schedule per epoch).
+        start: batches of the epoch already trained (a resume in the middle of it): each rank
+            skips that many of its own batches, with the same world size as before.
+
+    Example (one process; the counts are reduced over the default group when one is set up)::
+
+        >>> steps = EvenSteps([[1, 2]], length=1)
+        >>> len(steps), steps.steps
+        (1, deque([]))
     """
 
     def __init__(
@@ -306,6 +324,8 @@ class EvenSteps:
         device: torch.device | str = "cpu",
         length: int | None = None,
         flag: Callable[[], int] | None = None,
+        window: int | Callable[[], int] = 1,
+        start: int = 0,
     ) -> None:
         self.batches = batches
         self.flag = flag
@@ -313,13 +333,15 @@ class EvenSteps:
         self.group = group
         self.device = torch.device(device)
         self.length = length
-        self.steps: deque[tuple[int, int, int]] = deque()
+        self.window = window if callable(window) else check_int("window", window, 1)
+        self.start = check_int("start", start, 0)
+        self.steps: deque[tuple[int, int, int, int]] = deque()
         self._template: Any = None
 
     def __len__(self) -> int:
         if self.length is None:
             raise TypeError("the ranks' shards have no agreed length")
-        return self.length
+        return self.length  # the epoch's, also while a resume skips its start (as Lightning counts)
 
     def __getattr__(self, name: str) -> Any:  # sampler, num_workers, ... of the wrapped loader
         if name == "batches":
@@ -329,33 +351,53 @@ class EvenSteps:
     def __iter__(self) -> Iterator[Any]:
         self.steps.clear()
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        k = check_int("window", self.window() if callable(self.window) else self.window, 1)
         it: Iterator[Any] | None = iter(self.batches)
+        skip, self.start = self.start, 0  # a resume skips once, in its first epoch
+        for _ in range(skip):
+            if it is None:
+                break
+            it = self._fetch(it)[0]
         while True:
-            batch, has = None, False
-            if it is not None:
-                try:
-                    batch, has = next(it), True
-                except StopIteration:
-                    it = None
-            if has and self._template is None:
-                self._template = _cut(batch)
-            mine = self.rows_of(batch) if has else 0
-            counts = torch.zeros(3 + world + _FLAGS, dtype=torch.int64)
-            counts[0], counts[1], counts[2] = mine, int(has), int(self._template is None)
-            counts[3 + rank] = int(self._template is not None)
-            counts[3 + world + (self.flag() if self.flag is not None else 0)] = 1  # one-hot: the sum keeps the max
-            counts = counts.to(self.device)
+            window: list[Any] = []
+            while it is not None and len(window) < k:
+                it, batch, has = self._fetch(it)
+                if has:
+                    window.append(batch)
+            mine = [self.rows_of(batch) for batch in window] + [0] * (k - len(window))
+            # rows per micro-batch | rank without a template | ranks with one | batches here (one-hot) | flag (one-hot)
+            counts = torch.zeros(k + 1 + world + k + 1 + _FLAGS, dtype=torch.int64)
+            counts[:k] = torch.tensor(mine)
+            counts[k] = int(self._template is None)
+            counts[k + 1 + rank] = int(self._template is not None)
+            counts[k + 1 + world + len(window)] = 1  # one-hot: the sum keeps the longest rank's count
+            counts[k + 1 + world + k + 1 + (self.flag() if self.flag is not None else 0)] = 1
+            counts = counts.to(self.device).contiguous()
             dist.all_reduce(counts, group=self.group)
-            total, with_data, without_template = (int(v) for v in counts[:3].tolist())
-            agreed = int(torch.nonzero(counts[3 + world :].cpu())[-1])
-            if with_data == 0:
+            counts = counts.cpu()
+            micro_rows = [int(v) for v in counts[:k].tolist()]
+            holders = counts[k + 1 : k + 1 + world]
+            present = int(torch.nonzero(counts[k + 1 + world : k + 1 + world + k + 1])[-1])
+            agreed = int(torch.nonzero(counts[k + 1 + world + k + 1 :])[-1])
+            if present == 0:
                 return
-            if without_template:  # a rank that never had a batch: the lowest rank with one sends it
-                source = int(torch.nonzero(counts[3:].cpu())[0])
+            if int(counts[k]):  # a rank that never had a batch: the lowest rank with one sends it
+                source = int(torch.nonzero(holders)[0])
                 box = [self._template if rank == source else None]
                 src = source if self.group is None else dist.get_global_rank(self.group, source)
                 dist.broadcast_object_list(box, src=src, group=self.group)
                 if self._template is None:
                     self._template = box[0]
-            self.steps.append((mine, total, agreed))
-            yield batch if has else self._template
+            step_rows = sum(micro_rows)
+            for micro in range(present):
+                self.steps.append((mine[micro], micro_rows[micro], step_rows, agreed))
+                yield window[micro] if micro < len(window) else self._template
+
+    def _fetch(self, it: Iterator[Any]) -> tuple[Iterator[Any] | None, Any, bool]:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return None, None, False
+        if self._template is None:
+            self._template = _cut(batch)
+        return it, batch, True

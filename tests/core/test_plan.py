@@ -30,8 +30,11 @@ def test_every_row_once_per_epoch_in_one_order_for_any_world_size_and_accumulati
                     micro = [b[step * k : (step + 1) * k] for b in per_rank]
                     shares = [sum(len(m) for m in rank_micro) for rank_micro in micro]
                     assert max(shares) - min(shares) <= 1, f"shares {shares} are not as even as possible"
-                    rows = [i for rank_micro in micro for m in rank_micro for i in m]
+                    unions = [[i for rank_micro in micro for i in rank_micro[m]] for m in range(k)]
+                    rows = [i for union in unions for i in union]
                     assert rows == plan.step_rows(epoch, step), "a step is not the plan's rows in order"
+                    # micro-batch m holds the same rows on every world size (one process's m-th micro-batch)
+                    assert unions == [plan.micro_batches(epoch, step, 0, 1, k)[m] for m in range(k)]
                     counts = plan.counts(step, world, k)
                     assert [[len(m) for m in rank_micro] for rank_micro in micro] == counts
                     weights = [plan.loss_weight(step, m, r, world, k) for r in range(world) for m in range(k)]
@@ -114,4 +117,24 @@ def test_even_steps_end_together_with_zero_row_batches_from_a_rank_that_had_none
     assert r0 == [[((2, 2), "a"), ((3, 2), "a"), ((1, 2), "a")]] * 2
     assert r1 == [[((0, 2), "a")] * 3] * 2, "rank 1 must step with rank 0 on zero-row batches of its structure"
     # the counts, and the largest flag of the step's round, the same on both ranks
-    assert s0 == [(2, 2, 0), (3, 3, 15), (1, 1, 15)] and s1 == [(0, 2, 0), (0, 3, 15), (0, 1, 15)]
+    assert s0 == [(2, 2, 2, 0), (3, 3, 3, 15), (1, 1, 1, 15)] and s1 == [(0, 2, 2, 0), (0, 3, 3, 15), (0, 1, 1, 15)]
+
+
+def _test_even_windows(rank, world_size):
+    # rank 0: batches of 2, 3 and 1 rows; rank 1: one batch of 4 rows; 2 micro-batches per step
+    shard = [torch.ones(n, 2) for n in ((2, 3, 1) if rank == 0 else (4,))]
+    steps = EvenSteps(shard, window=2, length=3)
+    epoch = [len(b) for b in steps]
+    counted = list(steps.steps)
+    resumed = EvenSteps(shard, window=2, length=3, start=2)  # a resume after the first step
+    return epoch, counted, [[len(b) for b in resumed] for _ in range(2)], list(resumed.steps), len(resumed)
+
+
+def test_even_steps_count_a_whole_accumulation_window_in_one_round_and_resume_inside_an_epoch(dist_pool):
+    (e0, c0, r0, s0, n0), (e1, c1, r1, s1, n1) = dist_pool.run(_test_even_windows)
+    assert e0 == [2, 3, 1] and e1 == [4, 0, 0]
+    # (this rank's rows, the micro-batch's rows, the step's rows, flag): weights exact over the window
+    assert c0 == [(2, 6, 9, 0), (3, 3, 9, 0), (1, 1, 1, 0)] and c1 == [(4, 6, 9, 0), (0, 3, 9, 0), (0, 1, 1, 0)]
+    # resumed after step 1: each rank skips its own first 2 batches, once; the next epoch is whole
+    assert r0 == [[1], [2, 3, 1]] and r1 == [[0], [4, 0, 0]] and n0 == n1 == 3
+    assert s0 == c0 and s1 == c1
