@@ -1,14 +1,7 @@
-"""Accumulation-aware no_sync
-==========================
+"""Accumulation-aware ``no_sync``, in automatic and manual optimization.
 
-With gradient accumulation over K micro-batches, DDP only needs to all-reduce the gradients on
-the K-th micro-batch; the others can run forward and backward without synchronization and let
-the gradients add up locally (``DistributedDataParallel.no_sync``). Lightning does this in
-automatic optimization. In manual optimization every ``manual_backward`` all-reduces,
-``Trainer(accumulate_grad_batches=K)`` is refused, and ``LightningOptimizer.toggle_model(
-sync_grad=False)`` also flips ``requires_grad`` on the other optimizers' parameters.
-:class:`AccumulationNoSync` fills that gap; :class:`~ddp_plugins.lightning.AllReduceCounter`
-shows what it saves.
+:class:`AccumulationNoSync`; :class:`~ddp_plugins.lightning.AllReduceCounter` shows what it saves.
+Rationale in docs/design.md ("Gradient accumulation and communication").
 """
 
 from __future__ import annotations
@@ -17,12 +10,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError
+from ddp_plugins.lightning.contracts import AccumulationSchedule, OwnsAccumulationWindow, of_kind
 
 __all__ = ["AccumulationNoSync"]
 
@@ -32,13 +26,13 @@ def is_step_boundary(trainer: pl.Trainer, accumulate_grad_batches: int | None = 
 
     Lightning's own rule (``_TrainingEpochLoop._should_accumulate``), from public progress
     counters: a full window, or the epoch's last batch unless the strategy accumulates across
-    epochs itself (DeepSpeed). With an :class:`AccumulationNoSync` callback in manual
-    optimization, its own window is the one that counts.
+    epochs itself (DeepSpeed). A callback that runs its own window in manual optimization
+    (:class:`~ddp_plugins.lightning.contracts.OwnsAccumulationWindow`, such as
+    :class:`AccumulationNoSync`) sets the window that counts.
     """
     if accumulate_grad_batches is None:
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, AccumulationNoSync) and callback._manual:
-                accumulate_grad_batches = callback.accumulate_grad_batches
+        for callback in of_kind(_callbacks(trainer), OwnsAccumulationWindow):
+            accumulate_grad_batches = callback.manual_window or accumulate_grad_batches
         accumulate_grad_batches = accumulate_grad_batches or trainer.accumulate_grad_batches
     progress = trainer.fit_loop.epoch_loop.batch_progress
     ready = progress.current.ready  # batches of this epoch so far, this one included
@@ -122,6 +116,11 @@ class AccumulationNoSync(Callback):
             f" {[type(c).__name__ for c in _callbacks(trainer)]}. Add `{cls.__name__}(accumulate_grad_batches=K)`."
         )
 
+    @property
+    def manual_window(self) -> int | None:
+        """K while this callback runs the accumulation window itself (manual optimization), else ``None``."""
+        return self.accumulate_grad_batches if self._manual else None
+
     def scheduling_for(self, epoch: int) -> int:
         """K for ``epoch``: the value of the largest schedule key not above it (1 before the first key)."""
         keys = [key for key in self.scheduling if key <= epoch]
@@ -134,10 +133,12 @@ class AccumulationNoSync(Callback):
             ValueError: a ``GradientAccumulationScheduler`` or ``Trainer(accumulate_grad_batches)``
                 also sets K, or manual optimization runs on a parallel strategy that is not DDP.
         """
-        if any(isinstance(c, GradientAccumulationScheduler) for c in _callbacks(trainer)):
+        schedules = of_kind(_callbacks(trainer), AccumulationSchedule)
+        others = [c for c in schedules if not isinstance(c, AccumulationNoSync)]
+        if others:
             raise ValueError(
-                "`AccumulationNoSync` and `GradientAccumulationScheduler` both set the accumulation factor."
-                " Remove the `GradientAccumulationScheduler`;"
+                f"`AccumulationNoSync` and `{type(others[0]).__name__}` both set the accumulation factor."
+                f" Remove the `{type(others[0]).__name__}`;"
                 " `AccumulationNoSync` takes the same `{epoch: K}` schedule."
             )
         strategy = trainer.strategy

@@ -1,36 +1,40 @@
-"""Exact epochs for Lightning: the global plan in the training loader, and resumes checked against it
-=================================================================================================
+"""Exact epochs for Lightning: the training data's plan, per-step rows and resume wiring.
 
-:class:`~ddp_plugins.lightning.DDPPluginsStrategy` calls these; users set
-``DDPPluginsStrategy(global_batch_size=G)``:
-
-* :func:`planned_train_loader` replaces the training loader's sampler (Lightning's padded
-  ``DistributedSampler``) by a :class:`~ddp_plugins.core.plan.PlanBatchSampler`: each step trains
-  ``G`` rows of one per-epoch order, split over however many ranks run, with no padded row.
-* :class:`StepRows` says how many rows this rank and all ranks train in the current micro-batch;
-  the strategy weights the loss with it (gradients equal one process on the step's rows) and
-  weights ``self.log(..., sync_dist=True)`` means by rows.
-* :func:`data_record` is stored in every checkpoint (the plan, or the world size, per-rank batch
-  and seed of a plain loader, and the rows done); :func:`check_resume` refuses, with one line, a
-  resume that would silently train rows twice or never: a changed plan, or a plain loader resumed
-  in the middle of an epoch with another world size, batch size or seed. A planned run resumes on
-  any number of ranks at the same global row.
+:class:`TrainData` is held by :class:`~ddp_plugins.lightning.DDPPluginsStrategy`, which delegates
+its training-loader, batch-start, checkpoint and per-step agreement work to it. Rationale in
+docs/design.md ("One global plan per epoch, and uneven data", "Checkpoints and resume").
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sized
+import warnings
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_plugins._compat import update_dataloader
 from ddp_plugins.core.checks import ArgumentValueError
-from ddp_plugins.core.plan import EmptyShareCollate, GlobalPlan, PlanBatchSampler
+from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
+from ddp_plugins.core.samplers import ResumableSampler
+from ddp_plugins.lightning.contracts import AccumulationSchedule, OwnsAccumulationWindow, of_kind
 
-__all__ = ["ResumeMismatch", "StepRows", "check_resume", "data_record", "planned_train_loader"]
+__all__ = [
+    "ResumeMismatch",
+    "StepRows",
+    "TrainData",
+    "check_global_batch",
+    "check_resume",
+    "data_record",
+    "planned_train_loader",
+    "run_accumulation",
+]
 
 CHECKPOINT_KEY = "ddp_plugins_data"
 
@@ -88,13 +92,7 @@ def planned_train_loader(
         )
     if dataloader.batch_size is None:
         raise ArgumentValueError("global_batch_size", f"used with {what}", problem="the DataLoader has a batch sampler")
-    if global_batch_size < world_size * accumulate:
-        raise ArgumentValueError(
-            "global_batch_size",
-            f"at least world size x accumulate_grad_batches ({world_size} x {accumulate} = {world_size * accumulate})",
-            global_batch_size,
-            hint="Smaller global batches would leave part of every step without rows.",
-        )
+    check_global_batch(global_batch_size, world_size, accumulate)
     shuffle, seed = _shuffle_and_seed(dataloader.sampler)
     plan = GlobalPlan(len(dataset), global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
     per_epoch = plan.steps_per_epoch * accumulate
@@ -121,6 +119,21 @@ def planned_train_loader(
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     return DataLoader(dataset, **kwargs), plan, epoch
+
+
+def check_global_batch(global_batch_size: int, world_size: int, accumulate: int) -> None:
+    """Refuse a global batch too small to give every micro-batch of every rank a row in full steps.
+
+    Raises:
+        ArgumentValueError: ``global_batch_size`` below ``world_size * accumulate``.
+    """
+    if global_batch_size < world_size * accumulate:
+        raise ArgumentValueError(
+            "global_batch_size",
+            f"at least world size x accumulate_grad_batches ({world_size} x {accumulate} = {world_size * accumulate})",
+            global_batch_size,
+            hint="Smaller global batches would leave part of every step without rows.",
+        )
 
 
 def step_rows(plan: GlobalPlan, batch_idx: int, rank: int, world_size: int, accumulate: int) -> StepRows:
@@ -199,3 +212,196 @@ def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: b
             + "): its rows would be trained twice or never. Resume with the same ranks, batch size and seed, or"
             " train with a global batch (global_batch_size=G), which resumes on any number of ranks."
         )
+
+
+class TrainData:
+    """The training data of one strategy's fits: its plan or uneven-shard agreement, the rows of the
+    current micro-batch, the per-step flags, and what checkpoints record and resumes check.
+
+    Written by hand because Lightning trains every rank on ``DistributedSampler``'s padded,
+    world-size-dependent split and has no notion of rows per step (issue 3325 and its kin).
+
+    Args:
+        global_batch_size: rows per optimizer step over all ranks and micro-batches (a global
+            plan), or ``None`` for per-rank batches.
+        drop_last: drop the plan's short last step.
+        uneven_data: step ranks together over loaders that may yield different numbers of batches.
+    """
+
+    def __init__(self, global_batch_size: int | None, drop_last: bool, uneven_data: bool) -> None:
+        self.global_batch_size = global_batch_size
+        self.drop_last = drop_last
+        self.uneven_data = uneven_data
+        self.plan: GlobalPlan | None = None
+        self.even: EvenSteps | None = None
+        self.accumulate = 1  # micro-batches per optimizer step of the plan
+        self.rows: StepRows | None = None  # the current micro-batch's (planned or uneven training)
+        self.record: dict[str, Any] | None = None  # the training data's layout, for checkpoints
+        self.resumed: dict[str, Any] | None = None  # the record in the checkpoint resumed from
+        self._flag_sources: list[Callable[[], int]] = []
+        self._agreed = 0  # the flag agreed with the current batch's counts (uneven data)
+
+    def train_loader(self, dataloader: Any, trainer: Any, rank: int, world_size: int, device: torch.device) -> Any:
+        """The training loader this run trains on (planned, in step across shards, or resumable)."""
+        planned = self.global_batch_size is not None
+        self.accumulate = run_accumulation(trainer) if planned else trainer.accumulate_grad_batches
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        done = progress.current.processed
+        self.plan = self.even = None
+        self.rows = None
+        if self.global_batch_size is not None:
+            dataloader, self.plan, epoch = planned_train_loader(
+                dataloader, self.global_batch_size, self.drop_last, rank, world_size, self.accumulate,
+                trainer.current_epoch, done,
+            )  # fmt: skip
+            mid_epoch = epoch == trainer.current_epoch and done > 0
+            # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the plan's is exact
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+        elif self.uneven_data and world_size > 1 and _per_rank_shards(dataloader):
+            length = _agreed_length(dataloader, device)
+            mid_epoch = done > 0 and not progress.is_last_batch and (length is None or done < length)
+            dataloader = self.even = EvenSteps(
+                dataloader,
+                rows_of=extract_batch_size,
+                device=device,
+                length=length,
+                flag=self._flag,
+                window=lambda: current_accumulation(trainer),
+                start=done if mid_epoch else 0,
+            )
+            if mid_epoch:
+                warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+        else:
+            mid_epoch = 0 < done < _length(dataloader)
+            dataloader = _resumable_train_loader(dataloader, trainer)
+        self.record = data_record(dataloader, self.plan, world_size, self.accumulate)
+        check_resume(self.resumed, self.record, mid_epoch)
+        return dataloader
+
+    def batch_start(self, trainer: Any, batch_idx: int, rank: int, world_size: int) -> None:
+        """Set :attr:`rows` for the micro-batch about to be trained."""
+        if self.even is not None and self.even.steps:
+            mine, micro, step, self._agreed = self.even.steps.popleft()  # counted and agreed when fetched
+            k = current_accumulation(trainer)
+            weight = world_size * k * mine / step if step else 0.0
+            self.rows = StepRows(rank_rows=mine, micro_rows=micro, step_rows=step, loss_weight=weight)
+        if self.plan is not None:
+            if trainer.accumulate_grad_batches != self.accumulate:
+                raise ArgumentValueError(
+                    "accumulate_grad_batches",
+                    f"the {self.accumulate} the global plan was made with, for the whole run",
+                    trainer.accumulate_grad_batches,
+                    hint="A schedule that changes it needs global_batch_size unset.",
+                )
+            self.rows = step_rows(self.plan, batch_idx, rank, world_size, self.accumulate)
+
+    def checkpoint_record(self, trainer: Any) -> dict[str, Any] | None:
+        """What a checkpoint stores: the layout, and on a plan its epoch and the global rows done."""
+        if self.record is None:
+            return None
+        if self.plan is None:
+            return dict(self.record)
+        steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed // self.accumulate
+        rows = sum(self.plan.step_size(step) for step in range(min(steps, self.plan.steps_per_epoch)))
+        return dict(self.record, epoch=trainer.current_epoch, rows_done=rows)
+
+    # The per-step agreement (contracts.StepAgreement), through the strategy
+
+    def add_flag_source(self, source: Callable[[], int]) -> None:
+        if source not in self._flag_sources:
+            self._flag_sources.append(source)
+
+    def remove_flag_source(self, source: Callable[[], int]) -> None:
+        if source in self._flag_sources:
+            self._flag_sources.remove(source)
+
+    def agreed_flag(self) -> int | None:
+        return self._agreed if self.even is not None else None
+
+    def _flag(self) -> int:
+        return max((int(source()) for source in self._flag_sources), default=0)
+
+
+def run_accumulation(trainer: Any) -> int:
+    """The micro-batches per optimizer step of the whole run, known before its first epoch starts.
+
+    Callbacks that set ``trainer.accumulate_grad_batches`` per epoch say so through
+    :class:`~ddp_plugins.lightning.contracts.AccumulationSchedule`; a global plan needs one value
+    for the run.
+
+    Raises:
+        ArgumentValueError: the schedule changes K.
+    """
+    values = {trainer.accumulate_grad_batches}
+    for callback in of_kind(trainer.callbacks, AccumulationSchedule):
+        if callback.scheduling and dict(callback.scheduling) != {0: 1}:  # {0: 1}: no accumulation asked there
+            values = set(callback.scheduling.values())
+    if len(values) > 1:
+        raise ArgumentValueError(
+            "accumulate_grad_batches",
+            "one value for the whole run with global_batch_size",
+            f"a schedule of {sorted(values)}",
+        )
+    return int(values.pop())
+
+
+def current_accumulation(trainer: Any) -> int:
+    """The micro-batches of the current optimizer step: a callback's own window (manual
+    optimization, :class:`~ddp_plugins.lightning.contracts.OwnsAccumulationWindow`) or Lightning's."""
+    for callback in of_kind(trainer.callbacks, OwnsAccumulationWindow):
+        if callback.manual_window:
+            return int(callback.manual_window)
+    return int(trainer.accumulate_grad_batches)
+
+
+def _per_rank_shards(dataloader: Any) -> bool:
+    """Whether ranks may yield different numbers of batches: anything but Lightning's ``DistributedSampler``."""
+    if not isinstance(dataloader, DataLoader):
+        return True
+    if isinstance(dataloader.dataset, IterableDataset):
+        return True
+    sampler = getattr(dataloader.batch_sampler, "sampler", None) or dataloader.sampler
+    return not isinstance(sampler, DistributedSampler)
+
+
+def _length(dataloader: Any) -> float:
+    try:
+        return len(dataloader)
+    except TypeError:
+        return float("inf")
+
+
+def _agreed_length(dataloader: Any, device: torch.device) -> int | None:
+    """The longest rank's batch count (``None`` when a rank's loader has no length): one all_reduce."""
+    local = _length(dataloader)
+    local = -1 if local == float("inf") else int(local)
+    both = torch.tensor([local, -local], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    longest, shortest = int(both[0]), -int(both[1])
+    return None if shortest < 0 else longest
+
+
+def _resumable_train_loader(dataloader: Any, trainer: Any) -> Any:
+    """The training DataLoader with its distributed sampler wrapped in a :class:`ResumableSampler`.
+
+    A run resumed in the middle of an epoch skips the batches it already trained (the epoch
+    loop's restored count of processed batches); every run draws the workers' base seed from the
+    sampler's own generator, not the global stream. Loaders without a ``DistributedSampler`` (or
+    with a custom batch sampler) are left as they are.
+    """
+    if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.sampler, DistributedSampler):
+        return dataloader
+    if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
+        return dataloader
+    epoch = trainer.current_epoch
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    if done >= len(dataloader):  # the checkpoint ended its epoch: the next one starts afresh
+        epoch, done = epoch + 1, 0
+    # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; this one is exact
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    seed = None if dataloader.generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+    sampler = ResumableSampler(dataloader.sampler, done * dataloader.batch_size, epoch, seed, trainer.global_rank)
+    rebuilt = update_dataloader(dataloader, sampler)
+    if seed is not None:
+        rebuilt.generator = sampler.generator
+    return rebuilt

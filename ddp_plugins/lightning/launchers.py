@@ -1,16 +1,7 @@
-"""Launchers of the DDP strategy
-==============================
+"""Launchers of the DDP strategy: job-scoped child commands, a rank watcher, no orphans.
 
-* :class:`_JobSubprocessLauncher` (``start_method="popen"``): Lightning's subprocess launcher with
-  job-scoped child commands (under Hydra ``--multirun`` a child rank re-runs *its* job, not the
-  sweep), a rank watcher that names a failed rank and stops every rank, and no orphans: not when
-  rank 0 raises, not when a signal reaches the launcher while the ranks start (it stops them and
-  exits ``128 + signal``), and not when the launcher dies then (the child's parent-death signal).
-* :class:`_CleanExitMultiprocessingLauncher` (``spawn``, ``fork``, ``forkserver``): spawned
-  children leave through :func:`ddp_plugins.core.exit_process`, and SequentialEvaluation's results
-  travel back to the calling process.
-
-Both subclass Lightning's launchers (private classes, see :mod:`ddp_plugins._compat`).
+Both subclass Lightning's launchers (private classes, see :mod:`ddp_plugins._compat`); rationale in
+docs/design.md ("When a rank fails or stops").
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from ddp_plugins import _compat
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_process, parent_death_signal
 from ddp_plugins.core.stalls import describe_collective_failure
-from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
+from ddp_plugins.lightning.contracts import CarriesSpawnResults, of_kind
 
 __all__ = ["hydra_quote", "split_config_flags"]
 
@@ -171,10 +162,13 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
 
     _startup: _StartupSignals | None = None
     _halt: threading.Event | None = None
+    before_launch: Callable[[Any], None] | None = None  # the strategy's checks of the Trainer, before any child starts
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if self.before_launch is not None and trainer is not None:
+            self.before_launch(trainer)
         watcher = None
         try:
             if not self.cluster_environment.creates_processes_externally:
@@ -394,6 +388,14 @@ class _CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
     torch's ``ProcessContext.join``: it stops the others and raises with the child's traceback.
     """
 
+    before_launch: Callable[[Any], None] | None = None  # the strategy's checks of the Trainer, before any child starts
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if self.before_launch is not None and trainer is not None:
+            self.before_launch(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         super()._wrapping_function(*args, **kwargs)
@@ -403,9 +405,9 @@ class _CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
     @override
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:
         # Lightning's channel from spawned rank 0 to the calling process (it carries
-        # `callback_metrics`); SequentialEvaluation's results travel on it as file paths
+        # `callback_metrics`); callbacks' results (SequentialEvaluation's) travel on it as file paths
         extra = super().get_extra_results(trainer)
-        payload = {cb._uid: cb._export() for cb in trainer.callbacks if isinstance(cb, SequentialEvaluation)}
+        payload = {cb.spawn_results_key: cb.export_results() for cb in of_kind(trainer.callbacks, CarriesSpawnResults)}
         if payload:
             extra[_RESULTS_KEY] = payload
         return extra
@@ -414,9 +416,9 @@ class _CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
     def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         payload = extra.get(_RESULTS_KEY, {})
-        for cb in trainer.callbacks:
-            if isinstance(cb, SequentialEvaluation) and cb._uid in payload:
-                cb._import(payload[cb._uid])
+        for cb in of_kind(trainer.callbacks, CarriesSpawnResults):
+            if cb.spawn_results_key in payload:
+                cb.import_results(payload[cb.spawn_results_key])
 
 
 def _failure_tag(module: Any) -> str:

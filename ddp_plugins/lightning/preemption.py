@@ -1,38 +1,6 @@
-"""Preemption-safe training
-========================
+"""Preemption-safe training: stop anywhere, resume, end bit-identical to an uninterrupted run.
 
-:class:`PreemptionCheckpoint` makes a run that is stopped anywhere (SIGTERM, Slurm's
-``--signal=USR1@90`` before a requeue, Ctrl-C, a torchrun restart after a worker died) resume and
-end bit-identical to an uninterrupted run:
-
-* **Signals only set a flag** (:class:`ddp_plugins.core.preemption.SignalFlag`), on any rank.
-  Lightning's own handlers are replaced while training runs: its SIGUSR1 handler writes a
-  checkpoint from inside the handler and its SIGTERM handler broadcasts from there, which
-  deadlocks when the other rank is inside a collective (SyncBN's all-reduce).
-* **The ranks agree at a step boundary**: after every ``check_every_n_steps``-th optimizer step,
-  one ``all_reduce(MAX)`` of the flag; under ``DDPPluginsStrategy`` with uneven data the flag rides
-  in the strategy's own per-step round (``add_flag_source`` / ``agreed_flag``), every step, at no cost.
-  All ranks stop after the same step, write one checkpoint
-  (``step-<S>-preempted.ckpt``), requeue the Slurm job when asked (``scontrol requeue``, from rank 0,
-  after the file is on disk) and leave with :class:`~ddp_plugins.core.preemption.Preempted`:
-  exit code ``128 + signal``, never 0.
-* **Step checkpoints** every ``every_n_train_steps`` optimizer steps (``step-<S>.ckpt``, the last
-  ``keep`` kept), written atomically by :class:`DDPPluginsStrategy` (temporary name, fsync, rename).
-* **The metrics CSV continues** without a lost or repeated row: each checkpoint records how many
-  rows the run had logged when the step was complete (Lightning logs a step's metrics after
-  ``on_train_batch_end``, where checkpoints are taken, so the count is taken at the next hook
-  and kept in ``checkpoints/metrics_rows.json``); a resumed run cuts the CSV back to that count.
-
-What makes the resumed run exact besides: :class:`DDPPluginsStrategy` resumes the data in the
-middle of an epoch (:class:`~ddp_plugins.core.ResumableSampler`), :class:`RankAwareSeed` stores
-every rank's RNG streams, Lightning restores the loops, optimizer and the callbacks' states
-(AccumulationNoSync's window follows the restored batch counters, AllReduceCounter keeps its
-totals). Checkpoints are taken only at optimizer-step boundaries, never inside an accumulation
-window (whose partial gradients are in no checkpoint). At the last step of an epoch they are
-taken at ``on_train_epoch_end``, after the epoch's validation: Lightning resumes a checkpoint from
-that batch in the next epoch and would skip the validation. The same holds for a validation in
-the middle of an epoch (``val_check_interval``), which this callback does not defer: a run
-resumed from the step just before it skips it (its rows and any checkpoint it triggers).
+:class:`PreemptionCheckpoint`; rationale in docs/design.md ("Preemption", "Checkpoints and resume").
 """
 
 from __future__ import annotations
@@ -68,6 +36,7 @@ from ddp_plugins.core.preemption import (
     submitit_signal,
 )
 from ddp_plugins.lightning.accumulation import is_step_boundary
+from ddp_plugins.lightning.contracts import SavesCheckpoints, StepAgreement
 
 __all__ = ["PreemptionCheckpoint"]
 
@@ -144,9 +113,8 @@ class PreemptionCheckpoint(Callback):
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         self._trainer, self._boundaries, self._rows_pending, self._stop, self._due = trainer, 0, False, None, None
         self._flag.clear()
-        add = getattr(trainer.strategy, "add_flag_source", None)
-        if callable(add):
-            add(self._signum)
+        if isinstance(trainer.strategy, StepAgreement):
+            trainer.strategy.add_flag_source(self._signum)
         submitit = submitit_signal()
         self._requeue_signals = {self.requeue_signal} | ({submitit} if submitit else set())
         if submitit and submitit not in self._flag.signals:
@@ -168,9 +136,8 @@ class PreemptionCheckpoint(Callback):
         if stage == "fit":
             self._flag.restore()
             self._trainer = None
-            remove = getattr(trainer.strategy, "remove_flag_source", None)
-            if callable(remove):
-                remove(self._signum)
+            if isinstance(trainer.strategy, StepAgreement):
+                trainer.strategy.remove_flag_source(self._signum)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -193,7 +160,7 @@ class PreemptionCheckpoint(Callback):
             return
         self._boundaries += 1
         signum = 0
-        agreed = getattr(trainer.strategy, "agreed_flag", lambda: None)()
+        agreed = trainer.strategy.agreed_flag() if isinstance(trainer.strategy, StepAgreement) else None
         if agreed is not None:  # agreed in the strategy's own round for this batch: no round of ours
             signum = agreed
         elif self._boundaries % self.check_every_n_steps == 0:
@@ -318,7 +285,8 @@ class PreemptionCheckpoint(Callback):
         if not self._rows_pending:
             return
         self._rows_pending = False
-        path = getattr(trainer.strategy, "last_checkpoint_path", self._pending_path)
+        strategy = trainer.strategy
+        path = strategy.last_checkpoint_path if isinstance(strategy, SavesCheckpoints) else self._pending_path
         self._pending_path = None
         if not trainer.is_global_zero or path is None:
             return

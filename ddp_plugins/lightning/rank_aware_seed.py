@@ -1,17 +1,6 @@
-"""Rank-aware seeding callback
-============================
+"""Rank-aware seeding callback, the Lightning adapter of :mod:`ddp_plugins.core.seeding`.
 
-:class:`RankAwareSeed` is the Lightning adapter of :mod:`ddp_plugins.core.seeding`: the base seed
-while the model is set up, the rank's own stream from ``on_fit_start``, and every rank's RNG
-states in the checkpoint. Lightning's DDP strategy calls ``reset_seed()`` (base seed on every
-rank) when it sets up; that is why the switch to per-rank streams is done at ``on_fit_start`` and
-not by seeding before ``fit``.
-
-Exact resume holds for checkpoints saved at epoch ends (or after validation) with
-``persistent_workers=False``: persistent DataLoader workers keep their streams in their own
-processes, which no checkpoint can capture. Lightning 2.5.3+ also iterates the first resumed
-epoch of a shuffled DataLoader with workers in epoch 0's order (Lightning issue 21938), a data
-order bug no RNG state can fix; the callback warns when a resumed run meets it.
+:class:`RankAwareSeed`; rationale in docs/design.md ("Seeding per rank").
 """
 
 from __future__ import annotations
@@ -39,6 +28,7 @@ from ddp_plugins.core.seeding import (
     set_deterministic,
     set_rng_states,
 )
+from ddp_plugins.lightning.contracts import GathersPerRankState
 
 __all__ = ["RankAwareSeed"]
 
@@ -147,18 +137,16 @@ class RankAwareSeed(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # No collective here: this rank's states go under PER_RANK, and DDPPluginsStrategy gathers
-        # every rank's when the checkpoint is saved, a point every rank reaches in step.
+        # No collective here: this rank's states go under PER_RANK, gathered when the checkpoint is
+        # saved, a point every rank reaches in step (contracts.GathersPerRankState).
         states = encode_rng_states(collect_rng_states(include_cuda=True))
         return {"seed": self.seed, "world_size": get_world_size(), PER_RANK: states}
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # DDPPluginsStrategy gathers the per-rank parts when it saves; any other strategy does not,
-        # so they are gathered here (every rank dumps the checkpoint, in step)
-        from ddp_plugins.lightning.strategy import DDPPluginsStrategy
-
-        if not isinstance(trainer.strategy, DDPPluginsStrategy):
+        # A strategy that gathers per-rank parts does it when it saves; under any other they are
+        # gathered here (every rank dumps the checkpoint, in step)
+        if not isinstance(trainer.strategy, GathersPerRankState):
             gather_per_rank(checkpoint)
 
     @override
@@ -200,7 +188,8 @@ class RankAwareSeed(Callback):
 
 def _rank_states(loaded: dict[str, Any]) -> list[Any]:
     """Every rank's states from a checkpoint: gathered by the strategy, or one rank's (not gathered)."""
-    states = loaded.get(PER_RANK, loaded.get("rng_states"))  # "rng_states": checkpoints of 0.2
+    # "rng_states": checkpoints that keep the states without a per-rank slot
+    states = loaded.get(PER_RANK, loaded.get("rng_states"))
     if isinstance(states, dict):  # saved by a strategy that does not gather: one rank's states only
         return [states] if loaded.get("world_size") == 1 else []
     return list(states or [])

@@ -1,24 +1,8 @@
-"""Sequential distributed evaluation callback
-===========================================
+"""Sequential distributed evaluation: every sample once, in dataset order, exact metrics.
 
-Exact validation, test and predict results under DDP: every sample evaluated once, in dataset
-order, metrics computed on exactly the dataset. :class:`SequentialEvaluation` is the Lightning
-adapter of :class:`ddp_plugins.core.SequentialDistributedSampler` and
-:func:`ddp_plugins.core.distributed_concat`: it puts the sampler into the validation, test and
-predict dataloaders, collects what the step methods return, gathers it at epoch end, computes the
-torchmetrics metrics it is given on exactly the dataset's samples and logs them, and hands the
-results to the caller (rank 0 under ``ddp``; the calling process under ``ddp_plugins_spawn`` /
-``ddp_plugins_notebook``, whose launcher carries them back).
-
-Why: ``DistributedSampler`` pads the last shard with samples from the start of the dataset, so
-metrics reduced over ranks count duplicates (pytorch issue 25162, Lightning issue 7929); for
-``trainer.predict`` Lightning never gathers across ranks.
-
-Reused: Lightning's ``_update_dataloader`` to rebuild user DataLoaders with a new sampler,
-``Metric.clone``, ``self.log``. The one hook added by hand (Lightning has none): the sampler
-must be swapped where the loop requests the dataloader, since Lightning replaces every
-non-``DistributedSampler`` before any callback hook runs; that goes through
-:mod:`ddp_plugins._compat`.
+:class:`SequentialEvaluation`, the Lightning adapter of
+:class:`ddp_plugins.core.SequentialDistributedSampler` and :func:`ddp_plugins.core.distributed_concat`;
+rationale in docs/design.md ("Exact distributed evaluation").
 """
 
 from __future__ import annotations
@@ -129,7 +113,7 @@ class SequentialEvaluation(Callback):
         self.results: dict[str, Any] = {}
         self.paths: dict[str, str] = {}
         self.metric_values: dict[str, Any] = {}
-        self._uid = uuid.uuid4().hex  # pairs this callback with its copy in spawned workers
+        self.spawn_results_key = uuid.uuid4().hex  # pairs this callback with its copy in spawned workers
         self._samplers: dict[str, list[tuple[SequentialDistributedSampler, int]]] = {}
         self._buffers: dict[int, list[Any]] = defaultdict(list)
         self._batches: dict[int, int] = defaultdict(int)
@@ -309,7 +293,7 @@ class SequentialEvaluation(Callback):
         state.update(_buffers=defaultdict(list), _batches=defaultdict(int))
         return state
 
-    def _export(self) -> str:
+    def export_results(self) -> str:
         """Write this rank's results to a temporary file; the path travels, not the bytes.
 
         Like Lightning's own weights hand-off: the launcher's queue is read only after every
@@ -320,7 +304,8 @@ class SequentialEvaluation(Callback):
             torch.save({"results": self.results, "paths": self.paths, "metric_values": self.metric_values}, file)
         return path
 
-    def _import(self, path: str) -> None:
+    def import_results(self, path: str) -> None:
+        """Take the results a spawned rank 0 exported to ``path`` (and remove the file)."""
         try:
             state = torch.load(path, weights_only=True)
         finally:

@@ -1,62 +1,16 @@
-"""DDP strategy
-============
+"""Lightning's DDP strategy with hooks by name on every backend, timeouts in seconds, no hangs.
 
-:class:`DDPPluginsStrategy` is Lightning's ``DDPStrategy`` with what multi-node users fight for,
-registered in Lightning's ``StrategyRegistry`` as ``ddp_plugins`` (child processes re-run the
-script), ``ddp_plugins_spawn`` and ``ddp_plugins_notebook`` (fork):
-
-* ``backend``: ``auto`` (nccl on CUDA, gloo otherwise), ``gloo``, ``nccl`` or ``mpi``, checked
-  when the strategy is built, before any process starts.
-* ``comm_hook`` by name: ``none``, ``fp16``, ``bf16`` or ``powersgd`` (torch's own hooks from
-  ``torch.distributed.algorithms.ddp_comm_hooks``), registered on *every* device. Lightning's
-  ``DDPStrategy`` registers hooks only on CUDA and silently drops them on CPU, although fp16
-  compression and PowerSGD work on gloo; ``bf16`` needs NCCL 2.10+ and is refused elsewhere with
-  a one-line error before any process starts. On gloo, PowerSGD waits for each bucket's reduction
-  (``_powersgd_hook``): otherwise its follow-up all-reduces race with other collectives and gloo
-  aborts on a collective mismatch.
-* ``timeout``: the collective timeout in seconds (a number from config) or a ``timedelta``.
-* ``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``:
-  passed through to ``DistributedDataParallel``.
-* ``Trainer(sync_batchnorm=True)`` installs :class:`ddp_plugins.SyncBatchNormPlugin` (any device)
-  instead of torch's CUDA-only ``SyncBatchNorm``; this is why the module imports
-  :mod:`ddp_plugins.lightning.layer_sync`.
-* No hangs when a rank fails. Child ranks are watched every second: when one exits non-zero or is
-  killed by a signal, the launcher says which rank, how, and stops every rank (Lightning's own
-  watcher logs at INFO, which is usually hidden, and checks every 5 s). When rank 0 itself raises,
-  its child ranks are stopped instead of being left blocked in a collective. A rank whose
-  collective fails because a peer stopped gets that said in its error message.
-* No orphans while the ranks start: a SIGTERM or SIGINT to the launcher before the ranks are set
-  up stops the child ranks and exits ``128 + signal`` (the launcher's main thread may be waiting in
-  the rendezvous, where Python handlers cannot run), and a child rank dies with its launcher until
-  then (Linux's parent-death signal), instead of waiting for it out the whole timeout.
-* Child ranks of a Hydra job re-run *this job* only: Lightning's launcher re-runs the whole
-  command line, so under ``--multirun`` every child rank re-ran the whole sweep into a second
-  multirun folder. Children get the job's own overrides and its output folder instead.
-* Every process ends through :func:`ddp_plugins.core.exit_process` (spawned children
-  included), which avoids the gloo abort at interpreter exit described there.
-
-Which interfaces listen (single node)
--------------------------------------
-Two kinds of sockets exist. The rendezvous store (``torch.distributed.TCPStore``, started by rank
-0 on ``MASTER_PORT``) listens on *every* interface (``[::]``, IPv4 and IPv6) whatever
-``MASTER_ADDR`` says: torch offers no way to bind it to one address, so on a shared machine keep
-``MASTER_PORT`` firewalled or use a trusted network. The gloo data connections between ranks bind
-to one interface: when ``MASTER_ADDR`` is a loopback address (Lightning's default ``127.0.0.1`` on
-one node) and the user did not choose one, this strategy sets ``GLOO_SOCKET_IFNAME`` to the
-loopback interface, so gradients never leave the machine's loopback.
-
-Example::
-
-    >>> strategy = DDPPluginsStrategy(backend="gloo", comm_hook="fp16", timeout=120, bucket_cap_mb=50)
-    >>> strategy.comm_hook, strategy.process_group_backend, strategy._ddp_kwargs["bucket_cap_mb"]
-    ('fp16', 'gloo', 50)
+:class:`DDPPluginsStrategy`, registered as ``ddp_plugins``, ``ddp_plugins_spawn`` and
+``ddp_plugins_notebook``. Rationale in docs/design.md ("When a rank fails or stops", "Which
+interfaces listen (one node)").
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -64,14 +18,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from ddp_plugins._compat import explicit_trainer_plugins, update_dataloader
+from ddp_plugins._compat import explicit_trainer_plugins
 from ddp_plugins.core.checkpoints import gather_per_rank
 from ddp_plugins.core.checks import (
     ArgumentValueError,
@@ -81,20 +33,18 @@ from ddp_plugins.core.checks import (
     check_number,
 )
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
-from ddp_plugins.core.plan import EvenSteps, GlobalPlan
 from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.process import start_forkserver
 from ddp_plugins.core.ranks import get_rank, get_world_size
-from ddp_plugins.core.samplers import ResumableSampler, loader_seed
+from ddp_plugins.core.samplers import loader_seed
 from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.data_plan import (
     CHECKPOINT_KEY,
     StepRows,
-    check_resume,
-    data_record,
-    planned_train_loader,
-    step_rows,
+    TrainData,
+    check_global_batch,
+    run_accumulation,
 )
 from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _failure_tag, _JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
@@ -293,14 +243,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self.global_batch_size = global_batch_size
         self.drop_last = drop_last
         self.uneven_data = uneven_data
-        self._even: EvenSteps | None = None  # the training loader in step across uneven shards
-        self._plan_accumulate = 1  # micro-batches per step of the plan
-        self._flag_sources: list[Any] = []  # callables giving this rank's stop flag (a signal number)
-        self._agreed = 0  # the flag agreed with the current batch's counts (uneven data)
-        self._plan: GlobalPlan | None = None  # the training loader's, when global_batch_size is set
-        self._data_record: dict[str, Any] | None = None  # the training data's layout, for checkpoints
-        self._resumed_record: dict[str, Any] | None = None  # the one in the checkpoint resumed from
-        self._rows: StepRows | None = None  # the current micro-batch's rows (planned training only)
+        self._data = TrainData(global_batch_size, drop_last, uneven_data)  # plan, rows, flags, resume record
         self._in_training_step = False
         if comm_hook != "none":
             # set now so that callbacks (AllReduceCounter) can wrap it in `setup`; the state is
@@ -329,8 +272,9 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @_layer_sync.setter
     def _layer_sync(self, plugin: LayerSync | None) -> None:
-        # `Trainer(sync_batchnorm=True)` hands every strategy torch's CUDA-only SyncBatchNorm plugin
-        # (through the accelerator connector); this strategy takes the device-agnostic one instead.
+        # `Trainer(sync_batchnorm=True)` hands every strategy torch's SyncBatchNorm plugin, for
+        # accelerators only (through the accelerator connector); this strategy takes the
+        # device-agnostic one instead.
         # A plugin the user passed in `plugins=` (torch's own or a subclass) is kept as given.
         made_for_flag = type(plugin) is TorchSyncBatchNorm and not any(p is plugin for p in explicit_trainer_plugins())
         self.__layer_sync = SyncBatchNormPlugin() if made_for_flag else plugin
@@ -344,9 +288,17 @@ class DDPPluginsStrategy(DDPStrategy):
         if self.accelerator is not None and self.parallel_devices:
             check_comm_hook(self._comm_hook, self._get_process_group_backend())
         if self._start_method == "popen":
-            self._launcher = _JobSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            launcher: Any = _JobSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _CleanExitMultiprocessingLauncher(self, start_method=self._start_method)
+            launcher = _CleanExitMultiprocessingLauncher(self, start_method=self._start_method)
+        launcher.before_launch = self._check_before_launch
+        self._launcher = launcher
+
+    def _check_before_launch(self, trainer: Any) -> None:
+        """What needs the Trainer's callbacks, checked in the launching process before any rank starts."""
+        if self.global_batch_size is not None:
+            world_size = self.num_processes * self.num_nodes
+            check_global_batch(self.global_batch_size, world_size, run_accumulation(trainer))
 
     @override
     def setup_distributed(self) -> None:
@@ -438,101 +390,39 @@ class DDPPluginsStrategy(DDPStrategy):
         return dataloader
 
     def _train_loader(self, dataloader: Any, trainer: Any) -> Any:
-        accumulate = (
-            _run_accumulation(trainer) if self.global_batch_size is not None else trainer.accumulate_grad_batches
-        )
-        self._plan_accumulate = accumulate
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        self._plan = self._even = None
-        if self.global_batch_size is not None:
-            dataloader, self._plan, epoch = planned_train_loader(
-                dataloader, self.global_batch_size, self.drop_last, self.global_rank, self.world_size, accumulate,
-                trainer.current_epoch, done,
-            )  # fmt: skip
-            mid_epoch = epoch == trainer.current_epoch and done > 0
-            # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the plan's is exact
-            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
-        else:
-            mid_epoch = 0 < done < _length(dataloader)
-            if self.uneven_data and self.world_size > 1 and _per_rank_shards(dataloader):
-                dataloader = self._even = EvenSteps(
-                    dataloader,
-                    rows_of=extract_batch_size,
-                    device=self.root_device,
-                    length=self._agreed_length(dataloader),
-                    flag=self._flag,
-                )
-            else:
-                dataloader = _resumable_train_loader(dataloader, trainer)
-        self._data_record = data_record(dataloader, self._plan, self.world_size, accumulate)
-        check_resume(self._resumed_record, self._data_record, mid_epoch)
-        return dataloader
+        return self._data.train_loader(dataloader, trainer, self.global_rank, self.world_size, self.root_device)
 
-    def _agreed_length(self, dataloader: Any) -> int | None:
-        """The longest rank's batch count (``None`` when a rank's loader has no length): one all_reduce."""
-        local = _length(dataloader)
-        local = -1 if local == float("inf") else int(local)
-        both = torch.tensor([local, -local], dtype=torch.int64, device=self.root_device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        longest, shortest = int(both[0]), -int(both[1])
-        return None if shortest < 0 else longest
+    # The per-step agreement (contracts.StepAgreement)
 
-    def _plan_position(self) -> dict[str, int]:
-        """Where a planned run is: its epoch and the global rows of that epoch already trained."""
-        module = self.lightning_module
-        if self._plan is None or module is None:
-            return {}
-        trainer: Any = module.trainer
-        steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed // self._plan_accumulate
-        rows = sum(self._plan.step_size(step) for step in range(min(steps, self._plan.steps_per_epoch)))
-        return {"epoch": trainer.current_epoch, "rows_done": rows}
-
-    def add_flag_source(self, source: Any) -> None:
+    def add_flag_source(self, source: Callable[[], int]) -> None:
         """Have ``source()`` (this rank's stop flag, a signal number or 0) agreed in each step's round.
 
-        The per-step agreement contract: a callback that must agree on a flag at every step (such
-        as :class:`~ddp_plugins.lightning.PreemptionCheckpoint`) registers here and reads
+        A callback that must agree on a flag at every step (such as
+        :class:`~ddp_plugins.lightning.PreemptionCheckpoint`) registers here and reads
         :meth:`agreed_flag`; when the strategy makes no round of its own, that returns ``None`` and
         the callback makes its own ``all_reduce``.
         """
-        if source not in self._flag_sources:
-            self._flag_sources.append(source)
+        self._data.add_flag_source(source)
 
-    def remove_flag_source(self, source: Any) -> None:
-        if source in self._flag_sources:
-            self._flag_sources.remove(source)
+    def remove_flag_source(self, source: Callable[[], int]) -> None:
+        self._data.remove_flag_source(source)
 
     def agreed_flag(self) -> int | None:
         """The largest flag any rank raised, agreed with the current batch's row counts (``None``:
         this run's training data makes no per-step round: uneven data is off or not needed)."""
-        return self._agreed if self._even is not None else None
-
-    def _flag(self) -> int:
-        return max((int(source()) for source in self._flag_sources), default=0)
+        return self._data.agreed_flag()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resumed_record = checkpoint.get(CHECKPOINT_KEY)
+        self._data.resumed = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._even is not None and self._even.steps:
-            mine, total, self._agreed = self._even.steps.popleft()  # counted and agreed when it was fetched
-            weight = self.world_size * mine / total if total else 0.0
-            self._rows = StepRows(rank_rows=mine, micro_rows=total, step_rows=total, loss_weight=weight)
-        if self._plan is not None and self.lightning_module is not None:
-            trainer = self.lightning_module.trainer
-            if trainer.accumulate_grad_batches != self._plan_accumulate:
-                raise ArgumentValueError(
-                    "accumulate_grad_batches",
-                    f"the {self._plan_accumulate} the global plan was made with, for the whole run",
-                    trainer.accumulate_grad_batches,
-                    hint="A schedule that changes it needs global_batch_size unset.",
-                )
-            self._rows = step_rows(self._plan, batch_idx, self.global_rank, self.world_size, self._plan_accumulate)
+        if self.lightning_module is not None:
+            self._data.batch_start(self.lightning_module.trainer, batch_idx, self.global_rank, self.world_size)
 
     @property
     def step_rows(self) -> StepRows | None:
@@ -542,29 +432,42 @@ class DDPPluginsStrategy(DDPStrategy):
         accumulate_grad_batches`` (what the strategy does for automatic optimization) for the
         gradient of one process on the step's rows.
         """
-        return self._rows
+        return self._data.rows
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._in_training_step = True  # `reduce` weights means by rows while the step logs
+        rows, module = self._data.rows, self.lightning_module
+        log = None
+        if rows is not None and rows.rank_rows == 0 and module is not None:
+            # an empty micro-batch logs the identity of each reduction (its mean loss is NaN)
+            log = module.log
+            module.log = _EmptyBatchLog(log)  # type: ignore[method-assign]
         try:
             return super().training_step(*args, **kwargs)
         finally:
             self._in_training_step = False
+            if log is not None and module is not None:
+                del module.log
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan,
         # each micro-batch's mean loss is weighted by its rows instead (0 for an empty one)
         module = self.lightning_module
-        if self._rows is not None and module is not None and module.automatic_optimization:
-            closure_loss = closure_loss * self._rows.loss_weight
+        rows = self._data.rows
+        if rows is not None and module is not None and module.automatic_optimization:
+            closure_loss = closure_loss * rows.loss_weight
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        rows = self._rows
+        rows = self._data.rows
         weighted = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if weighted and isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            # Lightning's mean divides an integer tensor in place and truncates; epoch means divide
+            # by the integer count of rows, so 127 rows on 2 ranks would count as 63 per rank
+            tensor = tensor.double()
         if not (rows is not None and self._in_training_step and weighted and isinstance(tensor, torch.Tensor)):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         # `self.log(..., sync_dist=True)` in training_step: the mean over the micro-batch's rows (an
@@ -577,11 +480,16 @@ class DDPPluginsStrategy(DDPStrategy):
         # Every rank gets here through Trainer.save_checkpoint, in step: the one point where the
         # per-rank parts of callback states (RankAwareSeed's RNG streams) are gathered, so that no
         # state_dict has to communicate (see ddp_plugins.core.checkpoints).
-        gather_per_rank(checkpoint)
-        if self._data_record is not None:
-            checkpoint[CHECKPOINT_KEY] = dict(self._data_record, **self._plan_position())
+        self.gather_per_rank_state(checkpoint)
+        record = self._data.checkpoint_record(self.lightning_module.trainer) if self.lightning_module else None
+        if record is not None:
+            checkpoint[CHECKPOINT_KEY] = record
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self.last_checkpoint_path = str(filepath)
+
+    def gather_per_rank_state(self, checkpoint: dict[str, Any]) -> None:
+        """Replace every callback's per-rank part with all ranks' (contracts.GathersPerRankState)."""
+        gather_per_rank(checkpoint)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -623,6 +531,29 @@ class DDPPluginsStrategy(DDPStrategy):
                 start_method=start_method,
                 override=True,
             )
+
+
+class _EmptyBatchLog:
+    """``LightningModule.log`` for a micro-batch with no rows on this rank.
+
+    Every rank must log what the others log (``sync_dist`` makes a collective), but an empty
+    batch's mean loss is NaN, and Lightning's epoch mean (``value * batch_size``) keeps NaN even
+    at batch size 0. A tensor value is replaced by the identity of its reduction: 0 for a mean
+    or sum (weight 0 at 0 rows), -inf for max, +inf for min.
+    """
+
+    _IDENTITY = {"mean": 0.0, "avg": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
+
+    def __init__(self, log: Callable[..., None]) -> None:
+        self.log = log
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        reduce_fx = kwargs.get("reduce_fx", "mean")
+        fx = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
+        identity = self._IDENTITY.get(fx.lower())
+        if identity is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+            value = torch.full_like(value, identity)
+        self.log(name, value, *args, **kwargs)
 
 
 _EVAL_LOADER = 2**31  # the epoch slot of evaluation loaders' generator seed (no training epoch reaches it)
@@ -687,72 +618,6 @@ def _leave_when_gone(pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="rank-watch", daemon=True).start()
-
-
-def _run_accumulation(trainer: Any) -> int:
-    """The micro-batches per optimizer step of the whole run, known before its first epoch starts.
-
-    A callback that sets ``trainer.accumulate_grad_batches`` at each epoch start
-    (``AccumulationNoSync``, ``GradientAccumulationScheduler``) says so in an ``accumulate_grad_batches``
-    or ``scheduling`` attribute; a global plan needs one value for the run.
-    """
-    values = {trainer.accumulate_grad_batches}
-    for callback in trainer.callbacks:
-        schedule = getattr(callback, "scheduling", None) or getattr(callback, "accumulate_grad_batches", None)
-        if isinstance(schedule, int) and not isinstance(schedule, bool):
-            values = {schedule}
-        elif isinstance(schedule, dict) and schedule:
-            values = set(schedule.values())
-    if len(values) > 1:
-        raise ArgumentValueError(
-            "accumulate_grad_batches",
-            "one value for the whole run with global_batch_size",
-            f"a schedule of {sorted(values)}",
-        )
-    return int(values.pop())
-
-
-def _per_rank_shards(dataloader: Any) -> bool:
-    """Whether ranks may yield different numbers of batches: anything but Lightning's ``DistributedSampler``."""
-    if not isinstance(dataloader, DataLoader):
-        return True
-    if isinstance(dataloader.dataset, IterableDataset):
-        return True
-    sampler = getattr(dataloader.batch_sampler, "sampler", None) or dataloader.sampler
-    return not isinstance(sampler, DistributedSampler)
-
-
-def _length(dataloader: Any) -> float:
-    try:
-        return len(dataloader)
-    except TypeError:
-        return float("inf")
-
-
-def _resumable_train_loader(dataloader: Any, trainer: Any) -> Any:
-    """The training DataLoader with its distributed sampler wrapped in a :class:`ResumableSampler`.
-
-    A run resumed in the middle of an epoch skips the batches it already trained (the epoch
-    loop's restored count of processed batches); every run draws the workers' base seed from the
-    sampler's own generator, not the global stream. Loaders without a ``DistributedSampler`` (or
-    with a custom batch sampler) are left as they are.
-    """
-    if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.sampler, DistributedSampler):
-        return dataloader
-    if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
-        return dataloader
-    epoch = trainer.current_epoch
-    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    if done >= len(dataloader):  # the checkpoint ended its epoch: the next one starts afresh
-        epoch, done = epoch + 1, 0
-    # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; this one is exact
-    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-    seed = None if dataloader.generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-    sampler = ResumableSampler(dataloader.sampler, done * dataloader.batch_size, epoch, seed, trainer.global_rank)
-    rebuilt = update_dataloader(dataloader, sampler)
-    if seed is not None:
-        rebuilt.generator = sampler.generator
-    return rebuilt
 
 
 DDPPluginsStrategy.register_strategies(StrategyRegistry)

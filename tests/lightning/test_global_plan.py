@@ -136,8 +136,8 @@ def _resume(out_dir, ckpt, global_batch_size):
     return {"state": _state(model), "seen": model.seen}
 
 
-def _reference(world, accumulate, epochs=EPOCHS, rows=ROWS, bn=True):
-    """One process: every step's micro-batch m is the union of the ranks' micro-batches m, each
+def _reference(accumulate, epochs=EPOCHS, rows=ROWS, bn=True):
+    """One process on the plan (no world size in it): every step in `accumulate` micro-batches, each
     row's loss divided by the step's rows; returns the state and the mean loss of every micro-batch."""
     x, y, _ = _data(rows)
     net = _net(bn)
@@ -147,12 +147,10 @@ def _reference(world, accumulate, epochs=EPOCHS, rows=ROWS, bn=True):
     for epoch in range(epochs):
         order = plan.order(epoch)
         for step in range(plan.steps_per_epoch):
-            shares = [plan.micro_batches(epoch, step, r, world, accumulate, order) for r in range(world)]
-            for m in range(accumulate):
-                rows = [i for share in shares for i in share[m]]
-                loss = cross_entropy(net(x[rows]), y[rows], reduction="sum")
+            for ids in plan.micro_batches(epoch, step, 0, 1, accumulate, order):
+                loss = cross_entropy(net(x[ids]), y[ids], reduction="sum")
                 (loss / plan.step_size(step)).backward()
-                losses.append(float(loss.detach()) / len(rows))
+                losses.append(float(loss.detach()) / len(ids))
             opt.step()
             opt.zero_grad()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
@@ -183,10 +181,10 @@ def test_lightning_sets_the_epoch_of_the_plan():
 @pytest.mark.slow
 def test_three_uneven_ranks_with_accumulation_and_syncbn_equal_one_process():
     ranks = run_lightning(_run_accumulated, world_size=3, timeout=240)
-    ref_state, ref_losses = _reference(world=3, accumulate=2)
+    ref_state, ref_losses = _reference(accumulate=2)
     micro_per_epoch = GlobalPlan(ROWS, G).steps_per_epoch * 2
     assert [len(r["seen"]) for r in ranks] == [EPOCHS * micro_per_epoch] * 3, "ranks ran different step counts"
-    assert [len(ids) for ids in ranks[2]["seen"][:micro_per_epoch]] == [3, 2, 3, 2, 3, 2, 1, 0]
+    assert [len(ids) for ids in ranks[2]["seen"][:micro_per_epoch]] == [2, 3, 2, 3, 2, 3, 1, 0]
     _assert_each_row_once_per_epoch(ranks, EPOCHS, micro_per_epoch)
     steps = EPOCHS * GlobalPlan(ROWS, G).steps_per_epoch
     for rank, r in enumerate(ranks):
@@ -200,7 +198,7 @@ def test_three_uneven_ranks_with_accumulation_and_syncbn_equal_one_process():
 @pytest.mark.slow
 def test_a_last_step_shorter_than_the_world_leaves_two_ranks_empty_and_equals_one_process():
     ranks = run_lightning(_run_short_last_step, world_size=3, timeout=240)
-    ref_state, ref_losses = _reference(world=3, accumulate=1, rows=SHORT, bn=False)
+    ref_state, ref_losses = _reference(accumulate=1, rows=SHORT, bn=False)
     steps = GlobalPlan(SHORT, G).steps_per_epoch
     assert [[len(ids) for ids in r["seen"][steps - 1 :: steps]] for r in ranks] == [[1, 1], [0, 0], [0, 0]]
     for rank, r in enumerate(ranks):
@@ -219,7 +217,7 @@ def two_rank_run(tmp_path_factory):
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_and_a_resume_on_three_ranks_continues_at_the_same_row(two_rank_run):
     ranks, ckpt_dir = two_rank_run
-    ref_state, _ = _reference(world=1, accumulate=1)  # one micro-batch per step: the same for any world size
+    ref_state, _ = _reference(accumulate=1)
     for rank, r in enumerate(ranks):
         _assert_state(r["state"], ref_state, f"2 ranks, rank {rank}")
     _assert_each_row_once_per_epoch(ranks, EPOCHS, GlobalPlan(ROWS, G).steps_per_epoch)
@@ -236,7 +234,7 @@ def test_two_ranks_equal_one_process_and_a_resume_on_three_ranks_continues_at_th
 @pytest.mark.slow
 def test_a_resume_on_one_rank_continues_and_resumes_that_would_skew_the_epoch_are_refused(two_rank_run):
     _, ckpt_dir = two_rank_run
-    ref_state, _ = _reference(world=1, accumulate=1)
+    ref_state, _ = _reference(accumulate=1)
     plan_ckpt, plain_ckpt = str(ckpt_dir / "plan-step=3.ckpt"), str(ckpt_dir / "plain-step=2.ckpt")
     (one,) = run_lightning(_resume, plan_ckpt, G, world_size=1, timeout=240)
     _assert_state(one["state"], ref_state, "resumed on 1 rank")
@@ -340,3 +338,105 @@ def test_a_preemption_signal_rides_in_the_uneven_round_and_stops_every_rank_at_o
     assert ranks[0]["step"] == ranks[1]["step"] and 4 <= ranks[0]["step"] <= 6, ranks  # signalled in step 4
     assert ranks[0]["own_rounds"] == ranks[1]["own_rounds"] == 0, "the stop check made rounds of its own"
     assert ranks[0]["files"] == [f"step-{ranks[0]['step']}-preempted.ckpt"], ranks[0]["files"]
+
+
+class _EpochLogged(_Model):
+    """Also logs the loss as an epoch mean over ranks (an empty micro-batch's mean loss is NaN)."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch_means = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/epoch_loss", loss, sync_dist=True, on_step=False, on_epoch=True)
+        self.log("train/worst", loss, sync_dist=True, on_step=False, on_epoch=True, reduce_fx="max")
+        return loss
+
+    def on_train_epoch_end(self):
+        metrics = self.trainer.callback_metrics
+        self.epoch_means.append((float(metrics["train/epoch_loss"]), float(metrics["train/worst"])))
+
+
+def _run_uneven_accumulated(out_dir, ckpt_path=None):
+    pl.seed_everything(SEED)
+    model = _EpochLogged()
+    model.train_dataloader = lambda: DataLoader(_Shard(), batch_size=4)
+    every3 = ModelCheckpoint(dirpath=out_dir, filename="uneven-{step}", every_n_train_steps=3, save_top_k=-1)
+    trainer = _trainer(None, accumulate=2, callbacks=[every3], checkpoints=True)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    saved = Path(out_dir) / "uneven-step=3.ckpt"
+    return {
+        "state": _state(model),
+        "seen": model.seen,
+        "epochs": model.epoch_means,
+        "steps": trainer.global_step,
+        "checkpoint": saved.read_bytes() if saved.exists() and ckpt_path is None else None,
+    }
+
+
+def _reference_uneven_windows(k=2, epochs=EPOCHS):
+    """One process: window w of K micro-batches; micro-batch m is the union of the ranks' batch
+    w*K+m; every row's loss is divided by the rows of the whole window (the optimizer step)."""
+    x, y, _ = _uneven_data()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    batches = [[list(shard)[i : i + 4] for i in range(0, len(shard), 4)] for shard in SHARDS]
+    longest = max(len(b) for b in batches)
+    epoch_means = []
+    for _ in range(epochs):
+        total, rows_seen = 0.0, 0
+        for first in range(0, longest, k):
+            micro = [[i for b in batches if m < len(b) for i in b[m]] for m in range(first, min(first + k, longest))]
+            step_rows = sum(len(rows) for rows in micro)
+            for rows in micro:
+                loss = cross_entropy(net(x[rows]), y[rows], reduction="sum")
+                (loss / step_rows).backward()
+                total, rows_seen = total + float(loss.detach()), rows_seen + len(rows)
+            opt.step()
+            opt.zero_grad()
+        epoch_means.append(total / rows_seen)
+    return {k_: v.detach().clone() for k_, v in net.state_dict().items()}, epoch_means
+
+
+@pytest.mark.slow
+def test_uneven_shards_with_accumulation_equal_one_process_per_window_and_resume_inside_an_epoch(tmp_path):
+    ranks = run_lightning(_run_uneven_accumulated, world_size=3, timeout=240)
+    ref_state, ref_epoch_means = _reference_uneven_windows()
+    for rank, r in enumerate(ranks):
+        assert r["steps"] == EPOCHS * 5, f"rank {rank}: {r['steps']} optimizer steps, not 5 windows of 2 per epoch"
+        _assert_state(r["state"], ref_state, f"rank {rank}")
+        # the epoch means are over rows, and the empty micro-batches' NaN counts for nothing
+        means = [mean for mean, _ in r["epochs"]]
+        torch.testing.assert_close(torch.tensor(means), torch.tensor(ref_epoch_means), rtol=1e-9, atol=1e-11)
+        assert all(torch.isfinite(torch.tensor(worst)) for _, worst in r["epochs"]), r["epochs"]
+    assert ranks[0]["epochs"] == ranks[2]["epochs"], "rank 2 (no rows at all) must log the same epoch values"
+    # resumed from step 3 (6 micro-batches into epoch 0): each rank skips its own first 6 batches
+    checkpoint = tmp_path / "uneven-step=3.ckpt"
+    checkpoint.write_bytes(ranks[0]["checkpoint"])
+    resumed = run_lightning(_run_uneven_accumulated, str(checkpoint), world_size=3, timeout=240)
+    for rank, r in enumerate(resumed):
+        _assert_state(r["state"], ref_state, f"resumed, rank {rank}")
+        assert [len(ids) for ids in r["seen"][:4]] == [[4, 4, 4, 2], [2, 0, 0, 0], [0, 0, 0, 0]][rank], r["seen"][:4]
+
+
+def _refused_before_launch(global_batch_size, accumulate):
+    model = _Model()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPPluginsStrategy(backend="gloo", global_batch_size=global_batch_size, start_method="spawn"),
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(ValueError) as caught:
+        trainer.fit(model)
+    return caught.value
+
+
+def test_a_global_batch_smaller_than_ranks_times_accumulation_is_refused_before_any_rank_starts():
+    error = _refused_before_launch(3, 2)  # a spawned rank's error would come back as ProcessRaisedException
+    assert type(error).__name__ == "ArgumentValueError" and "\n" not in str(error), repr(error)
+    assert "`global_batch_size` should be at least world size x accumulate_grad_batches (2 x 2 = 4)" in str(error)
