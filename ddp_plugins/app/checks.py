@@ -630,8 +630,9 @@ def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
             )
     except ConfigError:
         raise
-    except ArgumentError as err:
-        raise ConfigError(f"strategy.{err.argument}", err.problem, err.allowed) from None
+    except ArgumentError as err:  # the strategy's checks; devices and num_nodes are the trainer's keys
+        group = "trainer" if err.argument in trainer_args else "strategy"
+        raise ConfigError(f"{group}.{err.argument}", err.problem, err.allowed) from None
     except Exception as err:  # noqa: BLE001 - Lightning raises several types; the message is what matters
         message = _one_line(err)
         key = next((k for k in trainer_args if k in message), None) or _culprit(trainer_args)
@@ -646,6 +647,11 @@ def _culprit(trainer_args: Mapping[str, Any]) -> str | None:
     """The one ``trainer.*`` argument that a Trainer refuses on its own, when Lightning's message names none."""
     from lightning.pytorch import Trainer
 
+    try:
+        with _quiet():
+            Trainer(logger=False)
+    except Exception:  # noqa: BLE001 - a Trainer without arguments refused too: the environment (Slurm's tasks)
+        return None
     for key, value in trainer_args.items():
         try:
             with _quiet():

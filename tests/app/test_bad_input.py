@@ -115,3 +115,26 @@ def test_a_good_sweep_passes_the_check_and_a_bad_one_names_its_job():
     precheck(["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", "model.lr=0.1,0.01"])
     with pytest.raises(ConfigError, match=r"^hydra\.launcher\.tasks_per_node got 2, but trainer\.devices is 1, "):
         precheck(["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", "trainer.devices=1"])
+
+
+def test_a_world_size_that_the_trainer_does_not_match_names_the_trainer_key(monkeypatch):
+    """Under torchrun the check of devices x num_nodes names ``trainer.devices``; a Slurm environment
+    that Lightning refuses whatever the arguments is the environment's fault, not ``trainer.accelerator``'s."""
+    from ddp_plugins.app.checks import ConfigError, precheck
+
+    torchrun = {"TORCHELASTIC_RUN_ID": "t", "WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
+                "LOCAL_WORLD_SIZE": "3", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+    torchrun["MASTER_PORT"] = "29500"
+    with monkeypatch.context() as env:
+        for key, value in torchrun.items():
+            env.setenv(key, value)
+        with pytest.raises(ConfigError, match=r"^trainer\.devices .*\(3\)"):
+            precheck(["trainer.devices=2"])
+    slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "job", "SLURM_JOB_ID": "1",
+             "SLURM_NODELIST": "localhost", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # fmt: skip
+    with monkeypatch.context() as env:
+        for key, value in slurm.items():
+            env.setenv(key, value)
+        with pytest.raises(ConfigError) as refused:
+            precheck(["trainer.devices=2"])
+    assert not str(refused.value).startswith("trainer.accelerator"), refused.value

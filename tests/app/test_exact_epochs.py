@@ -144,18 +144,17 @@ def test_torchrun_elastic_loses_an_agent_and_the_survivor_continues_the_plan_on_
     ``--max-restarts``), re-rendezvouses alone, and the app resumes from the newest checkpoint on 1
     rank, to the end state of one process.
 
-    ``trainer.num_nodes`` follows the rendezvous through torchrun's ``GROUP_WORLD_SIZE``: the app
-    checks ``devices x num_nodes`` against the world size, and an elastic job has no fixed node count.
+    The app's default ``trainer.num_nodes`` follows the rendezvous through torchrun's
+    ``GROUP_WORLD_SIZE`` (an elastic job has no fixed node count), so the command names none.
     """
     port, run_id = free_port(), "exact-elastic"
-    nodes = "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'"  # Hydra-quoted: a nested interpolation
 
     def agent(name: str, hosts_the_store: bool) -> subprocess.Popen:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
             f"--rdzv-conf=is_host={str(hosts_the_store).lower()},{RDZV_CONF}",
-            "-m", "ddp_plugins.train", "trainer.devices=1", nodes, *EXACT,
+            "-m", "ddp_plugins.train", "trainer.devices=1", *EXACT,
         ]  # fmt: skip
         with open(tmp_path / f"{name}.log", "w") as log:  # both agents in one cwd: one run folder
             return subprocess.Popen(cmd, cwd=tmp_path, env=loopback_env(), stdout=log, stderr=subprocess.STDOUT,
