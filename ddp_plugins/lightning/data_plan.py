@@ -295,12 +295,17 @@ class TrainData:
                 )
             self.rows = step_rows(self.plan, batch_idx, rank, world_size, self.accumulate)
 
-    def checkpoint_record(self, trainer: Any) -> dict[str, Any] | None:
-        """What a checkpoint stores: the layout, and on a plan its epoch and the global rows done."""
+    def checkpoint_record(self, module: Any) -> dict[str, Any] | None:
+        """What a checkpoint stores: the layout, and on a plan its epoch and the global rows done.
+
+        ``module`` is the LightningModule (``None`` or detached once a spawned fit has ended: the
+        training position is then not needed, only the layout).
+        """
         if self.record is None:
             return None
-        if self.plan is None:
+        if self.plan is None or module is None:
             return dict(self.record)
+        trainer = module.trainer
         steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed // self.accumulate
         rows = sum(self.plan.step_size(step) for step in range(min(steps, self.plan.steps_per_epoch)))
         return dict(self.record, epoch=trainer.current_epoch, rows_done=rows)

@@ -481,7 +481,7 @@ class DDPPluginsStrategy(DDPStrategy):
         # per-rank parts of callback states (RankAwareSeed's RNG streams) are gathered, so that no
         # state_dict has to communicate (see ddp_plugins.core.checkpoints).
         self.gather_per_rank_state(checkpoint)
-        record = self._data.checkpoint_record(self.lightning_module.trainer) if self.lightning_module else None
+        record = self._data.checkpoint_record(self.lightning_module)
         if record is not None:
             checkpoint[CHECKPOINT_KEY] = record
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
