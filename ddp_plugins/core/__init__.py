@@ -25,9 +25,10 @@ from ddp_plugins.core.comm_hooks import (
     check_comm_hook,
     count_collectives,
 )
+from ddp_plugins.core.files import save_atomic
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
 from ddp_plugins.core.preemption import Preempted, SignalFlag, agree_on_signal, slurm_requeue, stable_run_name
-from ddp_plugins.core.process import exit_process, run_main, save_atomic
+from ddp_plugins.core.process import exit_process, run_main
 from ddp_plugins.core.ranks import get_rank, get_world_size, rank_zero_first, setup_rank_logging
 from ddp_plugins.core.samplers import ResumableSampler, SequentialDistributedSampler
 from ddp_plugins.core.seeding import (

@@ -2,31 +2,26 @@
 ==================
 
 Per-rank state gathered when a checkpoint is saved, checkpoint files written with a SHA-256
-sidecar and verified before loading, the latest checkpoint of a folder, and metrics CSV rows cut
-back to a checkpoint. Plain torch and the standard library.
+sidecar (through :func:`ddp_plugins.core.files.save_atomic`) and verified before loading, and the
+latest checkpoint of a folder. Plain torch and the standard library.
 """
 
 from __future__ import annotations
 
-import csv
 import errno
 import hashlib
-import io
-import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from ddp_plugins.core.process import save_atomic
+from ddp_plugins.core.files import is_temporary, save_atomic, write_text_atomic
 
 __all__ = [
     "DIGEST_SUFFIX",
     "NO_DIGEST",
     "PER_RANK",
-    "count_csv_rows",
     "digest_path",
     "gather_per_rank",
     "latest_checkpoint",
@@ -35,9 +30,6 @@ __all__ = [
     "remove_stale_temporaries",
     "save_checkpoint_file",
     "verify_checkpoint",
-    "read_json",
-    "truncate_csv_rows",
-    "write_text_atomic",
 ]
 
 #: The key of a callback state's per-rank part, which :func:`gather_per_rank` gathers.
@@ -108,7 +100,6 @@ def _newest_first(folder: str | os.PathLike) -> list[Path]:
 
 DIGEST_SUFFIX = ".sha256"
 NO_DIGEST = "no digest"  # how verify_checkpoint's reason begins for a file without a sidecar
-_TEMPORARY = re.compile(r"^\..+\.\d+\.tmp$")  # save_atomic's and write_text_atomic's temporary names
 
 
 def digest_path(path: str | os.PathLike) -> Path:
@@ -242,74 +233,7 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     for path in folder.iterdir():
         checkpoint = path.with_name(path.name[: -len(DIGEST_SUFFIX)])
         orphan = path.name.endswith(".ckpt" + DIGEST_SUFFIX) and not checkpoint.exists()
-        if (_TEMPORARY.match(path.name) or orphan) and path.is_file():
+        if (is_temporary(path) or orphan) and path.is_file():
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync and rename: never half-written."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", newline="") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def read_json(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON object in ``path``, or ``{}`` when the file is missing or not an object."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def count_csv_rows(path: str | os.PathLike) -> int:
-    """Data rows (not the header) of a CSV file; 0 when it does not exist.
-
-    Example::
-
-        >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "m.csv"
-        >>> count_csv_rows(path)
-        0
-        >>> _ = path.write_text("step,loss\\n0,1.5\\n1,1.2\\n")
-        >>> count_csv_rows(path)
-        2
-    """
-    try:
-        with open(path, newline="") as file:
-            return max(sum(1 for _ in csv.reader(file)) - 1, 0)
-    except FileNotFoundError:
-        return 0
-
-
-def truncate_csv_rows(path: str | os.PathLike, rows: int) -> int:
-    """Keep the header and the first ``rows`` data rows of a CSV file (atomically); returns rows dropped.
-
-    Example::
-
-        >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "m.csv"
-        >>> _ = path.write_text("step,loss\\n0,1.5\\n1,1.2\\n2,1.1\\n")
-        >>> truncate_csv_rows(path, 1), path.read_text().splitlines()
-        (2, ['step,loss', '0,1.5'])
-    """
-    try:
-        with open(path, newline="") as file:
-            table = list(csv.reader(file))
-    except FileNotFoundError:
-        return 0
-    if len(table) <= rows + 1:
-        return 0
-    out = io.StringIO()
-    csv.writer(out).writerows(table[: rows + 1])
-    write_text_atomic(path, out.getvalue())
-    return len(table) - rows - 1

@@ -1,9 +1,9 @@
-"""Process exit and atomic files
-==============================
+"""Process exit
+============
 
 The clean exit every process of a DDP run goes through (:func:`run_main`, :func:`exit_process`),
-the atomic write every file of the pack goes through (:func:`save_atomic`), and the parent-death
-signal that ends a child rank with its launcher.
+the parent-death signal that ends a child rank with its launcher, and the forkserver started deaf
+to a job's stop signals. The atomic write lives in :mod:`ddp_plugins.core.files`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NoReturn
+
+# Its old place: ddp_plugins.lightning.sequential_evaluation still imports it from here.
+from ddp_plugins.core.files import save_atomic as save_atomic
 
 __all__ = [
     "STOP_SIGNALS",
@@ -26,7 +28,6 @@ __all__ = [
     "owns_exit",
     "parent_death_signal",
     "run_main",
-    "save_atomic",
     "start_forkserver",
     "system_exit_code",
 ]
@@ -34,41 +35,6 @@ __all__ = [
 _run_main_active = False  # run_main is this process's entry point: it ends it through exit_process
 _exit_code: int | None = None  # the code exit_at_interpreter_exit leaves with; None: not armed
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def save_atomic(obj: Any, path: str | os.PathLike, before_rename: Callable[[Path], None] | None = None) -> Path:
-    """``torch.save`` to ``path`` without ever leaving a half-written file there.
-
-    Writes to a temporary name in the same folder, flushes it to disk, calls ``before_rename`` with
-    the temporary file's path (a digest of the bytes, say), then renames it over ``path`` (atomic on
-    POSIX); on failure the temporary file is removed and ``path`` is untouched.
-
-    Example::
-
-        >>> import tempfile, torch
-        >>> path = save_atomic({"step": 3}, Path(tempfile.mkdtemp()) / "state.pt")
-        >>> torch.load(path)
-        {'step': 3}
-        >>> [p.name for p in path.parent.iterdir()]  # no temporary file left behind
-        ['state.pt']
-    """
-    import torch
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as file:
-            torch.save(obj, file)
-            file.flush()
-            os.fsync(file.fileno())
-        if before_rename is not None:
-            before_rename(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def exit_process(code: int = 0) -> NoReturn:

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from typing_extensions import override
 
-from ddp_plugins.core.checkpoints import write_text_atomic
+from ddp_plugins.core.files import write_text_atomic
 
 __all__ = ["ResumableCSVLogger"]
 

@@ -17,14 +17,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
-from ddp_plugins.core.checkpoints import (
-    count_csv_rows,
-    read_json,
-    remove_checkpoint_file,
-    truncate_csv_rows,
-    write_text_atomic,
-)
+from ddp_plugins.core.checkpoints import remove_checkpoint_file
 from ddp_plugins.core.checks import check_choice, check_int
+from ddp_plugins.core.files import count_csv_rows, read_json, truncate_csv_rows, write_text_atomic
 from ddp_plugins.core.preemption import (
     DEFAULT_SIGNALS,
     Preempted,

@@ -24,7 +24,7 @@ from ddp_plugins.core import (
     save_atomic,
     stable_run_name,
 )
-from ddp_plugins.core.checkpoints import count_csv_rows, truncate_csv_rows
+from ddp_plugins.core.files import count_csv_rows, truncate_csv_rows
 from ddp_plugins.core.preemption import check_signals, restart_scoped_store, slurm_job_id, submitit_signal
 
 
