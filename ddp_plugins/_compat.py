@@ -1,27 +1,36 @@
-"""Private Lightning and torch names
-=================================
+"""Private Lightning, torch and Hydra names
+==========================================
 
-Every name the pack uses that Lightning or torch offer only under a private name, checked against
-torch 2.13.0 and Lightning 2.6.1 (the floor in ``pyproject.toml``) to 2.6.6 (``requirements.lock``);
-``tests/test_compat.py`` fails when an installed version drops one. Why each is needed:
-``docs/design.md``.
+Every name the pack uses that Lightning, torch or Hydra offer only under a private name, checked
+against torch 2.13.0, Lightning 2.6.1 (the floor in ``pyproject.toml``) to 2.6.6
+(``requirements.lock``) and hydra-core 1.3.0 (the floor) to 1.3.8 (``requirements.lock``):
+``CHECKED`` (functions, classes, methods) and ``CHECKED_ATTRIBUTES`` (attributes of instances),
+which ``tests/test_compat.py`` checks against the installed versions, together with the subclasses'
+use of inherited private names. Why each is needed: ``docs/design.md``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
+if TYPE_CHECKING:
+    from hydra.core.config_search_path import ConfigSearchPath
+
 __all__ = [
     "CHECKED",
+    "CHECKED_ATTRIBUTES",
     "BatchNormBase",
     "TorchSyncBatchNormFunction",
     "basic_subprocess_cmd",
     "combined_loader_mode",
     "default_store",
     "explicit_trainer_plugins",
+    "hydra_config_search_path",
+    "hydra_create_main",
+    "hydra_sweep_batches",
     "loop_data_source",
     "set_num_threads_if_needed",
     "set_strategy_comm_hook",
@@ -34,6 +43,7 @@ __all__ = [
 CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules._functions", "SyncBatchNorm"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
+    ("torch.nn.modules.batchnorm", "_BatchNorm._check_input_dim"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.update_main_process_results"),
@@ -47,6 +57,37 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._register_ddp_hooks"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend"),
     ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector.__init__"),
+    ("lightning.pytorch.trainer.connectors.data_connector", "_DataLoaderSource.dataloader"),
+    ("lightning.pytorch.loggers.csv_logs", "ExperimentWriter._check_log_dir_exists"),
+    ("lightning.pytorch.loggers.csv_logs", "ExperimentWriter._rewrite_with_new_header"),
+    ("hydra._internal.core_plugins.basic_sweeper", "BasicSweeper.split_arguments"),
+    ("hydra._internal.hydra", "Hydra.create_main_hydra2"),
+    ("hydra._internal.utils", "create_config_search_path"),
+)
+
+# (module, class, attributes): private attributes that instances of the class have after
+# construction, which the pack reads or sets (on instances of its subclasses too).
+CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "lightning.pytorch.strategies.ddp",
+        "DDPStrategy",
+        (
+            "_checkpoint_io",
+            "_ddp_comm_hook",
+            "_ddp_comm_state",
+            "_ddp_comm_wrapper",
+            "_launcher",
+            "_layer_sync",
+            "_lightning_module",
+            "_start_method",
+            "_timeout",
+        ),
+    ),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", ("_start_method",)),
+    ("lightning.pytorch.loggers.csv_logs", "CSVLogger", ("_experiment", "_fs")),
+    ("lightning.pytorch.utilities.combined_loader", "CombinedLoader", ("_mode",)),
+    ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", ("_data_source",)),
+    ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop", ("_data_source",)),
 )
 
 _LAZY = {
@@ -105,7 +146,17 @@ def update_dataloader(dataloader: Any, sampler: Any) -> Any:
 
 
 def loop_data_source(loop: Any) -> Any:
-    """The object an evaluation or prediction loop asks for its dataloaders (``.dataloader()``)."""
+    """The object an evaluation or prediction loop asks for its dataloaders (``.dataloader()``).
+
+    ``SequentialEvaluation`` replaces its ``dataloader`` method: the loop's ``setup_data`` requests
+    the dataloaders there, injects its ``DistributedSampler`` at once and starts iterating in
+    ``reset``, before any callback hook of the stage runs, so this is the one place where a sampler
+    can be swapped first. The public alternatives fall short: the module's or datamodule's
+    ``*_dataloader`` hooks miss loaders passed to ``trainer.validate(model, dataloaders)``,
+    ``Strategy.process_dataloader`` runs after Lightning's sampler injection (and belongs to the
+    strategy, while the callback works with any DDP strategy), and ``trainer.val_dataloaders`` and
+    friends are read-only views.
+    """
     return loop._data_source
 
 
@@ -119,6 +170,40 @@ def combined_loader_mode(combined: Any) -> str:
         'sequential'
     """
     return str(combined._mode)
+
+
+def hydra_sweep_batches(overrides: list[Any]) -> list[list[list[str]]]:
+    """Hydra's basic sweeper's expansion of parsed overrides: one batch, a list of jobs' overrides.
+
+    Example::
+
+        >>> from hydra.core.override_parser.overrides_parser import OverridesParser
+        >>> hydra_sweep_batches(OverridesParser.create().parse_overrides(["a=1,2", "b=x"]))
+        [[['a=1', 'b=x'], ['a=2', 'b=x']]]
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    return BasicSweeper.split_arguments(overrides, None)
+
+
+def hydra_config_search_path(primary: str) -> ConfigSearchPath:
+    """The config search path Hydra's own command line builds around the primary config location.
+
+    Example::
+
+        >>> [element.path for element in hydra_config_search_path("pkg://ddp_plugins.conf").get_path()][:2]
+        ['pkg://hydra.conf', 'pkg://ddp_plugins.conf']
+    """
+    from hydra._internal.utils import create_config_search_path
+
+    return create_config_search_path(primary)
+
+
+def hydra_create_main(task_name: str, search_path: ConfigSearchPath) -> None:
+    """Initialize the global Hydra (what ``hydra.initialize`` does) from a full search path."""
+    from hydra._internal.hydra import Hydra
+
+    Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path)
 
 
 def strategy_comm_hook(strategy: Any) -> Any:
@@ -139,8 +224,12 @@ def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:
 def explicit_trainer_plugins() -> list[Any]:
     """The plugins the user passed to the ``Trainer`` being built (empty outside its construction).
 
-    Read from the frame of ``_AcceleratorConnector.__init__`` on the call stack: the connector
-    does not keep its ``plugins`` argument.
+    Read from the frame of ``_AcceleratorConnector.__init__`` on the call stack. No other way tells
+    the ``TorchSyncBatchNorm`` the connector makes for ``sync_batchnorm=True`` (swapped for ours)
+    from one the user passed in ``plugins=`` (kept): both are stateless instances of the same class,
+    handed over through the same ``strategy._layer_sync`` assignment, and neither the connector,
+    the ``Trainer`` nor the strategy keeps the ``plugins`` or ``sync_batchnorm`` arguments
+    (Lightning 2.6.1 to 2.6.6, and its master branch of July 2026).
 
     Example::
 

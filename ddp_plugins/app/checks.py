@@ -24,6 +24,7 @@ from typing import Any, Literal, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentError, ArgumentTypeError, ArgumentValueError, check_bool, check_int
 from ddp_plugins.core.preemption import stable_run_name
 from ddp_plugins.core.seeding import check_seed
@@ -227,7 +228,6 @@ def _check_group_choices(overrides: list[str]) -> None:
 
 def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The override list of every job: one without ``-m``, each sweep combination with it."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -236,7 +236,7 @@ def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
         return [overrides]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-        batches = BasicSweeper.split_arguments(parsed, None)
+        batches = _compat.hydra_sweep_batches(parsed)
     except HydraException as err:
         raise ConfigError("override", f"cannot be parsed: {_one_line(err)}", "key=value, key=a,b (a sweep)") from None
     return [job for batch in batches for job in batch]
@@ -262,8 +262,6 @@ def compose_config(
         ('gloo', 1)
     """
     from hydra import compose, version
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -273,9 +271,11 @@ def compose_config(
     name = flags.get("--config-name", flags.get("-cn", CONFIG_NAME))
     path = flags.get("--config-path", flags.get("-cp"))
     extra_dir = flags.get("--config-dir", flags.get("-cd"))
-    # The search path Hydra's own command line builds (hydra._internal.utils._run_hydra): a
-    # `hydra.searchpath` override instead would not find a primary config that only --config-dir has.
-    search_path = create_config_search_path(f"file://{Path(path).resolve()}" if path else f"pkg://{CONFIG_MODULE}")
+    # The search path Hydra's own command line builds: a `hydra.searchpath` override instead
+    # would not find a primary config that only --config-dir has.
+    search_path = _compat.hydra_config_search_path(
+        f"file://{Path(path).resolve()}" if path else f"pkg://{CONFIG_MODULE}"
+    )
     if extra_dir:
         search_path.prepend(
             provider="command-line",
@@ -285,7 +285,7 @@ def compose_config(
     GlobalHydra.instance().clear()
     version.setbase("1.3")
     try:
-        Hydra.create_main_hydra2(task_name="app", config_search_path=search_path)
+        _compat.hydra_create_main("app", search_path)
         return compose(config_name=name, overrides=list(overrides or []), return_hydra_config=hydra_node)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(
