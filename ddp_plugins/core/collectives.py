@@ -9,7 +9,7 @@ collects step outputs. Plain torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -114,14 +114,30 @@ def _unflatten(data: Any, leaves: Any) -> Any:
     return type(data)(_unflatten(value, leaves) for value in data)
 
 
-def _describe(leaf: Any) -> tuple:
+class _LeafMeta(NamedTuple):
+    """What a rank tells the others about one leaf of its ``data``."""
+
+    kind: str  # "tensor", or "rows" for a list of Python objects
+    dtype: str  # the tensor's dtype without "torch.", "list" for rows
+    shape: tuple[int, ...]  # the tensor's shape, (len,) for rows
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+class _RankMeta(NamedTuple):
+    """What one rank sends in :func:`_concat`'s single metadata gather."""
+
+    spec: Any  # the structure of its data, from _flatten
+    leaves: list[_LeafMeta]  # one per leaf, in _flatten's order
+    rows: list[list[Any]]  # its row lists themselves, in leaf order (they travel here, not in a tensor)
+    error: str | None = None  # a failure found on that rank, raised by every rank
+
+
+def _describe(leaf: Any) -> _LeafMeta:
     if isinstance(leaf, Tensor):
-        return ("tensor", str(leaf.dtype).replace("torch.", ""), tuple(leaf.shape))
-    return ("rows", "list", (len(leaf),))
-
-
-def _fmt(meta: tuple) -> str:
-    return f"{meta[1]}[{', '.join(map(str, meta[2]))}]"
+        return _LeafMeta("tensor", str(leaf.dtype).replace("torch.", ""), tuple(leaf.shape))
+    return _LeafMeta("rows", "list", (len(leaf),))
 
 
 def _pad(tensor: Tensor, shape: tuple, pad_value: float | None) -> Tensor:
@@ -207,50 +223,52 @@ def _concat(
         except TypeError as exc:
             error = str(exc)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    mine = _RankMeta(
+        spec, [_describe(leaf) for _, leaf in leaves], [leaf for _, leaf in leaves if _is_rows(leaf)], error
+    )
     if not distributed:
         if error is not None:
             raise ValueError(error)
-        all_meta = [(spec, [_describe(leaf) for _, leaf in leaves], [leaf for _, leaf in leaves if _is_rows(leaf)])]
+        all_meta = [mine]
     else:
         # one collective carries every rank's structure, shapes, errors and row lists, so all ranks raise alike
-        meta = (spec, [_describe(leaf) for _, leaf in leaves], [leaf for _, leaf in leaves if _is_rows(leaf)], error)
-        gathered_meta: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered_meta, meta, group=group)
-        failed = [(rank, m[3]) for rank, m in enumerate(gathered_meta) if m[3] is not None]
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        all_meta = gathered
+        failed = [(rank, meta.error) for rank, meta in enumerate(all_meta) if meta.error is not None]
         if failed:
             raise ValueError("; ".join(f"rank {rank}: {message}" for rank, message in failed))
-        all_meta = [m[:3] for m in gathered_meta]
     _check_consistent(all_meta, [name for name, _ in leaves], pad_value)
     outs: list[Any] = []
     row_leaf = 0
     for j, (_, leaf) in enumerate(leaves):
         if _is_rows(leaf):
-            outs.append([item for m in all_meta for item in m[2][row_leaf]])
+            outs.append([item for meta in all_meta for item in meta.rows[row_leaf]])
             row_leaf += 1
         elif not distributed:
             outs.append(leaf)
         else:
-            outs.append(_gather_tensor(leaf, [m[1][j][2] for m in all_meta], pad_value, group))
+            outs.append(_gather_tensor(leaf, [meta.leaves[j].shape for meta in all_meta], pad_value, group))
     result = _unflatten(data, iter(outs))
     return result if num_total_examples is None else truncate_rows(result, num_total_examples)
 
 
-def _check_consistent(all_meta: list[Any], names: list[str], pad_value: float | None) -> None:
+def _check_consistent(all_meta: list[_RankMeta], names: list[str], pad_value: float | None) -> None:
     def table() -> str:
         return "; ".join(
-            f"rank {rank}: " + ", ".join(f"{name} {_fmt(meta)}" for name, meta in zip(names, m[1], strict=False))
-            for rank, m in enumerate(all_meta)
+            f"rank {rank}: " + ", ".join(f"{name} {leaf}" for name, leaf in zip(names, meta.leaves, strict=False))
+            for rank, meta in enumerate(all_meta)
         )
 
-    if len({repr(m[0]) for m in all_meta}) > 1:
-        shown = "; ".join(f"rank {rank}: {m[0]}" for rank, m in enumerate(all_meta))
+    if len({repr(meta.spec) for meta in all_meta}) > 1:
+        shown = "; ".join(f"rank {rank}: {meta.spec}" for rank, meta in enumerate(all_meta))
         raise ValueError(f"`data` has a different structure on each rank, so it cannot be concatenated: {shown}.")
     for j, name in enumerate(names):
-        metas = [m[1][j] for m in all_meta]
-        if len({meta[:2] for meta in metas}) > 1:
+        leaves = [meta.leaves[j] for meta in all_meta]
+        if len({(leaf.kind, leaf.dtype) for leaf in leaves}) > 1:
             raise ValueError(f"`data` {name} has a different dtype on each rank: {table()}.")
-        shapes = [meta[2] for meta in metas if meta[0] == "tensor" and meta[2] and meta[2][0] > 0]
-        if len({len(shape) for shape in shapes}) > 1 or any(len(meta[2]) == 0 for meta in metas):
+        shapes = [leaf.shape for leaf in leaves if leaf.kind == "tensor" and leaf.shape and leaf.shape[0] > 0]
+        if len({len(shape) for shape in shapes}) > 1 or any(len(leaf.shape) == 0 for leaf in leaves):
             raise ValueError(f"`data` {name} needs the same number of dims (>= 1) on every rank: {table()}.")
         if len({shape[1:] for shape in shapes}) > 1 and pad_value is None:
             raise ValueError(
