@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from ddp_plugins.app import train
+from ddp_plugins.core.files import write_text_atomic
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -65,9 +66,7 @@ def main() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
     out, lines = sys.argv[1], json.loads(sys.argv[2])
     results = [_run(argv) for argv in lines]
-    with open(out + ".tmp", "w") as file:
-        json.dump(results, file)
-    os.replace(out + ".tmp", out)
+    write_text_atomic(out, json.dumps(results))
 
 
 if __name__ == "__main__":
