@@ -18,9 +18,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-# Its old place: ddp_plugins.lightning.sequential_evaluation still imports it from here.
-from ddp_plugins.core.files import save_atomic as save_atomic
-
 __all__ = [
     "STOP_SIGNALS",
     "exit_at_interpreter_exit",

@@ -30,7 +30,7 @@ from typing_extensions import override
 from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_choice, check_number
 from ddp_plugins.core.collectives import concat_batches, distributed_concat, num_rows, truncate_rows
-from ddp_plugins.core.process import save_atomic
+from ddp_plugins.core.files import save_atomic
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 
 __all__ = ["SequentialEvaluation"]
