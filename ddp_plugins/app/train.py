@@ -22,15 +22,8 @@ from typing import Any, cast
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_plugins.app.checks import (
-    CONFIG_MODULE,
-    CONFIG_NAME,
-    ConfigError,
-    load_checkpoint_safely,
-    precheck,
-    resolve_precision,
-    single_run_config,
-)
+from ddp_plugins.app.config import CONFIG_MODULE, CONFIG_NAME, ConfigError, resolve_precision
+from ddp_plugins.app.precheck import load_checkpoint_safely, precheck, single_run_config
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
@@ -53,7 +46,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     Example::
 
         >>> import tempfile
-        >>> from ddp_plugins.app.checks import compose_config
+        >>> from ddp_plugins.app.config import compose_config
         >>> cfg = compose_config(["trainer.accelerator=cpu", "trainer.devices=1", "trainer.max_epochs=2"])
         >>> trainer = build_trainer(cfg, tempfile.mkdtemp())
         >>> trainer.max_epochs, type(trainer.strategy).__name__, trainer.logger.name

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ddp_plugins.app.checks import max_cpu_processes
+from ddp_plugins.app.precheck import max_cpu_processes
 from tests.helpers.multiprocess import check_ok, loopback_env, run_command
 
 # (command line, the config key the error must name)
@@ -51,6 +51,9 @@ BAD_COMMAND_LINES = [
     ("strategy.comm_hook=zip", "strategy.comm_hook"),
     ("strategy.powersgd_rank=0", "strategy.powersgd_rank"),
     ("deterministic=maybe", "deterministic"),
+    ("global_batch_size=abc", "global_batch_size"),  # a wrong type for the schema (TrainConfig)
+    ("checkpoint.keep=x", "checkpoint.keep"),
+    ("+checkpoint.foo=1", "checkpoint.foo"),
     ("seed=-1", "seed"),
     ("seed=99999999999", "seed"),
     ("no_such_key=1", "override"),
@@ -107,7 +110,8 @@ def test_bad_command_line_fails_at_once_with_one_line(walked, line, key):
 
 
 def test_a_good_sweep_passes_the_check_and_a_bad_one_names_its_job():
-    from ddp_plugins.app.checks import ConfigError, precheck
+    from ddp_plugins.app.config import ConfigError
+    from ddp_plugins.app.precheck import precheck
 
     precheck(["-m", "precision=32-true,bf16-mixed", "model.lr=0.1,0.01"])  # every job fine: no error
     with pytest.raises(ConfigError, match=r"^model\.lr got -3, allowed: a positive finite number$"):
@@ -120,7 +124,8 @@ def test_a_good_sweep_passes_the_check_and_a_bad_one_names_its_job():
 def test_a_world_size_that_the_trainer_does_not_match_names_the_trainer_key(monkeypatch):
     """Under torchrun the check of devices x num_nodes names ``trainer.devices``; a Slurm environment
     that Lightning refuses whatever the arguments is the environment's fault, not ``trainer.accelerator``'s."""
-    from ddp_plugins.app.checks import ConfigError, precheck
+    from ddp_plugins.app.config import ConfigError
+    from ddp_plugins.app.precheck import precheck
 
     torchrun = {"TORCHELASTIC_RUN_ID": "t", "WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
                 "LOCAL_WORLD_SIZE": "3", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}  # fmt: skip

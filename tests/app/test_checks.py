@@ -10,9 +10,12 @@ import re
 import pytest
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
+from omegaconf import OmegaConf
 
-from ddp_plugins.app import checks
-from ddp_plugins.app.checks import ConfigError, build_objects, check_config, compose_config, precheck
+from ddp_plugins.app import config
+from ddp_plugins.app.checks import build_objects
+from ddp_plugins.app.config import ConfigError, compose_config
+from ddp_plugins.app.precheck import _check_devices, check_config, max_cpu_processes, precheck
 from ddp_plugins.app.train import build_trainer
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 
@@ -26,16 +29,16 @@ CPU_ERRORS = {
 
 
 def test_groups_and_their_options():
-    assert {g: checks.group_options(g) for g in ["backend", "precision", "strategy"]} == {
+    assert {g: config.group_options(g) for g in ["backend", "precision", "strategy"]} == {
         "backend": ["auto", "gloo", "mpi", "nccl"],
         "precision": ["16-mixed", "32-true", "auto", "bf16-mixed"],
         "strategy": ["ddp", "ddp_notebook", "ddp_spawn"],
     }
     for group in GROUPS:
-        assert checks.group_options(group), f"config group {group} has no options"
+        assert config.group_options(group), f"config group {group} has no options"
 
 
-@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in checks.group_options(g)])
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in config.group_options(g)])
 def test_every_option_composes_and_instantiates(group, option, tmp_path):
     cfg = compose_config([f"{group}={option}"])
     expected_error = CPU_ERRORS.get((group, option))
@@ -50,7 +53,7 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
     assert isinstance(trainer, Trainer)
     assert isinstance(trainer.strategy, DDPPluginsStrategy)
     assert trainer.strategy._get_process_group_backend() == "gloo"  # auto on CPU
-    assert trainer.precision == checks.resolve_precision(cfg.precision.name, "cpu")
+    assert trainer.precision == config.resolve_precision(cfg.precision.name, "cpu")
     instantiate(cfg.data).setup()
     instantiate(cfg.model)
     plugin_types = {type(cb).__name__ for cb in trainer.callbacks}
@@ -59,8 +62,8 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
 
 
 def test_auto_choices_on_cpu():
-    assert checks.resolve_backend("auto", "cpu") == "gloo"
-    assert checks.resolve_precision("auto", "cpu") == "32-true"
+    assert config.resolve_backend("auto", "cpu") == "gloo"
+    assert config.resolve_precision("auto", "cpu") == "32-true"
     cfg = compose_config(["backend=gloo", "precision=bf16-mixed", "trainer.devices=2", "trainer.max_epochs=3"])
     assert (cfg.backend.name, cfg.precision.name, cfg.trainer.devices, cfg.trainer.max_epochs) == (
         "gloo",
@@ -106,7 +109,7 @@ BAD_INPUTS = [
     (
         ["trainer.devices=64"],
         f"trainer.devices got 64, more CPU processes than this machine runs well ({os.cpu_count()} cores),"
-        f" allowed: 1 to {checks.max_cpu_processes()}",
+        f" allowed: 1 to {max_cpu_processes()}",
     ),
     (["trainer.devices=0"], "trainer.devices got 0, allowed: a positive integer or 'auto'"),
     (["trainer.max_epochs=abc"], "trainer.max_epochs got 'abc', allowed: Optional[int]"),
@@ -125,6 +128,36 @@ def test_precheck_rejects_bad_input(argv, message):
     assert str(err.value) == f"{err.value.key} {err.value.problem}, allowed: {err.value.allowed}"
 
 
+SCHEMA_ERRORS = [
+    (["deterministic=maybe"], "deterministic got 'maybe', allowed: true or false"),
+    (["seed=abc"], "seed got 'abc', allowed: an integer"),
+    (["global_batch_size=abc"], "global_batch_size got 'abc', allowed: an integer or null"),
+    (["checkpoint.keep=x"], "checkpoint.keep got 'x', allowed: an integer"),
+    (["checkpoint=5"], "checkpoint got 5, allowed: a mapping of every_n_train_steps, keep"),
+    (["resume=null"], "resume got None, allowed: 'auto', 'never' or the path of a checkpoint file"),
+    (["network.env=5"], "network.env got 5, allowed: a mapping of environment variable names to values"),
+    (["seed=${oc.env:DDP_PLUGINS_NO_SUCH_VARIABLE,abc}"], "seed got 'abc', allowed: an integer"),  # resolved late
+    (["+checkpoint.foo=1"], "checkpoint.foo is not a key of the app's config, allowed: 'every_n_train_steps', 'keep'"),
+    (["+foo=1"], "foo is not a key of the app's config, allowed: 'backend', 'callbacks', 'checkpoint', 'data',"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), SCHEMA_ERRORS)
+def test_the_schema_types_the_keys_and_its_errors_are_one_line(argv, message):
+    """OmegaConf refuses a wrong type against ``TrainConfig``; the app restates it on the error's ``full_key``."""
+    with pytest.raises(ConfigError) as err:
+        precheck(argv)
+    assert str(err.value).startswith(message), str(err.value)
+    assert str(err.value) == f"{err.value.key} {err.value.problem}, allowed: {err.value.allowed}"
+
+
+def test_the_composed_config_is_typed_by_the_schema():
+    cfg = compose_config(["seed=7", "deterministic=true", "checkpoint.keep=3"])
+    assert OmegaConf.get_type(cfg) is config.TrainConfig
+    assert (cfg.seed, cfg.deterministic, cfg.checkpoint.keep) == (7, True, 3)
+    assert isinstance(build_objects(cfg)["strategy"], DDPPluginsStrategy)  # `_target_` nodes still instantiate
+
+
 def test_multirun_sweep_values_are_checked_before_any_job():
     with pytest.raises(ConfigError, match="^backend got 'foo', allowed: one of"):
         precheck(["-m", "backend=gloo,foo"])
@@ -140,11 +173,11 @@ def test_gpu_device_forms_are_checked_against_the_gpu_count(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for ok in (1, 2, -1, [0, 1], [1]):
-        checks._check_devices(ok, "gpu")
+        _check_devices(ok, "gpu")
     for bad, message in (
         (3, "trainer.devices got 3, more GPUs than this machine has (2), allowed: 1 to 2"),
         ([0, 2], "trainer.devices got [0, 2], allowed: GPU indices between 0 and 1"),
         ([], "trainer.devices got [], allowed: GPU indices between 0 and 1"),
     ):
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
-            checks._check_devices(bad, "gpu")
+            _check_devices(bad, "gpu")

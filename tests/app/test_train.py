@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_plugins.app.checks import compose_config
+from ddp_plugins.app.config import compose_config
 from ddp_plugins.app.train import _accuracy_key, _reset_job_state
 from ddp_plugins.core.toolkit import free_port
 from tests.app.test_checks import BAD_INPUTS, GROUPS

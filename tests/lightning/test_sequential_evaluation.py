@@ -170,7 +170,7 @@ def test_docstring_examples_run():
 def test_hydra_config_instantiates_the_callback():
     from hydra.utils import instantiate
 
-    from ddp_plugins.app.checks import compose_config
+    from ddp_plugins.app.config import compose_config
 
     path = REPO_ROOT / "conf" / "callbacks" / "sequential_evaluation.yaml"
     assert path.read_text().startswith("# @package callbacks.sequential_evaluation\n")
