@@ -1,12 +1,14 @@
 """Benchmark: ``distributed_concat`` against a raw ``dist.all_gather`` + ``torch.cat`` of the same bytes.
 
 Two gloo ranks on 127.0.0.1, each holding ``N / 2`` rows x 10 classes of float32 (equal shards,
-the only case the raw anchor supports), for N = 10^4 and 10^6. Both methods run in the same
-processes, interleaved; time is the median over repeats, peak memory is the rise of the
+the only case the raw anchor supports), for N = 10^3, 10^4 and 10^6. Both methods run in the same
+processes, alternating call by call; time is the median over repeats, peak memory is the rise of the
 process's resident set during one call (``VmHWM`` reset through ``/proc/self/clear_refs``, with
 glibc told to map every large block afresh so that freed memory does not hide the peak).
 A third row per size shows ``distributed_concat`` with uneven shards (rank 0 one row more),
-which the raw anchor cannot do. The ranks are started by :func:`ddp_plugins.core.spawn`.
+which the raw anchor cannot do, and the last column counts the collective rounds of one call of each
+(after the first call on the group, which agrees on the buffer size). The ranks are started by
+:func:`ddp_plugins.core.spawn`.
 Run: ``.venv/bin/python benchmarks/bench_evaluation.py``.
 """
 
@@ -24,11 +26,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddp_plugins.core import distributed_concat, run_main, spawn
+from ddp_plugins.core import count_collectives, distributed_concat, run_main, spawn
 
-SIZES = (10_000, 1_000_000)
+SIZES = (1_000, 10_000, 1_000_000)
 CLASSES = 10
-REPEATS = {10_000: 30, 1_000_000: 8}
+REPEATS = {1_000: 150, 10_000: 100, 1_000_000: 15}
+ROUNDS = (
+    "all_gather",
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor",
+    "all_gather_object",
+)
 
 
 def _rss_kb(field: str) -> int:
@@ -59,14 +66,22 @@ def _peak_mb(fn, t: torch.Tensor) -> float:
     return peak / 1024
 
 
-def _seconds(fn, t: torch.Tensor, repeats: int) -> float:
-    times = []
+def _seconds(fns: dict, t: dict, repeats: int) -> dict:
+    """Median seconds per call of each function, calling them in turn so that load hits them alike."""
+    times: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
+        for name, fn in fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn(t[name])
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _rounds(fn, t: torch.Tensor) -> int:
+    with count_collectives(ROUNDS) as counts:
         fn(t)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return sum(counts.calls.values())
 
 
 def _worker(rank: int, world_size: int) -> list:
@@ -79,13 +94,12 @@ def _worker(rank: int, world_size: int) -> list:
         assert torch.equal(_ours(shard), expected), "distributed_concat differs from the raw gather"
         for fn in (_raw, _ours):  # warm up both paths
             fn(shard)
+        rounds = {"raw": _rounds(_raw, shard), "ours": _rounds(_ours, shard)}
         mem = {"raw": _peak_mb(_raw, shard), "ours": _peak_mb(_ours, shard), "uneven": _peak_mb(_ours, uneven)}
-        sec = {"raw": [], "ours": [], "uneven": []}
-        for _ in range(3):  # interleave so load on the machine hits both alike
-            sec["raw"].append(_seconds(_raw, shard, REPEATS[n]))
-            sec["ours"].append(_seconds(_ours, shard, REPEATS[n]))
-            sec["uneven"].append(_seconds(_ours, uneven, REPEATS[n]))
-        rows.append((n, {k: min(v) for k, v in sec.items()}, mem))
+        sec = _seconds(
+            {"raw": _raw, "ours": _ours, "uneven": _ours}, {"raw": shard, "ours": shard, "uneven": uneven}, REPEATS[n]
+        )
+        rows.append((n, sec, mem, rounds))
     dist.barrier()
     return rows
 
@@ -98,16 +112,21 @@ def main() -> None:
     print(f"distributed_concat vs raw all_gather + cat, 2 gloo ranks, float32 x {CLASSES} classes\n")
     print(
         "| samples | gathered | raw time | concat time | time ratio | raw peak | concat peak | peak ratio |"
-        " concat uneven time / peak |"
+        " concat uneven time / peak | rounds (raw / concat) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n, sec, mem in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n, sec, mem, rounds in rows:
+        peak_ratio = f"{mem['ours'] / mem['raw']:.2f}x" if mem["raw"] >= 0.1 else "-"
         print(
             f"| {n:.0e} | {mb(n):.1f} MB | {sec['raw'] * 1e3:.2f} ms | {sec['ours'] * 1e3:.2f} ms |"
             f" {sec['ours'] / sec['raw']:.2f}x | {mem['raw']:.1f} MB | {mem['ours']:.1f} MB |"
-            f" {mem['ours'] / max(mem['raw'], 1e-9):.2f}x | {sec['uneven'] * 1e3:.2f} ms / {mem['uneven']:.1f} MB |"
+            f" {peak_ratio} | {sec['uneven'] * 1e3:.2f} ms / {mem['uneven']:.1f} MB |"
+            f" {rounds['raw']} / {rounds['ours']} |"
         )
-    print("\nratio = distributed_concat / raw (lower is better); peak = rise of the resident set during one call")
+    print(
+        "\nratio = distributed_concat / raw (lower is better); peak = rise of the resident set during one call"
+        " (no ratio under 0.1 MB); rounds = collectives of one call (all_gather, all_gather_single, all_gather_object)"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ collects step outputs. Plain torch.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import itertools
+import math
+import struct
+import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -35,6 +41,12 @@ def distributed_concat(
     nested dict / tuple / list of those (lists holding tensors are structure). Ranks
     may hold different numbers of rows, including none. Every rank gets the full result, with
     tensors on the device they came from. Works without a process group (world size 1).
+
+    Tensors whose structure and dtypes agree on every rank take one collective round when they fit
+    the buffer size the group's previous call agreed on (at most 1 MiB per rank; the shapes travel
+    with the data), else a small round of shapes, then the data. Python rows, ranks that disagree and
+    ``local_error`` add one exchange of every rank's full metadata, whose errors name every rank's
+    shapes. The buffers are kept per process group between calls.
 
     Args:
         data: this rank's rows.
@@ -222,22 +234,36 @@ def _concat(
             spec, leaves = _flatten(data)
         except TypeError as exc:
             error = str(exc)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    mine = _RankMeta(
-        spec, [_describe(leaf) for _, leaf in leaves], [leaf for _, leaf in leaves if _is_rows(leaf)], error
-    )
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    distributed = world > 1
+    names = [name for name, _ in leaves]
     if not distributed:
         if error is not None:
             raise ValueError(error)
-        all_meta = [mine]
+        _check_consistent([_RankMeta(spec, [_describe(leaf) for _, leaf in leaves], [])], names, pad_value)
+        outs = [list(leaf) if _is_rows(leaf) else leaf for _, leaf in leaves]
     else:
-        # one collective carries every rank's structure, shapes, errors and row lists, so all ranks raise alike
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        all_meta = gathered
-        failed = [(rank, meta.error) for rank, meta in enumerate(all_meta) if meta.error is not None]
-        if failed:
-            raise ValueError("; ".join(f"rank {rank}: {message}" for rank, message in failed))
+        # None for Python rows, a local error or ranks that disagree: then every rank's full metadata
+        tensors_only = _gather_shapes_with_data(spec, leaves, error, pad_value, group, world)
+        outs = (
+            tensors_only if tensors_only is not None else _gather_with_metadata(spec, leaves, error, pad_value, group)
+        )
+    result = _unflatten(data, iter(outs))
+    return result if num_total_examples is None else truncate_rows(result, num_total_examples)
+
+
+def _gather_with_metadata(
+    spec: Any, leaves: list[tuple[str, Any]], error: str | None, pad_value: float | None, group: Any
+) -> list[Any]:
+    """One object gather of every rank's structure, shapes, error and row lists, then one gather per tensor."""
+    mine = _RankMeta(
+        spec, [_describe(leaf) for _, leaf in leaves], [leaf for _, leaf in leaves if _is_rows(leaf)], error
+    )
+    all_meta: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(all_meta, mine, group=group)
+    failed = [(rank, meta.error) for rank, meta in enumerate(all_meta) if meta.error is not None]
+    if failed:
+        raise ValueError("; ".join(f"rank {rank}: {message}" for rank, message in failed))
     _check_consistent(all_meta, [name for name, _ in leaves], pad_value)
     outs: list[Any] = []
     row_leaf = 0
@@ -245,12 +271,214 @@ def _concat(
         if _is_rows(leaf):
             outs.append([item for meta in all_meta for item in meta.rows[row_leaf]])
             row_leaf += 1
-        elif not distributed:
-            outs.append(leaf)
         else:
             outs.append(_gather_tensor(leaf, [meta.leaves[j].shape for meta in all_meta], pad_value, group))
-    result = _unflatten(data, iter(outs))
-    return result if num_total_examples is None else truncate_rows(result, num_total_examples)
+    return outs
+
+
+# The first round of every distributed call: each rank sends a buffer of the size its group agreed
+# on: a header of _HEADER_WORDS int64 words, its leaves' shapes, then its leaves' bytes if they fit.
+_HEADER_WORDS = 8  # status, fingerprint (2 words), leaves, shape words, bytes needed, 2 unused
+_FITS, _SHAPES, _FULL = 0, 1, 2  # status: data inline; shapes only; full metadata exchange needed
+_ALIGN = 16  # every leaf starts at a multiple of this byte, so its bytes view as any dtype
+_FIRST_ROUND_BYTES = 4096  # the buffer size of a group's first call, and the smallest
+_INLINE_MAX_BYTES = 1 << 20  # larger data goes in a second round, gathered in place without copies
+
+
+class _Round:
+    """One group's agreed first-round size, and its send and receive buffers (kept for the next call)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.device: torch.device | None = None
+        self.send_bytes: bytearray | None = None  # CPU buffers are Python bytearrays: struct writes the header
+        self.recv_bytes: bytearray | None = None
+        self.send = self.recv = torch.empty(0, dtype=torch.uint8)
+        self.cached: dict[tuple, tuple[list[Tensor], list[tuple[Tensor, ...]]]] = {}  # views per layout, by views()
+
+    def prepare(self, device: torch.device, world: int) -> None:
+        if self.device == device and self.recv.numel() == world * self.size:
+            return
+        self.device = device
+        self.cached.clear()
+        if device.type == "cpu":
+            self.send_bytes, self.recv_bytes = bytearray(self.size), bytearray(world * self.size)
+            self.send = torch.frombuffer(self.send_bytes, dtype=torch.uint8)
+            self.recv = torch.frombuffer(self.recv_bytes, dtype=torch.uint8)
+        else:
+            self.send_bytes = self.recv_bytes = None
+            self.send = torch.empty(self.size, dtype=torch.uint8, device=device)
+            self.recv = torch.empty(world * self.size, dtype=torch.uint8, device=device)
+
+    def views(self, dtype_shapes: tuple, offsets: list[int]) -> tuple[list[Tensor], list[tuple[Tensor, ...]]]:
+        """Each leaf's place in the send buffer, and its place in every rank's part of the receive buffer."""
+        found = self.cached.get(dtype_shapes)
+        if found is None:
+            if len(self.cached) > 16:
+                self.cached.clear()
+            recv = self.recv.view(-1, self.size)
+            found = self.cached[dtype_shapes] = (
+                [
+                    self.send[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
+                    for (dtype, shape), offset in zip(dtype_shapes, offsets, strict=True)
+                ],
+                [
+                    recv[:, offset : offset + dtype.itemsize * math.prod(shape)]
+                    .view(dtype)
+                    .view(len(recv), *shape)
+                    .unbind()
+                    for (dtype, shape), offset in zip(dtype_shapes, offsets, strict=True)
+                ],
+            )
+        return found
+
+    def write(self, words: list[int]) -> None:
+        if self.send_bytes is not None:
+            struct.pack_into(f"={len(words)}q", self.send_bytes, 0, *words)
+        else:
+            self.send[: 8 * len(words)].copy_(torch.tensor(words, dtype=torch.int64).view(torch.uint8))
+
+    def read(self, count: int) -> list[tuple[int, ...]]:
+        """The first ``count`` words of every rank's buffer."""
+        if self.recv_bytes is not None:
+            words = _words(count)
+            return [words.unpack_from(self.recv_bytes, start) for start in range(0, len(self.recv_bytes), self.size)]
+        return [tuple(row) for row in self.recv.view(-1, self.size)[:, : 8 * count].view(torch.int64).tolist()]
+
+
+@functools.lru_cache(maxsize=64)
+def _words(count: int) -> struct.Struct:
+    return struct.Struct(f"={count}q")
+
+
+_rounds: weakref.WeakKeyDictionary[Any, _Round] = weakref.WeakKeyDictionary()  # per process group
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class _Layout(NamedTuple):
+    """Where one rank's leaves sit in its first-round buffer."""
+
+    words: list[int]  # the header after its status word, then every leaf's shape
+    offsets: list[int]  # the byte where each leaf starts
+    needed: int  # the bytes of header, shapes and leaves
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(spec: Any, dtype_shapes: tuple[tuple[torch.dtype, torch.Size], ...]) -> _Layout:
+    """The layout of leaves of these dtypes and shapes; its fingerprint agrees across ranks when the
+    structure, dtypes and numbers of dims all agree."""
+    text = repr((spec, [(dtype, len(shape)) for dtype, shape in dtype_shapes])).encode()
+    digest = hashlib.blake2b(text, digest_size=16).digest()
+    shapes = [n for _, shape in dtype_shapes for n in shape]
+    offsets, needed = [], _aligned(8 * (_HEADER_WORDS + len(shapes)))
+    for dtype, shape in dtype_shapes:
+        offsets.append(needed)
+        needed = _aligned(needed + dtype.itemsize * math.prod(shape))
+    fingerprint = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
+    return _Layout([*fingerprint, len(dtype_shapes), len(shapes), needed, 0, 0, *shapes], offsets, needed)
+
+
+def _gather_shapes_with_data(
+    spec: Any, leaves: list[tuple[str, Any]], error: str | None, pad_value: float | None, group: Any, world: int
+) -> list[Any] | None:
+    """Gather tensor-only data whose structure and dtypes agree on every rank, ``None`` when it does not.
+
+    One collective when every rank's data fits the buffer size its group agreed on in the previous
+    call (the shapes travel with the data); otherwise that round carries the shapes and the data
+    follows in one in-place gather per tensor. Every rank reads the same headers, so every rank
+    takes the same path and agrees on the buffer size of the next call. ``None`` (after that one
+    round) sends the caller to :func:`_gather_with_metadata`, whose errors name every rank's shapes.
+    """
+    tensors: list[Tensor] = [leaf for _, leaf in leaves]
+    key = dist.group.WORLD if group is None else group
+    rnd = _rounds.get(key)
+    if rnd is None:
+        rnd = _rounds[key] = _Round(_FIRST_ROUND_BYTES)
+    rnd.prepare(_comm_device(group, tensors[0] if tensors else torch.empty(0)), world)
+    words = [_FULL, 0, 0, len(tensors), 0, 0, 0, 0]
+    layout: _Layout | None = None
+    if error is None and all(
+        isinstance(t, Tensor) and t.layout == torch.strided and not t.is_quantized for t in tensors
+    ):
+        dtype_shapes = tuple((t.dtype, t.shape) for t in tensors)
+        layout = _layout(spec, dtype_shapes)
+        status = _FITS if layout.needed <= rnd.size else _SHAPES if 8 * len(layout.words) + 8 <= rnd.size else _FULL
+        try:
+            if status == _FITS:
+                for t, view in zip(tensors, rnd.views(dtype_shapes, layout.offsets)[0], strict=True):
+                    view.copy_(t.detach() if t.requires_grad else t)
+        except (RuntimeError, TypeError, ValueError):  # bytes that cannot be copied as they are: the full exchange
+            status = _FULL
+        if status != _FULL:
+            words = [status, *layout.words]
+    rnd.write(words)
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather_single(rnd.recv, rnd.send, group=group)
+    read = rnd.read(len(words))
+    agreed = all(row[0] != _FULL for row in read) and len({row[1:5] for row in read}) == 1
+    most = max(row[5] for row in read)
+    if not agreed or most > _INLINE_MAX_BYTES:
+        size = _FIRST_ROUND_BYTES
+    elif most > rnd.size or 4 * most < rnd.size:  # grow to fit, or shrink after a much smaller call
+        size = max(most, _FIRST_ROUND_BYTES)
+    else:
+        size = rnd.size
+    if size != rnd.size:
+        _rounds[key] = _Round(size)  # every rank read the same headers, so every rank agrees on it
+    if not agreed or layout is None:
+        return None
+    same = all(row[_HEADER_WORDS:] == read[0][_HEADER_WORDS:] for row in read)
+    if same and all(row[0] == _FITS for row in read) and all(t.dim() for t in tensors):
+        # the common case: every rank holds the same shapes, so each leaf is one concatenation of views
+        return [
+            _on(torch.cat(parts), t.device) if t.numel() else t.new_empty((world * t.shape[0], *t.shape[1:]))
+            for t, parts in zip(tensors, rnd.views(dtype_shapes, layout.offsets)[1], strict=True)
+        ]
+    dims = [t.dim() for t in tensors]
+    all_shapes = [  # [rank][leaf]
+        [
+            tuple(row[start : start + dim])
+            for start, dim in zip(itertools.accumulate(dims, initial=_HEADER_WORDS), dims, strict=False)
+        ]
+        for row in read
+    ]
+    dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
+    all_meta = [
+        _RankMeta(spec, [_LeafMeta("tensor", dtype, shape) for dtype, shape in zip(dtypes, shapes, strict=True)], [])
+        for shapes in all_shapes
+    ]
+    _check_consistent(all_meta, [name for name, _ in leaves], pad_value)  # the same errors as the full exchange
+    if any(row[0] != _FITS for row in read):
+        return [
+            _gather_tensor(t, [shapes[j] for shapes in all_shapes], pad_value, group) for j, t in enumerate(tensors)
+        ]
+    recv = rnd.recv.view(world, rnd.size)
+    outs = []
+    starts = [_aligned(8 * len(words))] * world
+    for j, t in enumerate(tensors):
+        pieces = []
+        for rank in range(world):
+            nbytes = t.element_size() * math.prod(all_shapes[rank][j])
+            pieces.append(recv[rank, starts[rank] : starts[rank] + nbytes].view(t.dtype).view(all_shapes[rank][j]))
+            starts[rank] = _aligned(starts[rank] + nbytes)
+        outs.append(_cat_pieces(t, pieces, pad_value))
+    return outs
+
+
+def _on(tensor: Tensor, device: torch.device) -> Tensor:
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _cat_pieces(tensor: Tensor, pieces: list[Tensor], pad_value: float | None) -> Tensor:
+    """Every rank's rows of one leaf, padded to the largest trailing shape, concatenated on ``tensor``'s device."""
+    filled = [piece for piece in pieces if piece.shape[0] > 0]
+    trailing = tuple(max(sizes) for sizes in zip(*(piece.shape[1:] for piece in filled or pieces), strict=True))
+    if not filled:
+        return tensor.new_empty((0, *trailing))
+    return torch.cat([_pad(piece, (piece.shape[0], *trailing), pad_value) for piece in filled]).to(tensor.device)
 
 
 def _check_consistent(all_meta: list[_RankMeta], names: list[str], pad_value: float | None) -> None:
