@@ -26,7 +26,7 @@ from ddp_plugins.core.toolkit import free_port
 from tests.app.test_safety import _one_line_failure
 from tests.helpers.multiprocess import check_ok, loopback_env, run_command
 from tests.helpers.runs import final_state
-from tests.helpers.slurm import job_fields, release_when_requeued
+from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 PLANNED = [
@@ -212,21 +212,12 @@ def test_slurm_job_requeued_with_one_task_instead_of_two_continues_the_plan_on_o
     takes the task count from ``SLURM_TASKS_PER_NODE`` (the allocation's: ``1``, or ``2(x3)`` on
     many nodes) and passes it to ``srun`` and ``trainer.devices``.
     """
-    env_line = " ".join(f"{k}={v}" for k, v in loopback_env().items() if k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"))
-    script = tmp_path / "job.sh"
-    script.write_text(
-        "#!/bin/bash\n#SBATCH --job-name=ddp-exact\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n"
-        "#SBATCH --requeue\n#SBATCH --output=slurm-%j.out\n"
-        f"export {env_line}\n"
+    srun = (
         "tasks=${SLURM_TASKS_PER_NODE%%(*}\n"
         f"srun --ntasks=$tasks --ntasks-per-node=$tasks {sys.executable} -m ddp_plugins.train"
-        f" trainer.devices=$tasks {' '.join(EXACT)}\n"
+        f" trainer.devices=$tasks {' '.join(EXACT)}"
     )
-    job = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], capture_output=True, text=True, timeout=60,
-        check=True, env=loopback_env(),
-    ).stdout.strip()  # fmt: skip
-    folder = tmp_path / "outputs" / f"slurm-{job}"
+    job, folder = submit_requeue_job(tmp_path, "ddp-exact", srun, loopback_env())
     try:
         deadline = time.monotonic() + 120
         while not list((folder / "checkpoints").glob("step-*.ckpt")):

@@ -23,7 +23,7 @@ import torch
 from ddp_plugins.core.toolkit import free_port
 from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
-from tests.helpers.slurm import job_fields, release_when_requeued
+from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 SMALL = [
@@ -149,19 +149,8 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     """`scancel --signal=USR1` (what `--signal=USR1@90` sends before preemption) on a `--requeue`
     job: every task stops at one step and checkpoints, the job requeues itself, and the requeued
     job continues in its own folder (outputs/slurm-<job id>) to the reference's end state."""
-    env_line = " ".join(f"{k}={v}" for k, v in loopback_env().items() if k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"))
-    script = tmp_path / "job.sh"
-    script.write_text(
-        "#!/bin/bash\n#SBATCH --job-name=ddp-preempt\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n"
-        "#SBATCH --requeue\n#SBATCH --output=slurm-%j.out\n"
-        f"export {env_line}\n"
-        f"srun {sys.executable} -m ddp_plugins.train trainer.devices=2 {' '.join(SMALL)}\n"
-    )
-    job = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], capture_output=True, text=True, timeout=60,
-        check=True, env=loopback_env(),
-    ).stdout.strip()  # fmt: skip
-    folder = tmp_path / "outputs" / f"slurm-{job}"
+    srun = f"srun {sys.executable} -m ddp_plugins.train trainer.devices=2 {' '.join(SMALL)}"
+    job, folder = submit_requeue_job(tmp_path, "ddp-preempt", srun, loopback_env())
     try:
         deadline = time.monotonic() + 240
         while not list((folder / "checkpoints").glob("step-*.ckpt")):  # the first step checkpoint (pruned later)

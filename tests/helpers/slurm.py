@@ -52,6 +52,23 @@ def job_fields(job: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
+def submit_requeue_job(folder: Path, name: str, srun_line: str, env: dict[str, str]) -> tuple[str, Path]:
+    """Submits a ``--requeue`` batch job of 2 tasks on 1 node running ``srun_line`` from ``folder``;
+    returns its id and its app run folder (``outputs/slurm-<job>``). The loopback settings of ``env``
+    (``OMP_NUM_THREADS``, ``GLOO_SOCKET_IFNAME``) are exported in the script."""
+    exported = " ".join(f"{k}={v}" for k, v in env.items() if k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"))
+    script = folder / "job.sh"
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH --job-name={name}\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n"
+        f"#SBATCH --requeue\n#SBATCH --output=slurm-%j.out\nexport {exported}\n{srun_line}\n"
+    )
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={folder}", str(script)], capture_output=True, text=True, timeout=60,
+        check=True, env=env,
+    ).stdout.strip()  # fmt: skip
+    return job, folder / "outputs" / f"slurm-{job}"
+
+
 def release_when_requeued(job: str, fields: dict[str, str]) -> bool:
     """Slurm holds a requeued job for 2 minutes; an operator's release keeps the tests short.
 
