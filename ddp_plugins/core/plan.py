@@ -113,11 +113,11 @@ class GlobalPlan:
         ranks: micro-batch ``m`` holds the same rows on any world size, so SyncBN's statistics of
         each micro-batch are those of one process accumulating over the step.
         """
-        shares, first = [], 0
+        shares, first = [], 0  # first: the rank that gets the next extra row
         for micro in even_split(self.step_size(step), accumulate):
-            q, extra = divmod(micro, world_size)  # the extra rows go round the ranks, so that the
-            share = [q + ((r - first) % world_size < extra) for r in range(world_size)]  # step's
-            shares.append(share)  # shares stay as even as possible too
+            q, extra = divmod(micro, world_size)
+            # the extra rows go round the ranks, so the step's shares stay as even as possible too
+            shares.append([q + ((r - first) % world_size < extra) for r in range(world_size)])
             first = (first + extra) % world_size
         return [[share[rank] for share in shares] for rank in range(world_size)]
 

@@ -31,13 +31,20 @@ def is_step_boundary(trainer: pl.Trainer, accumulate_grad_batches: int | None = 
     :class:`AccumulationNoSync`) sets the window that counts.
     """
     if accumulate_grad_batches is None:
-        for callback in of_kind(_callbacks(trainer), OwnsAccumulationWindow):
-            accumulate_grad_batches = callback.manual_window or accumulate_grad_batches
-        accumulate_grad_batches = accumulate_grad_batches or trainer.accumulate_grad_batches
+        accumulate_grad_batches = current_accumulation(trainer)
     progress = trainer.fit_loop.epoch_loop.batch_progress
     ready = progress.current.ready  # batches of this epoch so far, this one included
     last = progress.is_last_batch or ready == trainer.num_training_batches
     return ready % accumulate_grad_batches == 0 or (last and not trainer.strategy.handles_gradient_accumulation)
+
+
+def current_accumulation(trainer: pl.Trainer) -> int:
+    """The micro-batches of the current optimizer step: a callback's own window (manual
+    optimization, :class:`~ddp_plugins.lightning.contracts.OwnsAccumulationWindow`) or Lightning's."""
+    for callback in of_kind(_callbacks(trainer), OwnsAccumulationWindow):
+        if callback.manual_window:
+            return int(callback.manual_window)
+    return int(trainer.accumulate_grad_batches)
 
 
 def _callbacks(trainer: pl.Trainer) -> list[Callback]:

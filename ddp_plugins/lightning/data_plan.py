@@ -23,7 +23,8 @@ from ddp_plugins._compat import update_dataloader
 from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
 from ddp_plugins.core.samplers import ResumableSampler
-from ddp_plugins.lightning.contracts import AccumulationSchedule, OwnsAccumulationWindow, of_kind
+from ddp_plugins.lightning.accumulation import current_accumulation
+from ddp_plugins.lightning.contracts import AccumulationSchedule, of_kind
 
 __all__ = [
     "ResumeMismatch",
@@ -255,8 +256,7 @@ class TrainData:
                 trainer.current_epoch, done,
             )  # fmt: skip
             mid_epoch = epoch == trainer.current_epoch and done > 0
-            # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the plan's is exact
-            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+            _quiet_mid_epoch_resume_warning()
         elif self.uneven_data and world_size > 1 and _per_rank_shards(dataloader):
             length = _agreed_length(dataloader, device)
             mid_epoch = done > 0 and not progress.is_last_batch and (length is None or done < length)
@@ -270,7 +270,7 @@ class TrainData:
                 start=done if mid_epoch else 0,
             )
             if mid_epoch:
-                warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+                _quiet_mid_epoch_resume_warning()
         else:
             mid_epoch = 0 < done < _length(dataloader)
             dataloader = _resumable_train_loader(dataloader, trainer)
@@ -350,13 +350,10 @@ def run_accumulation(trainer: Any) -> int:
     return int(values.pop())
 
 
-def current_accumulation(trainer: Any) -> int:
-    """The micro-batches of the current optimizer step: a callback's own window (manual
-    optimization, :class:`~ddp_plugins.lightning.contracts.OwnsAccumulationWindow`) or Lightning's."""
-    for callback in of_kind(trainer.callbacks, OwnsAccumulationWindow):
-        if callback.manual_window:
-            return int(callback.manual_window)
-    return int(trainer.accumulate_grad_batches)
+def _quiet_mid_epoch_resume_warning() -> None:
+    """Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the loaders
+    built here (a plan, shards in step, a resumable sampler) resume exactly."""
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
 
 
 def _per_rank_shards(dataloader: Any) -> bool:
@@ -402,8 +399,7 @@ def _resumable_train_loader(dataloader: Any, trainer: Any) -> Any:
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
     if done >= len(dataloader):  # the checkpoint ended its epoch: the next one starts afresh
         epoch, done = epoch + 1, 0
-    # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; this one is exact
-    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    _quiet_mid_epoch_resume_warning()
     seed = None if dataloader.generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
     sampler = ResumableSampler(dataloader.sampler, done * dataloader.batch_size, epoch, seed, trainer.global_rank)
     rebuilt = update_dataloader(dataloader, sampler)
