@@ -119,15 +119,6 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "message"), BAD_INPUTS)
-def test_precheck_rejects_bad_input(argv, message):
-    with pytest.raises(ConfigError) as err:
-        precheck(argv)
-    assert str(err.value).startswith(message), str(err.value)
-    assert "\n" not in str(err.value), "the error must be one line"
-    assert str(err.value) == f"{err.value.key} {err.value.problem}, allowed: {err.value.allowed}"
-
-
 SCHEMA_ERRORS = [
     (["deterministic=maybe"], "deterministic got 'maybe', allowed: true or false"),
     (["seed=abc"], "seed got 'abc', allowed: an integer"),
@@ -142,12 +133,14 @@ SCHEMA_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "message"), SCHEMA_ERRORS)
-def test_the_schema_types_the_keys_and_its_errors_are_one_line(argv, message):
-    """OmegaConf refuses a wrong type against ``TrainConfig``; the app restates it on the error's ``full_key``."""
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUTS + SCHEMA_ERRORS)
+def test_precheck_rejects_bad_input(argv, message):
+    """SCHEMA_ERRORS: OmegaConf refuses a wrong type against ``TrainConfig``, and the app restates it
+    on the error's ``full_key``; the others are the app's and the classes' own checks."""
     with pytest.raises(ConfigError) as err:
         precheck(argv)
     assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value), "the error must be one line"
     assert str(err.value) == f"{err.value.key} {err.value.problem}, allowed: {err.value.allowed}"
 
 
