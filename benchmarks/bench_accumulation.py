@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ddp_plugins.core import LOOPBACK_ENV, run_main
+from ddp_plugins.core import run_main
 from ddp_plugins.lightning import AccumulationNoSync, AllReduceCounter
+from ddp_plugins.testing import LOOPBACK_ENV
 
 K = 8
 STEPS = 8  # optimizer steps per fit; the first is warm-up and not timed

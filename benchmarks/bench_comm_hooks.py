@@ -24,7 +24,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_plugins.core import build_comm_hook, count_collectives, run_main, spawn
+from ddp_plugins.core import build_comm_hook, count_collectives, run_main
+from ddp_plugins.testing import spawn
 
 HOOKS = ("none", "fp16", "powersgd")
 WARMUP, STEPS, BATCH = 3, 12, 32

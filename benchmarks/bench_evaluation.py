@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddp_plugins.core import count_collectives, distributed_concat, run_main, spawn
+from ddp_plugins.core import count_collectives, distributed_concat, run_main
+from ddp_plugins.testing import spawn
 
 SIZES = (1_000, 10_000, 1_000_000)
 CLASSES = 10

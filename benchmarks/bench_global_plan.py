@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from ddp_plugins.core import LOOPBACK_ENV, run_main
+from ddp_plugins.core import run_main
 from ddp_plugins.lightning import DDPPluginsStrategy
+from ddp_plugins.testing import LOOPBACK_ENV
 
 ROWS = 64 * 40  # 40 steps of 64 rows
 WIDTH = 512

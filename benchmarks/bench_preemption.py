@@ -26,8 +26,9 @@ import lightning.pytorch as pl
 import torch
 
 from ddp_plugins.app.demo import DigitsCNN, SyntheticDataModule
-from ddp_plugins.core import LOOPBACK_ENV, run_main
+from ddp_plugins.core import run_main
 from ddp_plugins.lightning import DDPPluginsStrategy, PreemptionCheckpoint, SyncBatchNormCallback
+from ddp_plugins.testing import LOOPBACK_ENV
 
 REPEATS = 3
 _ENV = {**os.environ, **LOOPBACK_ENV}  # before any fit: Lightning's launcher adds rank variables

@@ -26,7 +26,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddp_plugins.core import convert_sync_batchnorm, count_collectives, run_main, spawn
+from ddp_plugins.core import convert_sync_batchnorm, count_collectives, run_main
+from ddp_plugins.testing import spawn
 
 BATCHES = (8, 32)
 ROUNDS = 5

@@ -3,9 +3,10 @@
 ``python docs/gen_api.py`` writes the page; ``python docs/gen_api.py --check`` writes nothing, names
 the sections that differ from the script's output and exits 1 if any does (``tests/test_api_docs.py``
 runs the check). A section per name of ``ddp_plugins.core.__all__``, then of
-``ddp_plugins.lightning.__all__`` (case-insensitive order): the signature line, the docstring's
-description (its ``Args:`` / ``Returns:`` / ``Raises:`` sections left out) and its ``Example::``
-block as a doctest. A constant's description is its ``#:`` comment and its example is its value.
+``ddp_plugins.lightning.__all__`` and ``ddp_plugins.testing.__all__`` (case-insensitive order):
+the signature line, the docstring's description (its ``Args:`` / ``Returns:`` / ``Raises:``
+sections left out) and its ``Example::`` block as a doctest. A constant's description is its
+``#:`` comment and its example is its value.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ import torch
 
 import ddp_plugins.core
 import ddp_plugins.lightning
+import ddp_plugins.testing
 
 API = Path(__file__).resolve().parent / "API.md"
 
 INTRO = """\
 # API reference
 
-Every public name of `ddp_plugins.core` (plain torch) and `ddp_plugins.lightning` (the Lightning
-adapters); `ddp_plugins` re-exports the most used ones. Each entry: where it lives, its signature,
+Every public name of `ddp_plugins.core` (plain torch), `ddp_plugins.lightning` (the Lightning
+adapters) and `ddp_plugins.testing` (the multi-process test harness); `ddp_plugins` re-exports the
+most used ones. Each entry: where it lives, its signature,
 what it does, and an example. This page is generated from the docstrings by `python docs/gen_api.py`:
 edit the docstring, not the page. The tests (`tests/test_api_docs.py`) fail when the page differs
 from the script's output or a public name has no example, and run every example, in order, after
@@ -43,9 +46,14 @@ SETUP = """\
 >>> from torch import nn
 >>> from ddp_plugins.core import *
 >>> from ddp_plugins.lightning import *
+>>> from ddp_plugins.testing import *
 """
 
-PACKAGES = (("Core", ddp_plugins.core), ("Lightning adapters", ddp_plugins.lightning))
+PACKAGES = (
+    ("Core", ddp_plugins.core),
+    ("Lightning adapters", ddp_plugins.lightning),
+    ("Test harness", ddp_plugins.testing),
+)
 
 
 _SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Attributes):\s*$")

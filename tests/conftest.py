@@ -2,13 +2,15 @@ import os
 
 import pytest
 
-from ddp_plugins.core.toolkit import LOOPBACK_ENV
-from tests.helpers.multiprocess import DistributedPool
+from ddp_plugins.testing import LOOPBACK_ENV, DistributedPool
+from tests.helpers import REPO_ROOT
 from tests.helpers.rng import Isolated
 from tests.helpers.slurm import SlurmCluster, SlurmUnavailable
 
-# Every process these tests start talks gloo over loopback with one thread per rank.
+# Every process these tests start talks gloo over loopback with one thread per rank, and imports
+# tests.* (test callbacks named on the app's command line, rank functions) from any folder.
 os.environ.update(LOOPBACK_ENV)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ import runpy
 import ddp_plugins
 import ddp_plugins.core
 import ddp_plugins.lightning
-from tests.helpers.multiprocess import REPO_ROOT
+import ddp_plugins.testing
+from tests.helpers import REPO_ROOT
 
 API = REPO_ROOT / "docs" / "API.md"
 
@@ -19,7 +20,8 @@ def _sections() -> dict[str, str]:
 
 def test_every_public_name_has_a_section_with_an_example():
     sections = _sections()
-    public = set(ddp_plugins.__all__) | set(ddp_plugins.core.__all__) | set(ddp_plugins.lightning.__all__)
+    packages = (ddp_plugins, ddp_plugins.core, ddp_plugins.lightning, ddp_plugins.testing)
+    public = {name for package in packages for name in package.__all__}
     missing = sorted(public - set(sections))
     assert missing == [], f"public names missing from docs/API.md: {missing}"
     without_example = sorted(name for name in public if ">>> " not in sections[name])

@@ -46,7 +46,6 @@ from ddp_plugins.core.sync_batchnorm import (
     revert_sync_batchnorm,
 )
 from ddp_plugins.core.sync_batchnorm_function import SyncBatchNormFunction, sync_batch_norm
-from ddp_plugins.core.toolkit import LOOPBACK_ENV, free_port, loopback_env, spawn
 
 __all__ = [
     "ArgumentError",
@@ -58,7 +57,6 @@ __all__ = [
     "EmptyShareCollate",
     "EvenSteps",
     "GlobalPlan",
-    "LOOPBACK_ENV",
     "PlanBatchSampler",
     "Preempted",
     "ResumableSampler",
@@ -81,12 +79,10 @@ __all__ = [
     "distributed_concat",
     "encode_rng_states",
     "exit_process",
-    "free_port",
     "gather_per_rank",
     "get_rank",
     "get_world_size",
     "latest_checkpoint",
-    "loopback_env",
     "rank_seed",
     "rank_zero_first",
     "revert_sync_batchnorm",
@@ -96,7 +92,6 @@ __all__ = [
     "set_rng_states",
     "setup_rank_logging",
     "slurm_requeue",
-    "spawn",
     "stable_run_name",
     "sync_batch_norm",
 ]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ddp_plugins.app.precheck import max_cpu_processes
-from tests.helpers.multiprocess import check_ok, loopback_env, run_command
+from ddp_plugins.testing import check_ok, loopback_env, run_command
 
 # (command line, the config key the error must name)
 BAD_COMMAND_LINES = [

@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_plugins.core.toolkit import free_port
+from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
 from tests.app.test_safety import _one_line_failure
-from tests.helpers.multiprocess import check_ok, loopback_env, run_command
 from tests.helpers.runs import final_state
 from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
 

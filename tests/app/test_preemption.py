@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_plugins.core.toolkit import free_port
-from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command
+from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
+from tests.helpers import REPO_ROOT
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
 from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
 

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 
 from ddp_plugins.core.checkpoints import digest_path
-from ddp_plugins.core.toolkit import free_port
-from tests.helpers.multiprocess import check_ok, loopback_env, run_command
+from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
 from tests.helpers.runs import assert_equal_states, final_state
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.multiprocess import REPO_ROOT, loopback_env
+from ddp_plugins.testing import loopback_env
+from tests.helpers import REPO_ROOT
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 SMALL = [

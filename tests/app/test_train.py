@@ -16,9 +16,9 @@ import pytest
 
 from ddp_plugins.app.config import compose_config
 from ddp_plugins.app.train import _accuracy_key, _reset_job_state
-from ddp_plugins.core.toolkit import free_port
+from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
 from tests.app.test_checks import BAD_INPUTS, GROUPS
-from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command
+from tests.helpers import REPO_ROOT
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")

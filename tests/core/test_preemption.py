@@ -126,7 +126,7 @@ def test_a_torchrun_restart_round_gets_keys_of_its_own_in_the_agent_store():
 
     import torch.distributed as dist
 
-    from ddp_plugins.core.toolkit import free_port
+    from ddp_plugins.testing import free_port
 
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=10))

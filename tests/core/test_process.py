@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from ddp_plugins.core.toolkit import free_port
-from tests.helpers.multiprocess import loopback_env
+from ddp_plugins.testing import free_port, loopback_env
 
 ROUNDS_PLAIN_MAX = 60
 ROUNDS_CLEAN = 10

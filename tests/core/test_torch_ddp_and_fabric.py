@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddp_plugins.core import free_port, loopback_env
+from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
 from tests.core.scripts import torch_ddp
-from tests.helpers.multiprocess import REPO_ROOT, check_ok, run_command
+from tests.helpers import REPO_ROOT
 
 SCRIPT = str(REPO_ROOT / "tests" / "core" / "scripts" / "torch_ddp.py")
 

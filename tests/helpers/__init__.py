@@ -1,1 +1,6 @@
-"""Test harness: real gloo process groups on 127.0.0.1, each run under a hard timeout."""
+"""Test helpers; the multi-process harness itself is :mod:`ddp_plugins.testing`."""
+
+from pathlib import Path
+
+#: The checkout: its ``tests`` package is importable from every process the tests start (conftest).
+REPO_ROOT = Path(__file__).resolve().parents[2]

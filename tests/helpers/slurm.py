@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ddp_plugins.core.process import parent_death_signal
-from ddp_plugins.core.toolkit import free_port
+from ddp_plugins.testing import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_plugins.lightning.accumulation import AccumulationNoSync
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
+from ddp_plugins.testing import run_lightning
 from tests.core.test_comm_hooks import _user_hook
-from tests.helpers.multiprocess import run_lightning
 
 BATCH = 4  # per rank
 BATCHES_PER_EPOCH = 10  # per rank; not a multiple of K=4, so each epoch ends on a short window

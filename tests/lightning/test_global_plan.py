@@ -27,7 +27,7 @@ from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
 from ddp_plugins.lightning.data_plan import ResumeMismatch
 from ddp_plugins.lightning.preemption import PreemptionCheckpoint
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
-from tests.helpers.multiprocess import run_lightning
+from ddp_plugins.testing import run_lightning
 
 ROWS, G, SEED, EPOCHS = 53, 16, 7, 2
 

@@ -8,8 +8,8 @@ import pytest
 import torch.distributed as dist
 
 from ddp_plugins.app.config import compose_config, group_options
-from ddp_plugins.core.toolkit import free_port
 from ddp_plugins.lightning.network import _is_loopback, apply_network_env, pin_gloo_to_loopback, restore_env
+from ddp_plugins.testing import free_port
 
 DOCUMENTED = {
     "default": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},

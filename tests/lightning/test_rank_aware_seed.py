@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from ddp_plugins.core.checkpoints import gather_per_rank
 from ddp_plugins.core.seeding import seed_everything_rank_aware
 from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
-from tests.helpers.multiprocess import REPO_ROOT
+from tests.helpers import REPO_ROOT
 from tests.helpers.rng import BAD_SEEDS, Isolated, assert_all_differ, draw, same
 
 CONF_DIR = REPO_ROOT / "conf"
@@ -313,7 +313,7 @@ def _fit_and_resume(out_dir: str) -> dict:
 
 @pytest.mark.slow
 def test_lightning_ddp_streams_identical_init_and_exact_resume():
-    from tests.helpers.multiprocess import run_lightning
+    from ddp_plugins.testing import run_lightning
 
     ranks = run_lightning(_fit_and_resume, world_size=2, timeout=400)
 

@@ -17,7 +17,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import ddp_plugins.lightning.sequential_evaluation
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
-from tests.helpers.multiprocess import REPO_ROOT, check_ok, loopback_env, run_command, run_lightning
+from ddp_plugins.testing import check_ok, loopback_env, run_command, run_lightning
+from tests.helpers import REPO_ROOT
 
 NUM_CLASSES, FEATURES, PAD = 10, 8, -100
 

@@ -20,7 +20,7 @@ from ddp_plugins.core.sync_batchnorm import SyncBatchNorm
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
-from tests.helpers.multiprocess import free_port, loopback_env, run_command, run_lightning
+from ddp_plugins.testing import free_port, loopback_env, run_command, run_lightning
 
 # ---------------------------------------------------------------- arguments, registry, SyncBN
 

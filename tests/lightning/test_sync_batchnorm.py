@@ -12,8 +12,8 @@ from torch import nn
 
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.sync_batchnorm import SyncBatchNormCallback
+from ddp_plugins.testing import run_lightning
 from tests.core.test_sync_batchnorm import TOL, BNAct, GainNorm
-from tests.helpers.multiprocess import run_lightning
 
 
 def test_bad_arguments_are_clear_errors():
@@ -78,7 +78,7 @@ def test_hydra_config_instantiates_the_callback():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from tests.helpers.multiprocess import REPO_ROOT
+    from tests.helpers import REPO_ROOT
 
     config = OmegaConf.load(REPO_ROOT / "conf" / "callbacks" / "sync_batchnorm.yaml")
     callback = instantiate(config)

@@ -1,0 +1,529 @@
+"""Multi-process test harness
+============================
+
+Real gloo ranks on 127.0.0.1 with a hard timeout, so a hang fails in seconds: what this pack's
+tests, benchmarks and notebooks use, and what a user's own DDP tests can use (as
+``accelerate.test_utils`` serves Accelerate's).
+
+* :func:`spawn` runs a function once on ``N`` fresh spawned ranks.
+* :class:`DistributedPool` keeps ``N`` ranks in one group and runs many small checks on them.
+* :func:`run_lightning` runs a Lightning job's ranks, forked from a process that imported Lightning
+  once, so a Trainer-level test costs its training, not ``N`` interpreter starts.
+* :func:`run_command` runs a command line in its own process group and kills the group at the
+  timeout.
+
+Plain torch and the standard library; Lightning is imported only inside the ranks
+:func:`run_lightning` starts.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import multiprocessing as mp
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_plugins.core.checks import check_int, check_number
+from ddp_plugins.core.files import save_atomic
+from ddp_plugins.core.process import exit_process, parent_death_signal
+
+__all__ = [
+    "LOOPBACK_ENV",
+    "DistributedPool",
+    "check_ok",
+    "free_port",
+    "loopback_env",
+    "run_command",
+    "run_lightning",
+    "spawn",
+]
+
+#: gloo over loopback, one thread per rank: the environment of every local test and benchmark run.
+LOOPBACK_ENV = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+_LAUNCHER_KEYS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now.
+
+    Example::
+
+        >>> 1024 <= free_port() <= 65535
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def loopback_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """``base`` (default: ``os.environ``) pinned to loopback gloo and one thread per rank, plus ``extra``.
+
+    Launcher variables (ranks, world size, port) are dropped unless given in ``extra``, so a child
+    process never inherits the ranks of the process that started it.
+
+    Example::
+
+        >>> env = loopback_env({"RANK": "3", "PATH": "/bin"}, MASTER_PORT="1234")
+        >>> env["MASTER_ADDR"], env["MASTER_PORT"], "RANK" in env
+        ('127.0.0.1', '1234', False)
+    """
+    env = {**(os.environ if base is None else base), **LOOPBACK_ENV, **extra}
+    for key in _LAUNCHER_KEYS:
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+# ----------------------------------------------------------------------------------------- spawn
+
+
+def _rank_main(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, pg_timeout: float, args: tuple, out: Any
+) -> None:
+    os.environ.update(LOOPBACK_ENV, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        out.put((rank, fn(rank, world_size, *args)))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+        out.put((rank, exc))
+        code = 1
+    exit_process(code)  # no interpreter finalization: no gloo abort at exit
+
+
+def spawn(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 120.0, pg_timeout: float = 60.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks on 127.0.0.1.
+
+    ``fn`` must be importable (a module-level function) and return something picklable. Returns
+    the results ordered by rank. Every rank leaves through :func:`~ddp_plugins.core.process.exit_process`.
+
+    Raises:
+        RuntimeError: a rank raised (its exception is chained) or died.
+        TimeoutError: the ranks did not all finish within ``timeout`` seconds (all are killed).
+
+    Example::
+
+        >>> # def world(rank, world_size): return torch.distributed.get_world_size()  (in a module)
+        >>> # spawn(world, world_size=2) -> [2, 2], ordered by rank
+        >>> callable(spawn)
+        True
+    """
+    check_int("world_size", world_size, 1)
+    check_number("timeout", timeout, 0, exclusive_minimum=True)
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, fn, world_size, port, pg_timeout, args, out), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    ended = False
+    try:
+        while len(results) < world_size:
+            if not out.empty():
+                rank, value = out.get()
+                if isinstance(value, BaseException):
+                    raise RuntimeError(f"rank {rank} raised {type(value).__name__}: {value}") from value
+                results[rank] = value
+                continue
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead and out.empty():
+                raise RuntimeError(f"rank {dead[0][0]} died with exit code {dead[0][1]} before returning a result")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks within {timeout}s"
+                )
+            time.sleep(0.01)
+        ended = True
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if ended else 0)  # after a failure the others are not waited for
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[rank] for rank in range(world_size)]
+
+
+# ------------------------------------------------------------------------------ DistributedPool
+
+
+def _init_worker(ranks: Any, port: int, world_size: int, pg_timeout: float) -> None:
+    os.environ.update(LOOPBACK_ENV, MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    rank = ranks.get(timeout=60)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+
+
+def _call(fn: Callable[..., Any], args: tuple) -> tuple[int, Any]:
+    # Each worker takes exactly one of the world_size tasks: a worker cannot pick up a second
+    # task before every rank has entered this barrier.
+    dist.barrier()
+    rank = dist.get_rank()
+    return rank, fn(rank, dist.get_world_size(), *args)
+
+
+class DistributedPool:
+    """``world_size`` spawned processes in one gloo group, reused across many checks.
+
+    ``run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the results
+    ordered by rank (torchmetrics' pattern: many small module-level ``_test_*`` functions, one
+    process start). A failure or a hang (past ``timeout`` seconds) tears the pool down, so the
+    next call starts from a fresh group, and raises.
+
+    Example::
+
+        >>> pool = DistributedPool(world_size=2)  # the ranks start at the first run()
+        >>> pool.close()
+    """
+
+    def __init__(self, world_size: int = 2, timeout: float = 60.0, pg_timeout: float = 30.0) -> None:
+        check_int("world_size", world_size, 1)
+        check_number("timeout", timeout, 0, exclusive_minimum=True)
+        self.world_size = world_size
+        self.timeout = timeout
+        self.pg_timeout = pg_timeout
+        self._pool: Any = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        ranks = ctx.Queue()
+        for rank in range(self.world_size):
+            ranks.put(rank)
+        self._pool = ctx.Pool(
+            self.world_size,
+            initializer=_init_worker,
+            initargs=(ranks, free_port(), self.world_size, self.pg_timeout),
+        )
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """``fn(rank, world_size, *args)`` on every rank, the results ordered by rank.
+
+        Raises:
+            AssertionError: the ranks did not finish within ``timeout`` (default: the pool's), or
+                did not take one call each.
+        """
+        if self._pool is None:
+            self._start()
+        pending = self._pool.starmap_async(_call, [(fn, args)] * self.world_size, chunksize=1)
+        try:
+            results = pending.get(timeout or self.timeout)
+        except mp.TimeoutError:
+            self.close()
+            raise AssertionError(
+                f"{fn.__name__} did not finish on {self.world_size} ranks within {timeout or self.timeout}s (hang)"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        ranks = sorted(rank for rank, _ in results)
+        if ranks != list(range(self.world_size)):
+            self.close()
+            raise AssertionError(f"{fn.__name__} ran on ranks {ranks}, expected one call per rank")
+        return [result for _, result in sorted(results, key=lambda pair: pair[0])]
+
+    def close(self) -> None:
+        """Stop the ranks (the next :meth:`run` starts fresh ones)."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
+# ---------------------------------------------------------------------------------- run_command
+
+
+def run_command(
+    cmd: Sequence[str],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group (default environment: :func:`loopback_env`), capturing
+    its output; at the timeout the whole group (ranks, loader workers) is killed.
+
+    Raises:
+        AssertionError: it did not finish within ``timeout`` seconds (the output's tail is shown).
+
+    Example::
+
+        >>> run_command([sys.executable, "-c", "print('hi')"], timeout=60).stdout
+        'hi\\n'
+    """
+    proc = subprocess.Popen(
+        list(cmd),
+        env=dict(env) if env is not None else loopback_env(),
+        cwd=None if cwd is None else str(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"command did not finish within {timeout}s (hang): {' '.join(cmd)}\n"
+            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}"
+        ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """``result``, asserting exit code 0 and showing the tail of its output when it is not.
+
+    Example::
+
+        >>> check_ok(run_command([sys.executable, "-c", "pass"], timeout=60)).returncode
+        0
+    """
+    assert result.returncode == 0, (
+        f"exit code {result.returncode}, expected 0: {' '.join(map(str, result.args))}\n"
+        f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    )
+    return result
+
+
+# -------------------------------------------------------------------------------- run_lightning
+
+#: Seconds the other ranks get to end by themselves (with their own errors) after one failed.
+_FAILURE_GRACE_S = 5.0
+#: What the rank server imports once, before it forks any rank.
+PRELOAD = ("torch", "lightning.pytorch", "torchmetrics", "ddp_plugins.lightning")
+
+
+def run_lightning(
+    target: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = 180.0,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``target(out_dir, *args)`` on ``world_size`` ranks of a Lightning DDP job, results by rank.
+
+    ``target`` is a module-level function that builds its own ``Trainer(accelerator="cpu",
+    devices=world_size, strategy=...)`` (``world_size`` is also in ``WORLD_SIZE_HINT``) and returns
+    a picklable value. The ranks are forked from one long-lived rank server that imported
+    Lightning once (the first call starts it); each is a fresh process with the launcher variables
+    a cluster launcher sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``), so
+    Lightning uses them as torchrun's and starts no process of its own. Each rank's output goes to
+    ``rank<N>.log`` in ``out_dir``, shown when a rank fails.
+
+    Why by hand: ``multiprocessing``'s forkserver does the same, but it is one per process, has its
+    preload fixed by whoever starts it first, and gives no process group to kill at a timeout.
+
+    Raises:
+        AssertionError: a rank exited non-zero (the others are stopped) or the ranks did not all
+            finish within ``timeout`` seconds (all are killed, after each printed its stacks).
+
+    Example::
+
+        >>> # def fit(out_dir): trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp"); ...
+        >>> # run_lightning(fit, world_size=2) -> [rank 0's return value, rank 1's]
+        >>> callable(run_lightning)
+        True
+    """
+    check_int("world_size", world_size, 1)
+    check_number("timeout", timeout, 0, exclusive_minimum=True)
+    with tempfile.TemporaryDirectory(prefix="ddp_plugins_run_") as out_dir:
+        (Path(out_dir) / "args.pkl").write_bytes(pickle.dumps(args))
+        request = {
+            "target": f"{target.__module__}:{target.__name__}",
+            "out_dir": out_dir,
+            "world_size": world_size,
+            "env": {**LOOPBACK_ENV, **(env or {}), "WORLD_SIZE_HINT": str(world_size), "MASTER_PORT": str(free_port())},
+            "cwd": os.getcwd(),
+            "path": sys.path,
+            "timeout": timeout,
+        }
+        codes = _RankServer.get().run(request, timeout)
+        failed = {rank: code for rank, code in codes.items() if code != 0}
+        if failed:
+            logs = "".join(_log_tail(Path(out_dir), rank) for rank in sorted(failed))
+            raise AssertionError(f"{request['target']}: ranks exited with {failed} (expected 0)\n{logs}")
+        # what the test's own ranks returned (any picklable value), from this call's private temp folder
+        return [torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _log_tail(out_dir: Path, rank: int, chars: int = 6000) -> str:
+    path = out_dir / f"rank{rank}.log"
+    text = path.read_text(errors="replace") if path.exists() else "(no output)"
+    return f"--- rank {rank} ---\n{text[-chars:]}\n"
+
+
+class _RankServer:
+    """The long-lived process :func:`run_lightning` forks ranks from, one per test session.
+
+    Line protocol over its stdin/stdout: a JSON request in; ``pids P0 P1 ...`` then one ``exit RANK
+    CODE`` per rank as each ends. Each rank leads its own process group (its loader workers join
+    it), so a timeout kills everything the rank started.
+    """
+
+    _instance: _RankServer | None = None
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddp_plugins.testing"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=loopback_env(),
+            start_new_session=True,
+        )
+
+    @classmethod
+    def get(cls) -> _RankServer:
+        if cls._instance is None or cls._instance.proc.poll() is not None:
+            cls._instance = cls()
+        return cls._instance
+
+    def run(self, request: dict[str, Any], timeout: float) -> dict[int, int]:
+        """Fork the request's ranks and return their exit codes by rank (killed ones: ``-9``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        started = self._line(deadline, request)
+        if started is None:
+            self.close()
+            raise AssertionError(f"the rank server did not start {request['target']} within {timeout}s")
+        pids = [int(pid) for pid in started.split()[1:]]
+        codes: dict[int, int] = {}
+        failed_at: float | None = None
+        while len(codes) < len(pids):
+            # a rank that failed leaves the others in a collective: give them a moment, then stop them
+            line = self._line(deadline if failed_at is None else min(deadline, failed_at + _FAILURE_GRACE_S), request)
+            if line is None:
+                self._kill(pids)
+                while len(codes) < len(pids) and (line := self._line(time.monotonic() + 30, request)):
+                    _, rank, code = line.split()
+                    codes[int(rank)] = int(code)
+                if failed_at is None:
+                    raise AssertionError(self._hang_message(request, timeout))
+                break
+            _, rank, code = line.split()
+            codes[int(rank)] = int(code)
+            if int(code) != 0 and failed_at is None:
+                failed_at = time.monotonic()
+        return codes
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        _RankServer._instance = None
+
+    def _line(self, deadline: float, request: dict[str, Any]) -> str | None:
+        """The server's next line, or None at the deadline."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        line = self.proc.stdout.readline().decode()
+        if not line:
+            code = self.proc.wait()
+            _RankServer._instance = None
+            raise AssertionError(f"the rank server ended (exit code {code}) during {request['target']}")
+        return line
+
+    def _kill(self, pids: Sequence[int]) -> None:
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _hang_message(self, request: dict[str, Any], timeout: float) -> str:
+        out_dir = Path(request["out_dir"])
+        logs = "".join(_log_tail(out_dir, rank, 3000) for rank in range(request["world_size"]))
+        return f"{request['target']} did not finish on {request['world_size']} ranks within {timeout}s (hang)\n{logs}"
+
+
+def _serve() -> None:
+    """The rank server's loop (``python -m ddp_plugins.testing``): import once, fork per request."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    dies_with_server = parent_death_signal(signal.SIGKILL)  # looked up here, called in each rank
+    for raw in requests:
+        request = json.loads(raw)
+        pids = {}
+        for rank in range(request["world_size"]):
+            pid = os.fork()
+            if pid == 0:
+                _rank(request, rank, dies_with_server)  # never returns
+            pids[pid] = rank
+        replies.write(f"pids {' '.join(map(str, pids))}\n".encode())
+        replies.flush()
+        while pids:
+            pid, status = os.wait()
+            if pid in pids:
+                replies.write(f"exit {pids.pop(pid)} {os.waitstatus_to_exitcode(status)}\n".encode())
+                replies.flush()
+
+
+def _rank(request: dict[str, Any], rank: int, dies_with_server: Callable[[], None] | None) -> None:
+    """One forked rank: its own process group and log file, the launcher's variables, the target."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        if dies_with_server is not None:
+            dies_with_server()
+        out_dir = Path(request["out_dir"])
+        log = os.open(out_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        world_size = request["world_size"]
+        os.environ.update(request["env"])
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+        )
+        os.environ["NODE_RANK"] = "0"
+        os.chdir(request["cwd"])
+        sys.path[:] = request["path"]
+        torch.set_num_threads(1)
+        # a hang shows where each rank was: every thread's stack, in the rank's log, just before the kill
+        faulthandler.dump_traceback_later(max(request["timeout"] - 1.0, 0.5))
+        module_name, func_name = request["target"].split(":")
+        import importlib
+
+        func = getattr(importlib.import_module(module_name), func_name)
+        args = pickle.loads((out_dir / "args.pkl").read_bytes())
+        save_atomic(func(str(out_dir), *args), out_dir / f"rank{rank}.pt")
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported in the rank's log, the exit code says it failed
+        traceback.print_exc()
+    exit_process(code)  # no interpreter finalization: no gloo abort at exit
+
+
+if __name__ == "__main__":
+    _serve()
