@@ -394,6 +394,7 @@ class _RankServer:
             env=loopback_env(),
             start_new_session=True,
         )
+        self._pending = b""
 
     @classmethod
     def get(cls) -> _RankServer:
@@ -437,17 +438,25 @@ class _RankServer:
         _RankServer._instance = None
 
     def _line(self, deadline: float, request: dict[str, Any]) -> str | None:
-        """The server's next line, or None at the deadline."""
+        """The server's next line, or None at the deadline.
+
+        Read with ``os.read`` into a buffer of our own: a buffered ``readline`` can take two lines
+        from the pipe at once, and ``select`` would then wait on an empty pipe for the second.
+        """
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            return None
-        line = self.proc.stdout.readline().decode()
-        if not line:
-            code = self.proc.wait()
-            _RankServer._instance = None
-            raise AssertionError(f"the rank server ended (exit code {code}) during {request['target']}")
-        return line
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                code = self.proc.wait()
+                _RankServer._instance = None
+                raise AssertionError(f"the rank server ended (exit code {code}) during {request['target']}")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode()
 
     def _kill(self, pids: Sequence[int]) -> None:
         for pid in pids:

@@ -42,3 +42,10 @@ def slurm_cluster(tmp_path_factory):
             yield cluster
         finally:
             cluster.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the Slurm tests share one worker: one private cluster at a time."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
