@@ -39,7 +39,7 @@ test: $(STAMP)
 OLDEST_LIGHTNING := $(shell sed -n 's/.*"lightning>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 MATRIX_VENV := .venv-lightning-$(OLDEST_LIGHTNING)
 MATRIX_PY := $(MATRIX_VENV)/bin/python
-MATRIX_PINS := torch|hydra-submitit-launcher|submitit|cloudpickle|torchmetrics|hydra-core|omegaconf|numpy|scikit-learn|typing_extensions|lightning-utilities|pytest|pytest-timeout|nbclient|nbformat|ipykernel|matplotlib
+MATRIX_PINS := torch|hydra-submitit-launcher|submitit|cloudpickle|torchmetrics|hydra-core|omegaconf|numpy|scikit-learn|typing_extensions|lightning-utilities|pytest|pytest-timeout|pytest-xdist|execnet|nbclient|nbformat|ipykernel|matplotlib
 MATRIX_IGNORE := --ignore=tests/core --ignore=ddp_plugins/core --ignore=tests/test_harness.py
 MATRIX_SLOW := tests/lightning/test_rank_aware_seed.py tests/lightning/test_sequential_evaluation.py tests/lightning/test_strategy.py
 

@@ -46,6 +46,7 @@ from ddp_plugins.core.sync_batchnorm import (
     revert_sync_batchnorm,
 )
 from ddp_plugins.core.sync_batchnorm_function import SyncBatchNormFunction, sync_batch_norm
+from ddp_plugins.core.workers import WorkerInit, seed_worker
 
 __all__ = [
     "ArgumentError",
@@ -60,6 +61,7 @@ __all__ = [
     "PlanBatchSampler",
     "Preempted",
     "ResumableSampler",
+    "WorkerInit",
     "SequentialDistributedSampler",
     "SignalFlag",
     "SyncBatchNorm",
@@ -89,6 +91,7 @@ __all__ = [
     "run_main",
     "save_atomic",
     "seed_everything_rank_aware",
+    "seed_worker",
     "set_rng_states",
     "setup_rank_logging",
     "slurm_requeue",

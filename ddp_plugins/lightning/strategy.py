@@ -38,6 +38,7 @@ from ddp_plugins.core.process import start_forkserver
 from ddp_plugins.core.ranks import get_rank, get_world_size
 from ddp_plugins.core.samplers import loader_seed
 from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
+from ddp_plugins.core.workers import WorkerInit
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.data_plan import (
     CHECKPOINT_KEY,
@@ -384,7 +385,7 @@ class DDPPluginsStrategy(DDPStrategy):
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
             dataloader.generator = torch.Generator().manual_seed(loader_seed(seed, trainer.global_rank, _EVAL_LOADER))
         if isinstance(dataloader, DataLoader) and dataloader.num_workers > 0:
-            dataloader.worker_init_fn = _WorkerInit(dataloader.worker_init_fn, trainer.global_rank)
+            dataloader.worker_init_fn = WorkerInit(dataloader.worker_init_fn, trainer.global_rank)
             if _start_method(dataloader) == "forkserver":
                 start_forkserver()  # now, deaf to the job's stop signals, not at the first batch
         return dataloader
@@ -559,41 +560,6 @@ class _EmptyBatchLog:
 _EVAL_LOADER = 2**31  # the epoch slot of evaluation loaders' generator seed (no training epoch reaches it)
 
 
-class _WorkerInit:
-    """DataLoader worker set-up: preemption signals ignored, a watch on the rank, then the user's init.
-
-    Slurm signals every process of a job step and a terminal's Ctrl-C reaches the whole process
-    group, workers included; a worker killed by it would fail the run before the ranks can stop
-    at a step boundary. Workers leave when their rank shuts them down or dies. torch's workers
-    notice a dead rank only when their *parent* changes, and a worker started by a forkserver
-    (``multiprocessing_context="forkserver"``) has the forkserver as parent, which lives as long as
-    its workers do: after a rank was killed (OOM, SIGKILL, a torchrun restart) they would wait
-    forever, holding the job's output pipes open. So a worker whose parent is not its rank
-    watches the rank through a pidfd and leaves when it dies. With no user ``worker_init_fn``,
-    Lightning's ``pl_worker_init_function`` is called when ``PL_SEED_WORKERS`` asks for it, as
-    Lightning would have added it.
-    """
-
-    def __init__(self, user_fn: Any, rank: int) -> None:
-        self.user_fn: Any = user_fn.user_fn if isinstance(user_fn, _WorkerInit) else user_fn
-        self.rank = rank
-        self.rank_pid = os.getpid()
-
-    def __call__(self, worker_id: int) -> None:
-        import signal
-
-        for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-        if os.getppid() != self.rank_pid:
-            _leave_when_gone(self.rank_pid)
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
-        elif int(os.environ.get("PL_SEED_WORKERS", 0)):
-            from lightning.fabric.utilities.seed import pl_worker_init_function
-
-            pl_worker_init_function(worker_id, rank=self.rank)
-
-
 def _start_method(dataloader: DataLoader) -> str | None:
     context = dataloader.multiprocessing_context
     if context is not None:
@@ -601,23 +567,6 @@ def _start_method(dataloader: DataLoader) -> str | None:
     import multiprocessing
 
     return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_context().get_start_method()
-
-
-def _leave_when_gone(pid: int) -> None:
-    """End this process (``os._exit(0)``) as soon as process ``pid`` has ended (a daemon thread)."""
-    import select
-    import threading
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:  # already gone
-        os._exit(0)
-
-    def watch() -> None:
-        select.select([fd], [], [])
-        os._exit(0)
-
-    threading.Thread(target=watch, name="rank-watch", daemon=True).start()
 
 
 DDPPluginsStrategy.register_strategies(StrategyRegistry)

@@ -21,11 +21,12 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     run in 25 had a new worker stuck inside ``os.fork()`` before its first batch, its rank
     waiting for it and the other rank in a collective (torch issue 130610 is the same class of
     hang). The forkserver is a fresh single-threaded process that imports, once per rank, what a
-    worker unpickles (torch, Lightning's worker seeding, the strategy's ``worker_init_fn``, the
-    main module); it is started in ``setup`` so that this overlaps the rank's own start.
+    worker unpickles (torch, the strategy's ``worker_init_fn`` from ``core.workers``, the main
+    module); none of it imports Lightning. It is started in ``setup`` so that this overlaps the
+    rank's own start.
     """
     context = multiprocessing.get_context("forkserver")
-    preload = ["torch", "lightning.fabric.utilities.seed", "ddp_plugins.lightning.strategy"]
+    preload = ["torch", "ddp_plugins.core.workers"]
     main = getattr(sys.modules["__main__"], "__spec__", None)  # a worker re-imports it by name
     if main is not None and main.name:
         preload.append(main.name)

@@ -1,0 +1,126 @@
+"""DataLoader workers of a DDP rank: set-up, seeding and leaving with the rank.
+
+Plain torch, so that a worker started by a forkserver imports neither Lightning nor the app.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import select
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["WorkerInit", "seed_worker"]
+
+_LIGHTNING_SEED_FN = ("lightning.fabric.utilities.seed", "pl_worker_init_function")
+_MASK64 = (1 << 64) - 1
+
+
+def seed_worker(worker_id: int, rank: int) -> None:
+    """Seed torch, ``random`` and numpy in a DataLoader worker, exactly as Lightning's
+    ``pl_worker_init_function(worker_id, rank)`` does (``seed_everything(workers=True)``).
+
+    Restated because importing Lightning's function imports all of Lightning (about 6 s of CPU) in
+    every forkserver a rank starts for its workers; ``tests/core/test_workers.py`` checks that both
+    leave the same generator states, on every Lightning version the matrix runs.
+
+    Example::
+
+        >>> _ = torch.manual_seed(1000 + 1)  # what torch sets in worker 1 of a loader with base seed 1000
+        >>> seed_worker(1, rank=0)
+        >>> first = torch.rand(1)
+        >>> _ = torch.manual_seed(1000 + 1)
+        >>> seed_worker(1, rank=0)
+        >>> torch.equal(first, torch.rand(1))
+        True
+    """
+    base_seed = torch.initial_seed() - worker_id  # torch seeds worker i with base_seed + i
+    seeds = _seed_sequence(base_seed, worker_id, rank, count=4)
+    torch.manual_seed(seeds[0])
+    random.seed((seeds[1] << 32) | seeds[2])
+    np.random.seed(np.random.SeedSequence([base_seed, worker_id, rank]).generate_state(4))
+
+
+def _seed_sequence(base_seed: int, worker_id: int, rank: int, count: int) -> list[int]:
+    # MurmurHash3's finalizer on (base seed, worker, rank), then a 64-bit LCG (Knuth's constant)
+    mixed = (base_seed << 32) | (worker_id << 16) | rank
+    mixed ^= mixed >> 33
+    mixed = (mixed * 0xFF51AFD7ED558CCD) & _MASK64
+    mixed ^= mixed >> 33
+    mixed = (mixed * 0xC4CEB9FE1A85EC53) & _MASK64
+    mixed ^= mixed >> 33
+    seeds = []
+    for _ in range(count):
+        mixed = (mixed * 6364136223846793005 + 1) & _MASK64
+        seeds.append(mixed)
+    return seeds
+
+
+class WorkerInit:
+    """A DataLoader ``worker_init_fn`` for a DDP rank: stop signals ignored, a watch on the rank,
+    then the seeding and the user's function.
+
+    Slurm signals every process of a job step and a terminal's Ctrl-C reaches the whole process
+    group, workers included; a worker killed by it would fail the run before the ranks can stop at
+    a step boundary. torch's workers notice a dead rank only when their *parent* changes, and a
+    worker started by a forkserver has the forkserver as parent, which lives as long as its
+    workers do: after a rank was killed they would wait forever, holding the job's output pipes
+    open. So a worker whose parent is not its rank watches the rank through a pidfd and leaves when
+    it dies. Lightning's own seeding function (``seed_everything(workers=True)``, or
+    ``PL_SEED_WORKERS`` with no function of the user's) is replaced by :func:`seed_worker`.
+
+    Args:
+        user_fn: the loader's ``worker_init_fn`` (None, the user's, or Lightning's).
+        rank: this rank's global rank.
+
+    Example::
+
+        >>> init = WorkerInit(None, rank=1)
+        >>> init.user_fn is None and init.rank == 1
+        True
+    """
+
+    def __init__(self, user_fn: Callable[[int], Any] | None, rank: int) -> None:
+        if isinstance(user_fn, WorkerInit):
+            user_fn = user_fn.user_fn
+        self.seed = int(os.environ.get("PL_SEED_WORKERS", 0)) == 1 and user_fn is None
+        if isinstance(user_fn, functools.partial) and _is_lightning_seeding(user_fn.func):
+            self.seed, rank, user_fn = True, user_fn.keywords.get("rank", rank), None
+        self.user_fn = user_fn
+        self.rank = rank
+        self.rank_pid = os.getpid()
+
+    def __call__(self, worker_id: int) -> None:
+        for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if os.getppid() != self.rank_pid:
+            _leave_when_gone(self.rank_pid)
+        if self.seed:
+            seed_worker(worker_id, self.rank)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _is_lightning_seeding(fn: Any) -> bool:
+    return (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) == _LIGHTNING_SEED_FN
+
+
+def _leave_when_gone(pid: int) -> None:
+    """End this process (``os._exit(0)``) as soon as process ``pid`` has ended (a daemon thread)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # already gone
+        os._exit(0)
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="rank-watch", daemon=True).start()
