@@ -90,6 +90,7 @@ class WorkerInit:
     def __init__(self, user_fn: Callable[[int], Any] | None, rank: int) -> None:
         if isinstance(user_fn, WorkerInit):
             user_fn = user_fn.user_fn
+        self.user_fn: Callable[[int], Any] | None
         self.seed = int(os.environ.get("PL_SEED_WORKERS", 0)) == 1 and user_fn is None
         if isinstance(user_fn, functools.partial) and _is_lightning_seeding(user_fn.func):
             self.seed, rank, user_fn = True, user_fn.keywords.get("rank", rank), None
