@@ -27,8 +27,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy ddp_plugins
 
+# Two pytest workers (pytest-xdist): most tests wait on processes they started (ranks importing
+# Lightning, timeouts, Slurm), so two at a time fill the 2 cores; the Slurm tests share one worker.
+XDIST := -n 2 --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The version matrix: the pinned set is `make test`; `make matrix` runs the fast suite and the
 # Trainer-level seeding, evaluation and strategy tests on the oldest Lightning the pyproject allows,
@@ -40,7 +44,7 @@ OLDEST_LIGHTNING := $(shell sed -n 's/.*"lightning>=\([0-9.]*\),.*/\1/p' pyproje
 MATRIX_VENV := .venv-lightning-$(OLDEST_LIGHTNING)
 MATRIX_PY := $(MATRIX_VENV)/bin/python
 MATRIX_PINS := torch|hydra-submitit-launcher|submitit|cloudpickle|torchmetrics|hydra-core|omegaconf|numpy|scikit-learn|typing_extensions|lightning-utilities|pytest|pytest-timeout|pytest-xdist|execnet|nbclient|nbformat|ipykernel|matplotlib
-MATRIX_IGNORE := --ignore=tests/core --ignore=ddp_plugins/core --ignore=tests/test_harness.py
+MATRIX_IGNORE := --ignore=tests/core --ignore=ddp_plugins/core --ignore=tests/test_testing.py --ignore=ddp_plugins/testing.py
 MATRIX_SLOW := tests/lightning/test_rank_aware_seed.py tests/lightning/test_sequential_evaluation.py tests/lightning/test_strategy.py
 
 $(MATRIX_VENV)/.installed: pyproject.toml requirements.lock
@@ -53,8 +57,8 @@ $(MATRIX_VENV)/.installed: pyproject.toml requirements.lock
 matrix: $(STAMP) $(MATRIX_VENV)/.installed
 	@echo "== version matrix: $$($(PY) -c 'import lightning, torch; print("lightning", lightning.__version__, "torch", torch.__version__)') -> make test"
 	@echo "== version matrix: $$($(MATRIX_PY) -c 'import lightning, torch; print("lightning", lightning.__version__, "torch", torch.__version__)') -> fast suite + Trainer-level seeding, evaluation, strategy tests"
-	$(MATRIX_PY) -m pytest -m "not slow" -p no:cacheprovider $(MATRIX_IGNORE) $(PYTEST_ARGS)
-	$(MATRIX_PY) -m pytest -m slow -p no:cacheprovider -k "not failing_rank and not stops_progressing" $(MATRIX_SLOW) $(PYTEST_ARGS)
+	$(MATRIX_PY) -m pytest $(XDIST) -m "not slow" -p no:cacheprovider $(MATRIX_IGNORE) $(PYTEST_ARGS)
+	$(MATRIX_PY) -m pytest $(XDIST) -m slow -p no:cacheprovider -k "not failing_rank and not stops_progressing" $(MATRIX_SLOW) $(PYTEST_ARGS)
 	@echo "== version matrix: lightning $(OLDEST_LIGHTNING) passed"
 
 bench: $(STAMP)

@@ -28,8 +28,8 @@ def seed_worker(worker_id: int, rank: int) -> None:
     ``pl_worker_init_function(worker_id, rank)`` does (``seed_everything(workers=True)``).
 
     Restated because importing Lightning's function imports all of Lightning (about 6 s of CPU) in
-    every forkserver a rank starts for its workers; ``tests/core/test_workers.py`` checks that both
-    leave the same generator states, on every Lightning version the matrix runs.
+    every forkserver a rank starts for its workers. ``tests/lightning/test_worker_seeding.py``
+    checks that both leave the same generator states, on every Lightning version the matrix runs.
 
     Example::
 
