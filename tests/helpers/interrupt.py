@@ -29,7 +29,8 @@ class SignalAt(Callback):
         sig: the signal's name.
         target: ``"self"`` (this process), ``"group"`` (this process group: every rank and
             DataLoader worker, as a terminal's Ctrl-C or ``kill -- -PGID``) or ``"rank0"``.
-        marker: file that records that the signal was sent (default: ``<root>/interrupted``).
+        marker: file that records that the signal was sent (default: ``interrupted``); a relative
+            path is in the run's root folder.
     """
 
     def __init__(self, hook: str, step: int = 0, rank: int = 0, sig: str = "SIGTERM", target: str = "self",
@@ -42,7 +43,7 @@ class SignalAt(Callback):
             return
         if hook == "validation_batch_start" and trainer.sanity_checking:
             return
-        marker = Path(self.marker or Path(trainer.default_root_dir) / "interrupted")
+        marker = Path(trainer.default_root_dir) / (self.marker or "interrupted")
         if marker.exists():
             return
         marker.write_text(f"{self.sig} at {hook}, step {trainer.global_step}\n")
