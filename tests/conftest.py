@@ -44,8 +44,20 @@ def slurm_cluster(tmp_path_factory):
             cluster.stop()
 
 
+# Under pytest-xdist (make test runs two workers) the tests of these modules share one worker, so
+# that their module-scoped fixtures (app runs every test of the module compares with) run once; the
+# Slurm tests share the "slurm" worker with the modules whose fixtures they use (one private cluster
+# at a time).
+_XDIST_GROUPS = {
+    "test_preemption.py": "slurm",
+    "test_exact_epochs.py": "slurm",
+    "test_safety.py": "safety",
+    "test_bad_input.py": "bad_input",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the Slurm tests share one worker: one private cluster at a time."""
     for item in items:
-        if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        group = "slurm" if item.get_closest_marker("slurm") else _XDIST_GROUPS.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
