@@ -1,9 +1,10 @@
-"""Entry point for :func:`tests.helpers.multiprocess.run_lightning`.
+"""A Lightning job started by Lightning's own launcher, for the tests of that launcher.
 
 ``python -m tests.helpers.launch module:function OUT_DIR``: calls ``function(OUT_DIR, *args)``
 on this rank and saves its return value to ``OUT_DIR/rank{global_rank}.pt`` (written to a
 temporary name, then renamed). Lightning's subprocess launcher re-runs this same command for
-every child rank.
+every child rank. Tests of what a Trainer computes use :func:`ddp_plugins.testing.run_lightning`,
+which forks the ranks instead.
 """
 
 import importlib
