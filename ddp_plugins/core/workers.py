@@ -87,13 +87,17 @@ class WorkerInit:
         True
     """
 
+    seed: bool
+    user_fn: Callable[[int], Any] | None
+
     def __init__(self, user_fn: Callable[[int], Any] | None, rank: int) -> None:
-        if isinstance(user_fn, WorkerInit):
-            user_fn = user_fn.user_fn
-        self.user_fn: Callable[[int], Any] | None
-        self.seed = int(os.environ.get("PL_SEED_WORKERS", 0)) == 1 and user_fn is None
+        seed = False
+        if isinstance(user_fn, WorkerInit):  # wrapped again (a loader set up twice): one set-up
+            seed, user_fn = user_fn.seed, user_fn.user_fn
         if isinstance(user_fn, functools.partial) and _is_lightning_seeding(user_fn.func):
-            self.seed, rank, user_fn = True, user_fn.keywords.get("rank", rank), None
+            seed, rank, user_fn = True, user_fn.keywords.get("rank", rank), None
+        # as Lightning's own loader set-up: PL_SEED_WORKERS seeds the workers of a loader with no function
+        self.seed = seed or (user_fn is None and bool(int(os.environ.get("PL_SEED_WORKERS", 0))))
         self.user_fn = user_fn
         self.rank = rank
         self.rank_pid = os.getpid()

@@ -1,21 +1,18 @@
 """DataLoader workers (``core.workers``): Lightning's seeding function replaced, nothing of Lightning imported.
 
-That ``seed_worker`` equals Lightning's seeding is checked in ``tests/lightning/test_worker_seeding.py``
-(on every Lightning version of the matrix).
+That ``seed_worker`` equals Lightning's seeding, and that Lightning's own function is replaced, is
+checked in ``tests/lightning/test_worker_seeding.py`` (on every Lightning version of the matrix).
 """
 
-import functools
 import subprocess
 import sys
 
 from ddp_plugins.core.workers import WorkerInit
 
 
-def test_worker_init_takes_the_place_of_lightning_s_seeding_function_and_keeps_a_user_s(monkeypatch):
-    from lightning.fabric.utilities.seed import pl_worker_init_function
-
-    replaced = WorkerInit(functools.partial(pl_worker_init_function, rank=3), rank=0)
-    assert replaced.seed and replaced.user_fn is None and replaced.rank == 3
+def test_worker_init_seeds_as_pl_seed_workers_asks_and_keeps_a_user_s_function(monkeypatch):
+    monkeypatch.setenv("PL_SEED_WORKERS", "0")
+    assert not WorkerInit(None, rank=1).seed
     monkeypatch.setenv("PL_SEED_WORKERS", "1")
     assert WorkerInit(None, rank=1).seed, "PL_SEED_WORKERS with no function: Lightning's seeding, restated"
     mine = print
