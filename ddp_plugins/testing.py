@@ -314,7 +314,7 @@ def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess
 #: Seconds the other ranks get to end by themselves (with their own errors) after one failed.
 _FAILURE_GRACE_S = 5.0
 #: What the rank server imports once, before it forks any rank.
-PRELOAD = ("torch", "lightning.pytorch", "torchmetrics", "ddp_plugins.lightning")
+_PRELOAD = ("torch", "lightning.pytorch", "torchmetrics", "ddp_plugins.lightning")
 
 
 def run_lightning(
@@ -356,7 +356,7 @@ def run_lightning(
             "target": f"{target.__module__}:{target.__name__}",
             "out_dir": out_dir,
             "world_size": world_size,
-            "env": {**LOOPBACK_ENV, **(env or {}), "WORLD_SIZE_HINT": str(world_size), "MASTER_PORT": str(free_port())},
+            "env": {**(env or {}), "WORLD_SIZE_HINT": str(world_size), "MASTER_PORT": str(free_port())},
             "cwd": os.getcwd(),
             "path": sys.path,
             "timeout": timeout,
@@ -475,7 +475,7 @@ def _serve() -> None:
     """The rank server's loop (``python -m ddp_plugins.testing``): import once, fork per request."""
     import importlib
 
-    for name in PRELOAD:
+    for name in _PRELOAD:
         importlib.import_module(name)
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     dies_with_server = parent_death_signal(signal.SIGKILL)  # looked up here, called in each rank
@@ -514,9 +514,9 @@ def _rank(request: dict[str, Any], rank: int, dies_with_server: Callable[[], Non
         world_size = request["world_size"]
         os.environ.update(request["env"])
         os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
-        )
-        os.environ["NODE_RANK"] = "0"
+            RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+        )  # fmt: skip
         os.chdir(request["cwd"])
         sys.path[:] = request["path"]
         torch.set_num_threads(1)
