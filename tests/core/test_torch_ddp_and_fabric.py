@@ -52,7 +52,7 @@ def test_raw_torch_ddp_under_torchrun_without_lightning(tmp_path):
         SCRIPT,
         str(out),
     ]
-    env = loopback_env(DDP_PLUGINS_BLOCK_LIGHTNING="1", PYTHONPATH=str(REPO_ROOT))
+    env = loopback_env(DDP_PLUGINS_BLOCK_LIGHTNING="1")
     check_ok(run_command(cmd, timeout=180, env=env))
     _check_against_reference(torch.load(out, weights_only=False))
 
@@ -60,7 +60,7 @@ def test_raw_torch_ddp_under_torchrun_without_lightning(tmp_path):
 @pytest.mark.slow
 def test_lightning_fabric_with_the_core(tmp_path):
     out = tmp_path / "result.pt"
-    env = loopback_env(MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO_ROOT))
+    env = loopback_env(MASTER_PORT=str(free_port()))
     check_ok(run_command([sys.executable, SCRIPT, str(out), "fabric"], timeout=180, env=env))
     _check_against_reference(torch.load(out, weights_only=False))
 
@@ -82,7 +82,5 @@ def test_the_core_imports_without_lightning():
         "except ImportError:\n"
         "    print('adapters need lightning')\n"
     )
-    result = check_ok(
-        run_command([sys.executable, "-c", code], timeout=60, env=loopback_env(PYTHONPATH=str(REPO_ROOT)))
-    )
+    result = check_ok(run_command([sys.executable, "-c", code], timeout=60, env=loopback_env()))
     assert result.stdout.strip() == "adapters need lightning", result.stdout
