@@ -54,78 +54,58 @@ def _interrupt(hook: str, step: int, rank: int, sig: str, target: str, name: str
             f"{prefix}marker={marker}"]  # fmt: skip
 
 
-# Three interruptions of one run, in the order they fire: each stops the run under way, the same
-# command resumes it, and the next one stops the resumed run; the fourth launch runs to the end.
-# name: (hook, step, rank, signal, target)
-CHAIN = {
-    "sigterm_to_the_group_while_a_checkpoint_is_written": ("save_checkpoint", 2, 0, "SIGTERM", "group"),
-    "ctrl_c_to_the_process_group_mid_epoch_right_after_a_checkpoint": ("train_batch_start", 4, 0, "SIGINT", "group"),
-    "usr1_to_rank1_during_validation": ("validation_batch_start", 0, 1, "SIGUSR1", "self"),
+# Interrupted runs: each stop is resumed by the same command, the next interruption stops the resumed
+# run, and the last launch runs to the end, bit-identical to the reference. Three are chained in one
+# run, in the order they fire; a SIGTERM at the last step of an epoch runs on its own (in the chain,
+# the validation after that step would take the USR1 too).
+# scenario: [(hook, step, rank, signal, target), ...]
+INTERRUPTIONS = {
+    "group_sigterm_while_saving_then_group_ctrl_c_after_a_checkpoint_then_usr1_to_rank1_in_validation": [
+        ("save_checkpoint", 2, 0, "SIGTERM", "group"),
+        ("train_batch_start", 4, 0, "SIGINT", "group"),
+        ("validation_batch_start", 0, 1, "SIGUSR1", "self"),
+    ],
+    "sigterm_to_rank1_at_the_last_step_of_an_epoch": [("train_batch_end", 8, 1, "SIGTERM", "self")],
 }
-# One more on its own: in a chain, the validation that follows its step would take the USR1 above too.
-SCENARIOS = {"sigterm_to_rank1_at_the_last_step_of_an_epoch": ("train_batch_end", 8, 1, "SIGTERM", "self")}
 
 
 @pytest.mark.slow
-def test_three_interruptions_each_resume_and_the_run_ends_bit_identical(reference, tmp_path):
+@pytest.mark.parametrize("scenario", list(INTERRUPTIONS))
+def test_interrupted_runs_resume_and_end_bit_identical(scenario, reference, tmp_path):
+    stops = INTERRUPTIONS[scenario]
     folder = tmp_path / "run"
-    interrupts = [arg for i, spec in enumerate(CHAIN.values()) for arg in _interrupt(*spec, name=f"stop{i}")]
+    interrupts = [arg for i, spec in enumerate(stops) for arg in _interrupt(*spec, name=f"stop{i}")]
     cmd = [*APP, *SMALL, f"hydra.run.dir={folder}", *interrupts]
     resume_from = None
-    for i, (scenario, (_, _, _, sig, _)) in enumerate(CHAIN.items()):
+    for i, (hook, _, _, sig, _) in enumerate(stops):
         before = set((folder / "checkpoints").glob("step-*-preempted.ckpt"))
         run = run_command(cmd, timeout=300)
         gone = time.time()
-        said = f"{scenario}\n{run.stdout[-2000:]}\n{run.stderr[-5000:]}"
+        said = f"{sig} at {hook}\n{run.stdout[-2000:]}\n{run.stderr[-5000:]}"
         assert run.returncode == 128 + getattr(signal, sig), f"expected exit code {128 + getattr(signal, sig)}: {said}"
         sent = (folder / f"interrupted-stop{i}").stat().st_mtime
-        assert gone - sent < 30, f"{scenario}: processes took {gone - sent:.1f} s to end after the signal"
+        assert gone - sent < 30, f"{sig} at {hook}: processes took {gone - sent:.1f} s to end after the signal"
         assert f"preempted by {sig}" in run.stderr and "Traceback" not in run.stderr, said
         if resume_from is not None:  # the same command continued from the last stop's checkpoint
-            found = RESUMING.search(run.stdout)
-            assert found and Path(found.group(1)) == resume_from, said
+            _assert_resumed_from(run, resume_from)
         stopped = set((folder / "checkpoints").glob("step-*-preempted.ckpt")) - before
-        assert len(stopped) == 1, f"{scenario}: {sorted(p.name for p in (folder / 'checkpoints').iterdir())}"
+        assert len(stopped) == 1, f"{sig} at {hook}: {sorted(p.name for p in (folder / 'checkpoints').iterdir())}"
         resume_from = stopped.pop()
-        saved_step = int(re.search(r"step-(\d+)", resume_from.name).group(1))
-        assert torch.load(resume_from, map_location="cpu", weights_only=True)["global_step"] == saved_step
+        assert torch.load(resume_from, map_location="cpu", weights_only=True)["global_step"] == _step(resume_from)
 
-    finished = check_ok(run_command(cmd, timeout=300))
-    found = RESUMING.search(finished.stdout)
-    assert found and Path(found.group(1)) == resume_from, finished.stdout[-2000:]
+    _assert_resumed_from(check_ok(run_command(cmd, timeout=300)), resume_from)
     assert_equal_states(final_state(reference), final_state(folder))
     assert metrics_rows(folder) == metrics_rows(reference)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_interrupted_run_resumes_bit_identical(scenario, reference, tmp_path):
-    hook, step, rank, sig, target = SCENARIOS[scenario]
-    folder = tmp_path / "run"
-    cmd = [*APP, *SMALL, f"hydra.run.dir={folder}"]
+def _step(checkpoint: Path) -> int:
+    return int(re.search(r"step-(\d+)", checkpoint.name).group(1))
 
-    first = run_command([*cmd, *_interrupt(hook, step, rank, sig, target)], timeout=300)
-    gone = time.time()
-    signum = getattr(signal, sig)
-    assert first.returncode == 128 + signum, (
-        f"expected exit code {128 + signum}, got {first.returncode}\n{first.stdout[-3000:]}\n{first.stderr[-5000:]}"
-    )
-    sent = (folder / "interrupted").stat().st_mtime
-    assert gone - sent < 30, f"processes took {gone - sent:.1f} s to end after the signal"
-    stopped = sorted((folder / "checkpoints").glob("step-*-preempted.ckpt"))
-    assert len(stopped) == 1, sorted(p.name for p in (folder / "checkpoints").iterdir())
-    saved_step = int(re.search(r"step-(\d+)", stopped[0].name).group(1))
-    assert torch.load(stopped[0], map_location="cpu", weights_only=True)["global_step"] == saved_step
-    assert f"preempted by {sig}" in first.stderr and "Traceback" not in first.stderr, first.stderr[-3000:]
 
-    # the same command again: continues from the preemption checkpoint by itself
-    second = check_ok(run_command([*cmd, *_interrupt(hook, step, rank, sig, target)], timeout=300))
-    found = RESUMING.search(second.stdout)
-    assert found and Path(found.group(1)) == stopped[0], second.stdout[-2000:]
-    assert int(found.group(3)) == saved_step
-
-    assert_equal_states(final_state(reference), final_state(folder))
-    assert metrics_rows(folder) == metrics_rows(reference)
+def _assert_resumed_from(run: subprocess.CompletedProcess, checkpoint: Path) -> None:
+    found = RESUMING.search(run.stdout)
+    assert found and Path(found.group(1)) == checkpoint, run.stdout[-2000:]
+    assert int(found.group(3)) == _step(checkpoint)
 
 
 @pytest.mark.slow
@@ -169,8 +149,7 @@ def test_torchrun_restarts_the_group_after_a_worker_is_killed_and_it_resumes(ref
         "-m", "ddp_plugins.train", "trainer.devices=2", *SMALL,
         *_interrupt("train_batch_end", 5, 1, "SIGKILL", "self"),
     ]  # fmt: skip
-    env = {**loopback_env(), "PYTHONPATH": str(REPO_ROOT)}  # the interrupting callback lives in tests/
-    result = check_ok(run_command(cmd, timeout=240, env=env, cwd=tmp_path))
+    result = check_ok(run_command(cmd, timeout=240, cwd=tmp_path))
     folder = tmp_path / "outputs" / "torchrun-exp7"
     assert (folder / "interrupted").read_text().startswith("SIGKILL"), "the worker was not killed"
     found = RESUMING.search(result.stdout)
