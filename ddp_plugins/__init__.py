@@ -22,6 +22,7 @@ from ddp_plugins.core import (
     CountingCommHook,
     SequentialDistributedSampler,
     SyncBatchNorm,
+    Timeline,
     build_comm_hook,
     convert_sync_batchnorm,
     count_collectives,
@@ -43,6 +44,7 @@ __version__ = "0.3.0"
 _ADAPTERS = {
     "AccumulationNoSync": "ddp_plugins.lightning.accumulation",
     "AllReduceCounter": "ddp_plugins.lightning.allreduce_counter",
+    "CommTimeline": "ddp_plugins.lightning.comm_timeline",
     "DDPPluginsStrategy": "ddp_plugins.lightning.strategy",
     "PreemptionCheckpoint": "ddp_plugins.lightning.preemption",
     "RankAwareSeed": "ddp_plugins.lightning.rank_aware_seed",
@@ -55,6 +57,7 @@ _ADAPTERS = {
 __all__ = [
     "AccumulationNoSync",
     "AllReduceCounter",
+    "CommTimeline",
     "CountingCommHook",
     "DDPPluginsStrategy",
     "PreemptionCheckpoint",
@@ -64,6 +67,7 @@ __all__ = [
     "SyncBatchNorm",
     "SyncBatchNormCallback",
     "SyncBatchNormPlugin",
+    "Timeline",
     "apply_network_env",
     "build_comm_hook",
     "convert_sync_batchnorm",

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKED",
     "CHECKED_ATTRIBUTES",
+    "DDP_BUFFER_BROADCAST",
     "BatchNormBase",
     "TorchSyncBatchNormFunction",
     "basic_subprocess_cmd",
@@ -36,6 +37,7 @@ __all__ = [
     "set_strategy_comm_hook",
     "strategy_comm_hook",
     "strategy_comm_state_and_wrapper",
+    "strategy_timeout",
     "update_dataloader",
 ]
 
@@ -45,6 +47,7 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
     ("torch.nn.modules.batchnorm", "_BatchNorm._check_input_dim"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
+    ("torch.distributed", "_broadcast_coalesced"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.update_main_process_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function"),
@@ -89,6 +92,10 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", ("_data_source",)),
     ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop", ("_data_source",)),
 )
+
+#: The ``torch.distributed`` function DDP broadcasts its buffers with before each forward (and its
+#: parameters at construction); a timeline times it by this name.
+DDP_BUFFER_BROADCAST = "_broadcast_coalesced"
 
 _LAZY = {
     "MultiProcessingLauncher": ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
@@ -214,6 +221,12 @@ def strategy_comm_hook(strategy: Any) -> Any:
 def set_strategy_comm_hook(strategy: Any, hook: Any) -> None:
     """Replace the hook a ``DDPStrategy`` will register when it wraps the model."""
     strategy._ddp_comm_hook = hook
+
+
+def strategy_timeout(strategy: Any) -> float | None:
+    """The process-group timeout a ``DDPStrategy`` was given, in seconds (``None`` when unknown)."""
+    timeout = getattr(strategy, "_timeout", None)
+    return timeout.total_seconds() if timeout is not None else None
 
 
 def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:

@@ -1,8 +1,9 @@
 """The torch-only core
 ====================
 
-Collectives, SyncBatchNorm, samplers and the global plan, communication hooks, seeding, preemption,
-checkpoints and the clean process exit, usable without Lightning: from a raw ``torch.distributed``
+Collectives, SyncBatchNorm, samplers and the global plan, communication hooks, the timeline of
+steps and collectives with hang dumps, seeding, preemption, checkpoints and the clean process exit,
+usable without Lightning: from a raw ``torch.distributed``
 loop, with Lightning Fabric, and by the adapters in :mod:`ddp_plugins.lightning`.
 """
 
@@ -26,6 +27,7 @@ from ddp_plugins.core.comm_hooks import (
     count_collectives,
 )
 from ddp_plugins.core.files import save_atomic
+from ddp_plugins.core.hang_watch import HangWatch
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
 from ddp_plugins.core.preemption import Preempted, SignalFlag, agree_on_signal, slurm_requeue, stable_run_name
 from ddp_plugins.core.process import exit_process, run_main
@@ -46,6 +48,7 @@ from ddp_plugins.core.sync_batchnorm import (
     revert_sync_batchnorm,
 )
 from ddp_plugins.core.sync_batchnorm_function import SyncBatchNormFunction, sync_batch_norm
+from ddp_plugins.core.timeline import TimedCommHook, Timeline, collective_kind
 from ddp_plugins.core.workers import WorkerInit, seed_worker
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "EmptyShareCollate",
     "EvenSteps",
     "GlobalPlan",
+    "HangWatch",
     "PlanBatchSampler",
     "Preempted",
     "ResumableSampler",
@@ -67,6 +71,8 @@ __all__ = [
     "SyncBatchNorm",
     "SyncBatchNormFunction",
     "SyncBatchNormReport",
+    "TimedCommHook",
+    "Timeline",
     "agree_on_signal",
     "build_comm_hook",
     "check_bool",
@@ -75,6 +81,7 @@ __all__ = [
     "check_int",
     "check_number",
     "collect_rng_states",
+    "collective_kind",
     "convert_sync_batchnorm",
     "count_collectives",
     "decode_rng_states",

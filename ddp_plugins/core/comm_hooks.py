@@ -210,6 +210,11 @@ _SENT_ARGUMENT = {
     "all_gather": (1, "tensor"),
     "all_gather_into_tensor": (1, "input_tensor"),
     "reduce_scatter": (1, "input_list"),
+    "all_gather_single": (1, "input_tensor"),
+    "reduce_scatter_single": (1, "input"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_to_all_single": (1, "input"),
+    "all_to_all": (1, "input_tensor_list"),
 }
 
 

@@ -15,6 +15,7 @@ Example::
 from ddp_plugins.lightning.accumulation import AccumulationNoSync
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
+from ddp_plugins.lightning.comm_timeline import CommTimeline
 from ddp_plugins.lightning.csv_logger import ResumableCSVLogger
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import apply_network_env
@@ -28,6 +29,7 @@ __all__ = [
     "AccumulationNoSync",
     "AllReduceCounter",
     "AtomicCheckpointIO",
+    "CommTimeline",
     "DDPPluginsStrategy",
     "PreemptionCheckpoint",
     "RankAwareSeed",

@@ -14,12 +14,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool
 from ddp_plugins.core.comm_hooks import CountingCommHook
+from ddp_plugins.lightning.comm_hook_chain import register_on_model, unwrap_comm_hook, wrap_comm_hook
 
 __all__ = ["AllReduceCounter"]
 
@@ -110,28 +110,13 @@ class AllReduceCounter(Callback):
             self.hook = current
             return
         self._strategy, self._user_hook = strategy, current
-        self.hook = CountingCommHook(current)
+        self.hook = wrap_comm_hook(strategy, CountingCommHook)
         self._last = (self.hook.calls, self.hook.bytes, self.hook.rounds)
-        _compat.set_strategy_comm_hook(strategy, self.hook)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
-        model = strategy.model
-        if self.hook is None or not isinstance(model, DistributedDataParallel):
-            return
-        registers = getattr(type(strategy), "_register_ddp_hooks", None)
-        if strategy.root_device.type == "cuda" or registers is not DDPStrategy._register_ddp_hooks:
-            # registered by the strategy already: Lightning's on CUDA, an override (ours) on every device.
-            # A second `register_comm_hook` fails, and DDP would still list the hook twice.
-            return
-        state, wrapper = _compat.strategy_comm_state_and_wrapper(strategy)
-        hook = self.hook if wrapper is None else wrapper(self.hook)
-        try:
-            model.register_comm_hook(state, hook)
-        except RuntimeError as err:  # a strategy that registered it some other way
-            if "only be called once" not in str(err):
-                raise
+        if self.hook is not None:
+            register_on_model(trainer.strategy)
 
     @override
     def on_before_optimizer_step(
@@ -153,7 +138,7 @@ class AllReduceCounter(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self._strategy is not None:
-            _compat.set_strategy_comm_hook(self._strategy, self._user_hook)  # leave the strategy as it was given
+            unwrap_comm_hook(self._strategy, self.hook, self._user_hook)  # leave the strategy as it was given
             self._strategy = None
 
     @override

@@ -1,0 +1,154 @@
+"""Hang dumps
+==========
+
+:class:`HangWatch` publishes each rank's progress (its last collective and the source line its
+training thread is at) to the process group's store, and when this rank has waited in one
+collective too long, dumps its last collectives and names the ranks that never arrived, with the
+line where each was last seen. Plain torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ddp_plugins._compat import default_store
+from ddp_plugins.core.checks import check_number
+from ddp_plugins.core.files import write_text_atomic
+from ddp_plugins.core.timeline import Timeline, _site, _stack
+
+__all__ = ["HangWatch"]
+
+_KEY = "ddp_plugins/hang_watch/"
+
+
+class HangWatch:
+    """Name the rank that stopped, and where, while the others wait for it in a collective.
+
+    A daemon thread publishes this rank's heartbeat every ``interval_s`` to the store: the sequence
+    number of its last collective and ``file:line`` of its training thread (the innermost frame
+    outside torch, Lightning and the pack). When the training thread has been in one collective for
+    ``stall_after_s``, the thread writes, once per collective, a dump to stderr and to
+    ``dump_dir/hang_rank<r>.txt``: the ranks whose heartbeat never reached that collective, each with
+    the line it was last seen at and how long ago, then this rank's last collectives and its stack.
+    A rank frozen by SIGSTOP or stuck without the GIL publishes nothing more, so the line named is
+    where it was at its last heartbeat, at most ``interval_s`` before it stopped. Written by hand:
+    torch's Flight Recorder dumps NCCL collectives on a timeout but names no rank's source line, and
+    is not on gloo.
+
+    Args:
+        timeline: the installed :class:`Timeline` whose collectives are watched.
+        stall_after_s: seconds in one collective before the dump (keep it under the group's timeout).
+        interval_s: seconds between heartbeats.
+        dump_dir: where the dump files go; ``None`` writes to stderr only.
+        store: the store to publish to; the default process group's when ``None``.
+
+    Example::
+
+        >>> watch = HangWatch(Timeline(), stall_after_s=60)
+        >>> watch.stall_after_s, watch.dumps
+        (60.0, [])
+        >>> # watch.start() ... watch.stop()
+    """
+
+    def __init__(
+        self,
+        timeline: Timeline,
+        stall_after_s: float = 120.0,
+        interval_s: float = 1.0,
+        dump_dir: str | Path | None = None,
+        store: Any = None,
+    ) -> None:
+        check_number("stall_after_s", stall_after_s, 0.0, exclusive_minimum=True)
+        check_number("interval_s", interval_s, 0.0, exclusive_minimum=True)
+        self.timeline = timeline
+        self.stall_after_s = float(stall_after_s)
+        self.interval_s = float(interval_s)
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self.store = store
+        self.dumps: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dumped_seq = 0
+
+    def start(self) -> HangWatch:
+        """Start the heartbeat thread (needs the process group)."""
+        if self._thread is not None:
+            return self
+        if self.store is None:
+            self.store = default_store()
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        self._stop.clear()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="ddp_plugins-hang-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the heartbeat thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.interval_s + 5.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat()
+                record = self.timeline.in_flight
+                if record is not None and record.seq != self._dumped_seq:
+                    if (self.timeline.now() - record.start_ns) / 1e9 >= self.stall_after_s:
+                        self._dumped_seq = record.seq
+                        self._dump(record)
+            except Exception:  # noqa: BLE001 - the store is gone with its host: nothing left to watch
+                return
+
+    def _where(self) -> tuple[str, str]:
+        frame = sys._current_frames().get(self.timeline._main)
+        if frame is None:
+            return "?", "?"
+        stack = _stack(frame, 60)
+        inner = stack[0]
+        return _site(stack), f"{inner[0]}:{inner[1]} in {inner[2]}"
+
+    def _beat(self) -> None:
+        site, innermost = self._where()
+        record = self.timeline.in_flight
+        beat = {
+            "seq": self.timeline.seq,
+            "in": record.seq if record is not None else 0,
+            "site": site,
+            "innermost": innermost,
+            "t": self.timeline.now(),
+        }
+        self.store.set(f"{_KEY}{self._rank}", json.dumps(beat))
+
+    def _dump(self, record: Any) -> None:
+        waited = (self.timeline.now() - record.start_ns) / 1e9
+        lines = [
+            f"rank {self._rank} has waited {waited:.1f} s in collective #{record.seq} ({record.op}, {record.kind},"
+            f" {record.nbytes} B) called at {record.site}"
+        ]
+        for rank in range(self._world):
+            if rank == self._rank:
+                continue
+            key = f"{_KEY}{rank}"
+            beat = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            if beat is None:
+                lines.append(f"rank {rank} never published a heartbeat: it did not start watching, or died first")
+            elif beat["seq"] < record.seq:
+                age = (self.timeline.now() - beat["t"]) / 1e9
+                lines.append(
+                    f"rank {rank} stopped at {beat['site']} (innermost frame {beat['innermost']}), last seen"
+                    f" {age:.1f} s ago after its collective #{beat['seq']}: it never reached #{record.seq}"
+                )
+        text = self.timeline.dump("\n".join(lines))
+        self.dumps.append(text)
+        print(text, file=sys.stderr, flush=True)
+        if self.dump_dir is not None:
+            write_text_atomic(self.dump_dir / f"hang_rank{self._rank}.txt", text + "\n")

@@ -1,0 +1,654 @@
+"""Where DDP time goes
+===================
+
+:class:`Timeline` records, per rank and per step, the phases of a step and every collective the
+step issues (its kind, bytes, call site, start and end on one clock shared by all ranks), then
+gathers the records of all ranks to blame the last arrival of each collective and to write one
+Chrome trace. :class:`TimedCommHook` times DDP's gradient buckets. Plain torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import statistics
+import sys
+import sysconfig
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ddp_plugins import _compat
+from ddp_plugins.core.checks import ArgumentTypeError, check_int, check_number
+from ddp_plugins.core.collectives import distributed_concat
+from ddp_plugins.core.comm_hooks import _tensor_bytes
+from ddp_plugins.core.files import write_text_atomic
+
+__all__ = ["PHASES", "CollectiveRecord", "TimedCommHook", "Timeline", "collective_kind"]
+
+#: The phases of a training step a :class:`Timeline` times, in order.
+PHASES = ("data_wait", "forward", "backward", "optimizer", "step")
+
+#: The ``torch.distributed`` functions a :class:`Timeline` times while installed.
+TIMED = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_gather_single",  # newer torch; patched where it exists
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    _compat.DDP_BUFFER_BROADCAST,
+)
+
+# The kind of a collective, from the module that called it (first match, innermost caller first).
+_KIND_OF_MODULE = (
+    ("ddp_plugins.core.sync_batchnorm_function", "syncbn"),
+    ("torch.nn.modules._functions", "syncbn"),
+    ("torch.distributed.algorithms.ddp_comm_hooks", "ddp_bucket"),
+    ("torch.nn.parallel.distributed", "ddp_buffers"),
+    ("torchmetrics", "metric_sync"),
+    ("lightning.fabric.utilities.distributed", "metric_sync"),
+    ("ddp_plugins.lightning.data_plan", "agreement"),
+    ("ddp_plugins.lightning.preemption", "agreement"),
+    ("ddp_plugins.core.preemption", "agreement"),
+    ("ddp_plugins.core.plan", "agreement"),
+    ("ddp_plugins.core.collectives", "gather"),
+)
+# Modules that are not "where the user's code stopped": their frames are skipped for the call site.
+_LIBRARIES = ("torch", "lightning", "torchmetrics", "ddp_plugins", "typing_extensions", "contextlib", "threading")
+
+_LIBRARY_ROOTS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")})
+
+_active: Timeline | None = None
+_originals: dict[str, Callable[..., Any]] = {}
+_local = threading.local()  # depth: > 0 inside a timed call (nested calls are not timed again); label
+
+
+class CollectiveRecord:
+    """One collective call on this rank: times in ns on rank 0's clock (``end_ns`` 0 while in flight)."""
+
+    __slots__ = ("end_ns", "kind", "nbytes", "op", "seq", "stack", "start_ns", "step")
+
+    def __init__(self, seq: int, step: int, kind: str, op: str, nbytes: int, stack: tuple, start_ns: int) -> None:
+        self.seq, self.step, self.kind, self.op, self.nbytes = seq, step, kind, op, nbytes
+        self.stack = stack  # ((file, line, function), ...), innermost first
+        self.start_ns, self.end_ns = start_ns, 0
+
+    @property
+    def site(self) -> str:
+        """``file:line in function`` of the innermost caller outside the libraries."""
+        return _site(self.stack)
+
+    def __repr__(self) -> str:
+        took = f"{(self.end_ns - self.start_ns) / 1e6:.2f} ms" if self.end_ns else "in flight"
+        return f"#{self.seq} {self.op} ({self.kind}, {self.nbytes} B, step {self.step}) at {self.site}: {took}"
+
+
+@contextlib.contextmanager
+def collective_kind(kind: str) -> Iterator[None]:
+    """Label the collectives the body issues (on this thread) as ``kind`` in a :class:`Timeline`.
+
+    Example::
+
+        >>> with collective_kind("my_metric"):
+        ...     pass  # dist.all_reduce(...) here is recorded as kind "my_metric"
+    """
+    if not isinstance(kind, str) or not kind:
+        raise ArgumentTypeError("kind", "a non-empty str", kind)
+    before = getattr(_local, "label", None)
+    _local.label = kind
+    try:
+        yield
+    finally:
+        _local.label = before
+
+
+class TimedCommHook:
+    """A DDP communication hook that records each bucket's reduction in a :class:`Timeline`.
+
+    The bucket's collective starts when DDP hands the bucket to the hook (the bucket is ready on this
+    rank) and ends when the hook's future completes; what the wrapped hook issues is not timed again.
+
+    Args:
+        timeline: where to record.
+        hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` is DDP's default all-reduce.
+
+    Example::
+
+        >>> hook = TimedCommHook(Timeline())
+        >>> hook.__qualname__
+        'TimedCommHook(allreduce_hook)'
+        >>> # ddp_model.register_comm_hook(state=None, hook=hook)
+    """
+
+    def __init__(self, timeline: Timeline, hook: Callable[..., Any] | None = None) -> None:
+        if not isinstance(timeline, Timeline):
+            raise ArgumentTypeError("timeline", "a Timeline", timeline)
+        if hook is not None and not callable(hook):
+            raise ArgumentTypeError("hook", "a DDP communication hook (callable) or None", hook)
+        self.timeline = timeline
+        self.hook = hook if hook is not None else allreduce_hook
+        self.__name__ = "timed_comm_hook"  # DDP and Lightning read these names
+        self.__qualname__ = f"TimedCommHook({getattr(self.hook, '__qualname__', type(self.hook).__name__)})"
+
+    def __call__(self, state, bucket):
+        # no annotations: DDP compares them with the real classes
+        buffer = bucket.buffer()
+        record = self.timeline._start("ddp_bucket", "all_reduce", buffer.numel() * buffer.element_size(), ())
+        _local.depth = _depth() + 1
+        try:
+            future = self.hook(state, bucket)
+        finally:
+            _local.depth -= 1
+        if record is not None:
+            future.add_done_callback(lambda _: self.timeline._end(record))
+        return future
+
+
+class Timeline:
+    """Per-rank step phases and collectives, their blame, and one Chrome trace for all ranks.
+
+    :meth:`install` replaces the ``torch.distributed`` collectives of :data:`TIMED` by timing
+    pass-throughs (until :meth:`uninstall`; one timeline at a time), so SyncBN, metric syncs, the
+    pack's per-step agreement and barriers are timed wherever they are called from; DDP's gradient
+    buckets are timed by a :class:`TimedCommHook` from :meth:`comm_hook`. Each collective's kind comes
+    from the module that called it (``syncbn``, ``ddp_bucket``, ``metric_sync``, ``agreement``,
+    ``gather``, ``barrier``, else ``other``; :func:`collective_kind` names your own). The clocks of
+    the ranks are put on rank 0's by :meth:`sync_clocks` (timestamps exchanged after barriers;
+    ``clock_residual_ns`` is half the spread of the estimates).
+
+    :meth:`collect` (a collective every rank calls at the same step boundary) gathers the records
+    since the previous call and, for each collective, how long each rank waited for the last one to
+    arrive; the last arrival is blamed for the lead it had on the next-latest rank when that is above
+    ``blame_threshold_s``. Each step's blame feeds a moving straggler score per rank. Written by hand:
+    torch's profiler and Flight Recorder record collectives per rank, but neither puts the ranks on
+    one clock nor blames a rank.
+
+    Args:
+        history: collectives kept for a hang dump (the last ones).
+        blame_threshold_s: the least lead of the last arrival that counts as blame.
+        score_decay: weight of the newest step in the moving straggler score (0 < decay <= 1).
+        max_trace_events: records kept for the trace, about (the oldest windows are dropped first).
+        group: the process group; the default one when ``None``.
+
+    Example::
+
+        >>> timeline = Timeline()
+        >>> for step in range(2):
+        ...     timeline.begin_step(step)  # the time since the last step ended: data wait
+        ...     with timeline.phase("forward"):
+        ...         pass
+        ...     timeline.end_step()
+        >>> report = timeline.collect()  # no process group: this rank alone
+        >>> report["steps"], sorted(report["phases_ms"])
+        (2, ['data_wait', 'forward', 'step'])
+    """
+
+    def __init__(
+        self,
+        history: int = 64,
+        blame_threshold_s: float = 0.005,
+        score_decay: float = 0.1,
+        max_trace_events: int = 200_000,
+        group: Any = None,
+    ) -> None:
+        check_int("history", history, 1)
+        check_number("blame_threshold_s", blame_threshold_s, 0.0)
+        check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
+        check_int("max_trace_events", max_trace_events, 0)
+        self.group = group
+        self.blame_threshold_ns = int(blame_threshold_s * 1e9)
+        self.score_decay = score_decay
+        self.offset_ns = 0  # this rank's clock minus rank 0's
+        self.clock_residual_ns = 0
+        self.origin_ns = time.perf_counter_ns()  # time 0 of the trace, on rank 0's clock after sync_clocks
+        self.recent: deque[CollectiveRecord] = deque(maxlen=history)
+        self.in_flight: CollectiveRecord | None = None  # the main thread's collective now, if any
+        self.seq = 0
+        self.step = -1  # the step under way; -1 between steps
+        self.scores: dict[int, float] = {}
+        self.max_trace_events = max_trace_events
+        self._windows: deque[tuple[Any, ...]] = deque()  # rank 0: the gathered records, for the trace
+        self._window_rows = 0
+        self._pending: list[CollectiveRecord] = []
+        self._phases: list[tuple[int, str, int, int]] = []
+        self._step_start = self._phase_start = self._last_step_end = 0
+        self._totals: dict[str, Any] = {"steps": 0, "step_ns": 0, "kind_ns": defaultdict(float)}
+        self._totals["blame"] = defaultdict(float)  # rank: ms of lead blamed on it
+        self._blamed: dict[int, int] = defaultdict(int)
+        self._main = threading.get_ident()
+
+    # clocks
+
+    def now(self) -> int:
+        """Now, in ns on rank 0's clock."""
+        return time.perf_counter_ns() - self.offset_ns
+
+    def sync_clocks(self, rounds: int = 8) -> tuple[int, int]:
+        """Estimate this rank's clock offset to rank 0 (a collective); returns ``(offset_ns, residual_ns)``.
+
+        Each round all ranks leave a barrier together and exchange their clocks; the offset is the
+        median over rounds, the residual half the spread of the estimates (the largest over ranks).
+        """
+        check_int("rounds", rounds, 1)
+        if not _distributed():
+            return 0, 0
+        world = dist.get_world_size(self.group)
+        estimates = []
+        with _untimed():
+            for _ in range(rounds):
+                dist.barrier(group=self.group)
+                stamp = torch.tensor([time.perf_counter_ns()], dtype=torch.int64)
+                stamps = [torch.zeros_like(stamp) for _ in range(world)]
+                dist.all_gather(stamps, stamp, group=self.group)
+                estimates.append(int(stamp) - int(stamps[0]))
+            offset = int(statistics.median(estimates))
+            spread = torch.tensor([(max(estimates) - min(estimates)) // 2], dtype=torch.int64)
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
+            origin = torch.tensor([time.perf_counter_ns() - offset], dtype=torch.int64)
+            dist.broadcast(origin, _group_rank_zero(self.group), group=self.group)
+        self.offset_ns, self.clock_residual_ns, self.origin_ns = offset, int(spread), int(origin)
+        return self.offset_ns, self.clock_residual_ns
+
+    # installing
+
+    def install(self) -> Timeline:
+        """Time the collectives of :data:`TIMED` from now on (this process; replaces another timeline)."""
+        global _active
+        for name in TIMED:
+            if name not in _originals and callable(getattr(dist, name, None)):
+                _originals[name] = getattr(dist, name)
+                setattr(dist, name, _timed(name, _originals[name]))
+        _active = self
+        self._main = threading.get_ident()
+        return self
+
+    def uninstall(self) -> None:
+        """Put ``torch.distributed`` back as it was (when this timeline is the installed one)."""
+        global _active
+        if _active is not self:
+            return
+        _active = None
+        for name, original in list(_originals.items()):
+            if getattr(getattr(dist, name, None), "__wrapped__", None) is original:
+                setattr(dist, name, original)
+            del _originals[name]
+
+    def comm_hook(self, hook: Callable[..., Any] | None = None) -> TimedCommHook:
+        """A :class:`TimedCommHook` recording here, wrapping ``hook`` (``None``: DDP's all-reduce)."""
+        return TimedCommHook(self, hook)
+
+    # steps and phases
+
+    def begin_step(self, step: int) -> None:
+        """A training step starts: the time since the previous one ended is its data wait."""
+        now = self.now()
+        self.step = step
+        if self._last_step_end:
+            self._phases.append((step, "data_wait", self._last_step_end, now))
+        self._step_start = self._phase_start = now
+
+    def mark(self, phase: str) -> None:
+        """End ``phase`` now; it began where the previous phase of this step ended."""
+        if self.step < 0:
+            return
+        now = self.now()
+        self._phases.append((self.step, phase, self._phase_start, now))
+        self._phase_start = now
+
+    def skip(self) -> None:
+        """Start the next phase now (what ran since the previous mark belongs to no phase)."""
+        self._phase_start = self.now()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as phase ``name`` of the current step."""
+        self.skip()
+        try:
+            yield
+        finally:
+            self.mark(name)
+
+    def end_step(self) -> None:
+        """The current step ends."""
+        if self.step < 0:
+            return
+        now = self.now()
+        self._phases.append((self.step, "step", self._step_start, now))
+        self._last_step_end = now
+        self.step = -1
+
+    # records
+
+    def _start(self, kind: str, op: str, nbytes: int, stack: tuple) -> CollectiveRecord | None:
+        if _active is not self or _depth():
+            return None
+        label = getattr(_local, "label", None)
+        self.seq += 1
+        record = CollectiveRecord(self.seq, self.step, label or kind, op, nbytes, stack, self.now())
+        self._pending.append(record)
+        self.recent.append(record)
+        if threading.get_ident() == self._main:
+            self.in_flight = record
+        return record
+
+    def _end(self, record: CollectiveRecord) -> None:
+        record.end_ns = self.now()
+        if self.in_flight is record:
+            self.in_flight = None
+
+    def collect(self) -> dict[str, Any]:
+        """Gather every rank's records since the last call (a collective); blame, score, trace.
+
+        Returns this window's report: ``steps``, ``phases_ms`` (this rank's mean per step),
+        ``comm_ms`` (this rank's time per step in each collective kind), ``wait_ms`` (per step,
+        waiting for the last arrival), ``blamed`` (``{step: rank}``), ``scores`` (``{rank: ms}``).
+        """
+        records = [r for r in self._pending if r.end_ns]
+        self._pending = [r for r in self._pending if not r.end_ns]
+        phases, self._phases = self._phases, []
+        rank, origin = (dist.get_rank(self.group) if _distributed() else 0), self.origin_ns
+        rows = {
+            "coll": torch.tensor(
+                [[rank, r.step, r.seq, r.start_ns - origin, r.end_ns - origin, r.nbytes] for r in records],
+                dtype=torch.float64,
+            ).reshape(-1, 6),
+            "text": [(r.kind, r.op, r.site) for r in records],
+            "phase": torch.tensor(
+                [[rank, s, PHASES.index(p), a - origin, b - origin] for s, p, a, b in phases],
+                dtype=torch.float64,
+            ).reshape(-1, 5),
+        }
+        with _untimed():
+            gathered = distributed_concat(rows, group=self.group) if _distributed() else rows
+        return self._analyse(gathered, rank)
+
+    def _analyse(self, gathered: dict[str, Any], rank: int) -> dict[str, Any]:
+        coll, text, phase = gathered["coll"].tolist(), gathered["text"], gathered["phase"].tolist()
+        arrivals: dict[int, list[tuple[float, int, int]]] = defaultdict(list)  # seq: (start, rank, step)
+        for r, step, seq, start, _, _ in coll:
+            arrivals[int(seq)].append((start, int(r), int(step)))
+        last: dict[int, tuple[float, int]] = {}  # seq: (start, rank) of the last arrival
+        blame: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))  # step: rank: ns of lead
+        for seq, starts in arrivals.items():
+            starts.sort()
+            (start, r, step), lead = starts[-1], starts[-1][0] - starts[-2][0] if len(starts) > 1 else 0.0
+            last[seq] = (start, r)
+            if lead > self.blame_threshold_ns and step >= 0:
+                blame[step][r] += lead
+        per_step: dict[str, float] = defaultdict(float)  # this rank's phases
+        step_end: dict[tuple[int, int], float] = {}  # (rank, step): when the step ended
+        for r, step, p, start, end in phase:
+            name = PHASES[int(p)]
+            if int(r) == rank:
+                per_step[name] += end - start
+            if name == "step":
+                self._totals["step_ns"] += end - start
+                step_end[int(r), int(step)] = end
+        comm: dict[str, float] = defaultdict(float)  # this rank's time per collective kind
+        waited = 0.0
+        for (r, step, seq, start, end, _), (kind, _, _) in zip(coll, text, strict=True):
+            if step >= 0:
+                self._totals["kind_ns"][kind] += end - start
+                if int(r) == rank:
+                    comm[kind] += end - start
+                    waited += last[int(seq)][0] - start
+        steps = sorted({step for _, step in step_end})
+        world = dist.get_world_size(self.group) if _distributed() else 1
+        blamed, score_points = {}, []
+        for step in steps:
+            shares = blame.get(step, {})
+            if shares:
+                blamed[step] = max(shares, key=lambda r: shares[r])
+                self._blamed[blamed[step]] += 1
+            for r in range(world):
+                excess = shares.get(r, 0.0) / 1e6
+                self._totals["blame"][r] += excess
+                self.scores[r] = self.scores.get(r, excess) + self.score_decay * (excess - self.scores.get(r, excess))
+                score_points.append((r, step_end.get((r, step), 0.0), self.scores[r]))
+        self._totals["steps"] += len(steps)
+        if rank == 0:  # the trace is built when written: here every rank does the same work
+            self._windows.append((coll, text, phase, last, score_points))
+            self._window_rows += len(coll) + len(phase)
+            while self._window_rows > self.max_trace_events and len(self._windows) > 1:
+                dropped = self._windows.popleft()
+                self._window_rows -= len(dropped[0]) + len(dropped[2])
+        n = max(len(steps), 1)
+        return {
+            "steps": len(steps),
+            "phases_ms": {name: total / n / 1e6 for name, total in per_step.items()},
+            "comm_ms": {kind: total / n / 1e6 for kind, total in comm.items()},
+            "wait_ms": waited / n / 1e6,
+            "blamed": blamed,
+            "scores": dict(self.scores),
+        }
+
+    # results
+
+    def summary(self) -> dict[str, Any]:
+        """The run so far: the slowest rank, its excess per step, the share of step time per collective kind.
+
+        ``slowest_rank`` is the rank blamed for the most excess (``None`` when none was blamed);
+        ``excess_ms_per_step`` its blamed lead per step; ``blamed_steps`` ``{rank: steps}``;
+        ``comm_share`` ``{kind: time in that kind / step time}``, summed over ranks.
+        """
+        totals = self._totals
+        steps = max(totals["steps"], 1)
+        blame = {r: ns for r, ns in totals["blame"].items() if ns > 0}
+        slowest = max(blame, key=blame.get) if blame else None  # type: ignore[arg-type]
+        step_ns = max(totals["step_ns"], 1)
+        return {
+            "steps": totals["steps"],
+            "slowest_rank": slowest,
+            "excess_ms_per_step": round(blame.get(slowest, 0.0) / steps, 3) if slowest is not None else 0.0,
+            "blamed_steps": dict(self._blamed),
+            "comm_share": {kind: round(ns / step_ns, 4) for kind, ns in sorted(totals["kind_ns"].items())},
+            "clock_residual_us": round(self.clock_residual_ns / 1e3, 1),
+        }
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The trace of every rank (gathered on rank 0 by :meth:`collect`), Chrome's JSON object format.
+
+        One process per rank, with a thread of step phases, a thread of collectives (their args:
+        op, sequence number, bytes, step, call site, time waited for the last arrival and who it was)
+        and a counter track of the rank's straggler score. Times in µs from the clock alignment.
+        """
+        events: list[dict[str, Any]] = []
+        ranks: set[int] = set()
+        for coll, text, phase, last, score_points in self._windows:
+            for (r, step, seq, start, end, nbytes), (kind, op, site) in zip(coll, text, strict=True):
+                last_start, last_rank = last[int(seq)]
+                args = {
+                    "op": op,
+                    "seq": int(seq),
+                    "bytes": int(nbytes),
+                    "step": int(step),
+                    "site": site,
+                    "waited_for_last_ms": round((last_start - start) / 1e6, 3),
+                    "last_arrival": last_rank,
+                }
+                events.append(
+                    {
+                        "name": kind,
+                        "cat": "collective",
+                        "ph": "X",
+                        "pid": int(r),
+                        "tid": 1,
+                        "ts": start / 1e3,
+                        "dur": max(end - start, 0.0) / 1e3,
+                        "args": args,
+                    }
+                )
+            for r, step, p, start, end in phase:
+                events.append(
+                    {
+                        "name": PHASES[int(p)],
+                        "cat": "phase",
+                        "ph": "X",
+                        "pid": int(r),
+                        "tid": 0,
+                        "ts": start / 1e3,
+                        "dur": max(end - start, 0.0) / 1e3,
+                        "args": {"step": int(step)},
+                    }
+                )
+            for r, end, score in score_points:
+                events.append(
+                    {
+                        "name": "straggler score (ms)",
+                        "ph": "C",
+                        "pid": r,
+                        "ts": end / 1e3,
+                        "args": {"score": round(score, 3)},
+                    }
+                )
+                ranks.add(r)
+        ranks |= {int(event["pid"]) for event in events}
+        names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in sorted(ranks)]
+        names += [
+            {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}}
+            for r in sorted(ranks)
+            for tid, name in ((0, "step phases"), (1, "collectives"))
+        ]
+        return {"traceEvents": names + events, "displayTimeUnit": "ms", "otherData": self.summary()}
+
+    def write_chrome_trace(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`chrome_trace` to ``path`` (atomically; open it in Perfetto or ``chrome://tracing``)."""
+        path = Path(path)
+        write_text_atomic(path, json.dumps(self.chrome_trace()))
+        return path
+
+    def dump(self, reason: str = "") -> str:
+        """This rank's last collectives (oldest first) and the training thread's stack, as text."""
+        rank = dist.get_rank(self.group) if _distributed() else 0
+        lines = [reason] if reason else []
+        lines.append(f"rank {rank}: its last {len(self.recent)} collectives, oldest first")
+        for record in self.recent:
+            lines.append(f"  {record!r}")
+            lines += [f"      {file}:{line} in {func}" for file, line, func in record.stack[:6]]
+        frame = sys._current_frames().get(self._main)
+        if frame is not None:
+            lines.append(f"rank {rank}: the training thread is at")
+            lines += [f"  {file}:{line} in {func}" for file, line, func in _stack(frame, 40)]
+        return "\n".join(lines)
+
+
+def _depth() -> int:
+    """How many timed calls this thread is inside (their collectives are not timed again)."""
+    return int(getattr(_local, "depth", 0))
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group_rank_zero(group: Any) -> int:
+    """The global rank of ``group``'s rank 0 (``broadcast`` takes global ranks)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+@contextlib.contextmanager
+def _untimed() -> Iterator[None]:
+    """Collectives of the body are not recorded (the timeline's own)."""
+    _local.depth = _depth() + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _stack(frame: Any, limit: int = 12) -> tuple[tuple[str, int, str], ...]:
+    """``(file, line, function)`` of ``frame`` and its callers, innermost first."""
+    out: list[tuple[str, int, str]] = []
+    while frame is not None and len(out) < limit:
+        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library(filename: str) -> bool:
+    """Whether ``filename`` belongs to torch, Lightning, the pack, the standard library or site-packages."""
+    roots = [entry.rstrip("/") + "/" for entry in sys.path if entry and entry not in ("", ".")]
+    root = max((entry for entry in roots if filename.startswith(entry)), key=len, default=None)
+    if root is None:
+        return filename.startswith("<frozen")
+    top = filename[len(root) :].split("/", 1)[0].removesuffix(".py")
+    return top in _LIBRARIES or any(root.startswith(path.rstrip("/") + "/") for path in _LIBRARY_ROOTS)
+
+
+def _site(stack: tuple[tuple[str, int, str], ...]) -> str:
+    """``file:line in function`` of the innermost frame outside the libraries (else the innermost)."""
+    if not stack:
+        return "?"
+    file, line, func = next((entry for entry in stack if not _is_library(entry[0])), stack[0])
+    return f"{file}:{line} in {func}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _kind_of_module(module: str) -> str | None:
+    return next((kind for prefix, kind in _KIND_OF_MODULE if module.startswith(prefix)), None)
+
+
+def _kind(name: str, frame: Any) -> str:
+    if "barrier" in name:
+        return "barrier"
+    for _ in range(8):
+        if frame is None:
+            break
+        kind = _kind_of_module(frame.f_globals.get("__name__", ""))
+        if kind is not None:
+            return kind
+        frame = frame.f_back
+    return "other"
+
+
+def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        timeline = _active
+        if timeline is None or _depth():
+            return original(*args, **kwargs)
+        caller = sys._getframe(1)
+        record = timeline._start(_kind(name, caller), name, _tensor_bytes(args, kwargs, name), _stack(caller))
+        _local.depth = _depth() + 1
+        try:
+            out = original(*args, **kwargs)
+        except BaseException:
+            if record is not None:
+                timeline._end(record)
+            raise
+        finally:
+            _local.depth -= 1
+        if record is not None:
+            if kwargs.get("async_op") and out is not None:
+                out.get_future().add_done_callback(lambda _: timeline._end(record))
+            else:
+                timeline._end(record)
+        return out
+
+    timed.__wrapped__ = original  # type: ignore[attr-defined]
+    timed.__name__ = name
+    return timed

@@ -1,0 +1,272 @@
+"""Where DDP time goes
+===================
+
+:class:`CommTimeline` records every rank's step phases and collectives, blames stragglers, logs
+``time/*`` and ``straggler/*`` metrics, writes one Chrome trace for all ranks and dumps hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from ddp_plugins import _compat
+from ddp_plugins.core.checks import ArgumentTypeError, check_bool, check_int, check_number
+from ddp_plugins.core.files import write_text_atomic
+from ddp_plugins.core.hang_watch import HangWatch
+from ddp_plugins.core.stalls import is_collective_failure
+from ddp_plugins.core.timeline import TimedCommHook, Timeline
+from ddp_plugins.lightning.comm_hook_chain import register_on_model, unwrap_comm_hook, wrap_comm_hook
+
+__all__ = ["CommTimeline"]
+
+_MAX_PER_RANK_SCORES = 16  # straggler/score_rank<r> is logged for worlds up to this size
+
+
+class CommTimeline(Callback):
+    """Time every rank's steps and collectives, blame the slow rank, and trace it all on one timeline.
+
+    Built on :class:`ddp_plugins.core.timeline.Timeline` (usable from raw torch DDP too). For every
+    training batch and rank it records the data wait, forward, backward and optimizer time, and the
+    time inside each kind of collective: DDP's gradient buckets (through a communication hook layered
+    on the strategy's own and on :class:`AllReduceCounter`'s), DDP's buffer broadcast, SyncBN,
+    metric syncs, the pack's per-step agreement, gathers and barriers. Every ``every_n_steps``
+    batches the ranks gather their records (one collective), each collective's last arrival is
+    blamed for its lead on the others, and the callback logs this rank's ``time/<phase>_ms``,
+    ``time/comm/<kind>_ms`` and ``time/waited_for_last_ms`` (means per batch) and the global
+    ``straggler/slowest_rank``, ``straggler/score_max_ms``, ``straggler/blamed_steps`` and, up to 16
+    ranks, ``straggler/score_rank<r>`` (a moving average of each rank's blamed ms per batch).
+
+    At the end of fit, rank 0 writes the Chrome trace (``trace_path``, default
+    ``<log_dir>/comm_timeline.json``: open it in Perfetto or ``chrome://tracing``) and prints a
+    summary: the slowest rank, its excess per batch, the share of step time in each collective kind
+    and the residual of the clock alignment. While a rank waits in one collective for
+    ``stall_after_s``, it dumps its last ``history`` collectives and names each rank that never
+    arrived with the source line it was last seen at (``hang_rank<r>.txt`` beside the trace, and
+    stderr); a collective that fails (a timeout) dumps them too.
+
+    Args:
+        every_n_steps: batches between two gathers of the records (and the logged metrics).
+        trace_path: where rank 0 writes the trace; ``None`` for ``<log_dir>/comm_timeline.json``.
+        history: collectives kept per rank for a hang dump.
+        stall_after_s: seconds in one collective before a hang dump; ``None`` for half the process
+            group's timeout, at most 300.
+        blame_threshold_ms: the least lead of a collective's last arrival that counts as blame.
+        score_decay: weight of the newest batch in the moving straggler score.
+        log: log the metrics with ``LightningModule.log``.
+
+    Raises:
+        ValueError: an argument out of range.
+        TypeError: an argument of the wrong type.
+
+    Example::
+
+        >>> timeline = CommTimeline(every_n_steps=20)
+        >>> timeline.summary
+        {}
+        >>> # Trainer(strategy="ddp", callbacks=[timeline]); trainer.fit(model) -> timeline.summary
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        trace_path: str | os.PathLike | None = None,
+        history: int = 64,
+        stall_after_s: float | None = None,
+        blame_threshold_ms: float = 5.0,
+        score_decay: float = 0.1,
+        log: bool = True,
+    ) -> None:
+        super().__init__()
+        check_int("every_n_steps", every_n_steps, 1)
+        if trace_path is not None and not isinstance(trace_path, (str, os.PathLike)):
+            raise ArgumentTypeError("trace_path", "a path or None", trace_path)
+        check_int("history", history, 1)
+        check_number("stall_after_s", stall_after_s, 0.0, exclusive_minimum=True, allow_none=True)
+        check_number("blame_threshold_ms", blame_threshold_ms, 0.0)
+        check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
+        check_bool("log", log)
+        self.every_n_steps = every_n_steps
+        self.trace_path = Path(trace_path) if trace_path is not None else None
+        self.history = history
+        self.stall_after_s = stall_after_s
+        self.blame_threshold_ms = blame_threshold_ms
+        self.score_decay = score_decay
+        self.log = log
+        self.spawn_results_key = uuid.uuid4().hex  # pairs this callback with its copy in spawned ranks
+        self.timeline: Timeline | None = None
+        self.watch: HangWatch | None = None
+        self._summary: dict[str, Any] = {}
+        self._hook: TimedCommHook | None = None
+        self._user_hook: Any = None
+        self._strategy: DDPStrategy | None = None
+        self._batch = 0
+        self._stepping = False
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The summary of the last fit (``{}`` before one): ``slowest_rank``, ``excess_ms_per_step``,
+        ``blamed_steps``, ``comm_share``, ``steps``, ``clock_residual_us``."""
+        return self._summary
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.timeline = Timeline(
+            history=self.history, blame_threshold_s=self.blame_threshold_ms / 1e3, score_decay=self.score_decay
+        )
+        strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy):
+            timeline = self.timeline
+            self._strategy, self._user_hook = strategy, _compat.strategy_comm_hook(strategy)
+            self._hook = wrap_comm_hook(strategy, lambda hook: TimedCommHook(timeline, hook))
+        if self.trace_path is None:
+            self.trace_path = Path(trainer.log_dir or trainer.default_root_dir) / "comm_timeline.json"
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.timeline is not None
+        self.timeline.install()
+        self.timeline.sync_clocks()
+        if self._strategy is not None:
+            register_on_model(self._strategy)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            timeout = _compat.strategy_timeout(trainer.strategy)
+            stall = self.stall_after_s or min(300.0, timeout / 2 if timeout else 300.0)
+            folder = self.trace_path.parent if self.trace_path is not None else None
+            self.watch = HangWatch(self.timeline, stall_after_s=stall, dump_dir=folder).start()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.timeline is not None:
+            self.timeline.begin_step(self._batch)
+            self._stepping = False
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.timeline is not None:
+            self.timeline.mark("forward")
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timeline is not None:
+            self.timeline.mark("backward")
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.timeline is not None:
+            self.timeline.skip()  # gradient clipping and the like are no phase; the step's math follows
+            self._stepping = True
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.timeline is None:
+            return
+        if self._stepping:
+            self.timeline.mark("optimizer")
+        self.timeline.end_step()
+        self._batch += 1
+        if self._batch % self.every_n_steps == 0:
+            self._log(pl_module, self.timeline.collect(), trainer.world_size)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timeline is None:
+            return
+        self.timeline.collect()  # the batches since the last gather
+        self._finish(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.timeline is None:
+            return
+        if is_collective_failure(exception):
+            first = next(iter(str(exception).splitlines()), "")
+            text = self.timeline.dump(f"rank {trainer.global_rank}: a collective failed: {first}")
+            rank = trainer.global_rank
+            if self.trace_path is not None:
+                write_text_atomic(self.trace_path.parent / f"hang_rank{rank}.txt", text + "\n")
+            print(text, flush=True)
+        self._finish(trainer)  # what was gathered so far (no collective here)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+        if self.timeline is not None:
+            self.timeline.uninstall()
+        if self._strategy is not None and self._hook is not None:
+            unwrap_comm_hook(self._strategy, self._hook, self._user_hook)
+            self._strategy = self._hook = None
+
+    def export_results(self) -> str:
+        """Write the summary (spawned rank 0) to a temporary file; the path travels back."""
+        fd, path = tempfile.mkstemp(prefix="ddp_plugins_timeline_", suffix=".json")
+        with os.fdopen(fd, "w") as file:
+            json.dump(self._summary, file)
+        return path
+
+    def import_results(self, path: str) -> None:
+        """Take the summary a spawned rank 0 exported to ``path`` (and remove the file)."""
+        try:
+            with open(path) as file:
+                self._summary = json.load(file)
+        finally:
+            os.remove(path)
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        assert self.timeline is not None
+        self._summary = self.timeline.summary()
+        if trainer.global_rank != 0 or self.trace_path is None:
+            return
+        self._summary["trace"] = str(self.timeline.write_chrome_trace(self.trace_path))
+        s = self._summary
+        shares = ", ".join(f"{kind} {share:.1%}" for kind, share in s["comm_share"].items()) or "none"
+        who = (
+            f"slowest rank {s['slowest_rank']}, +{s['excess_ms_per_step']:.2f} ms per step"
+            f" (blamed in {s['blamed_steps'].get(s['slowest_rank'], 0)} of {s['steps']} steps)"
+            if s["slowest_rank"] is not None
+            else f"no straggler in {s['steps']} steps"
+        )
+        rank_zero_info(
+            f"CommTimeline: {who}; step time in collectives: {shares}; clocks aligned within"
+            f" {s['clock_residual_us']:g} us; trace: {s['trace']}"
+        )
+
+    def _log(self, pl_module: pl.LightningModule, report: dict[str, Any], world_size: int) -> None:
+        if not self.log or not report["steps"]:
+            return
+        metrics = {f"time/{phase}_ms": value for phase, value in report["phases_ms"].items()}
+        metrics.update({f"time/comm/{kind}_ms": value for kind, value in report["comm_ms"].items()})
+        metrics["time/waited_for_last_ms"] = report["wait_ms"]
+        scores = report["scores"]
+        if scores:
+            slowest = max(scores, key=scores.get)
+            metrics["straggler/slowest_rank"] = float(slowest)
+            metrics["straggler/score_max_ms"] = scores[slowest]
+        metrics["straggler/blamed_steps"] = float(len(report["blamed"]))
+        if world_size <= _MAX_PER_RANK_SCORES:
+            metrics.update({f"straggler/score_rank{r}": score for r, score in scores.items()})
+        pl_module.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)

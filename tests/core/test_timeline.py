@@ -1,0 +1,188 @@
+"""The timeline of steps and collectives, straggler blame, the Chrome trace and hang dumps (raw torch DDP, gloo).
+
+Plain torch: no Lightning. The callback is tested in tests/lightning/test_comm_timeline.py.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_plugins.core import convert_sync_batchnorm, distributed_concat
+from ddp_plugins.core.hang_watch import HangWatch
+from ddp_plugins.core.timeline import TimedCommHook, Timeline, collective_kind
+from ddp_plugins.testing import spawn
+
+STEPS = 80
+SLOW_EVERY = 4  # rank 1 sleeps in its "data loader" before every 4th step: a quarter of the steps
+SLEEP_S = 0.05
+
+
+def _net():
+    torch.manual_seed(0)
+    return convert_sync_batchnorm(nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)))
+
+
+def _train(timeline, model, rank, steps, slow_every, collect_every=20):
+    """SGD steps on random rows; rank 1 sleeps before the steps ``step % slow_every == 1``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    blamed, reports = {}, []
+    for step in range(steps):
+        if rank == 1 and slow_every and step % slow_every == 1:
+            time.sleep(SLEEP_S)  # a slow data loader on rank 1
+        x = torch.randn(8, 16)
+        timeline.begin_step(step)
+        with timeline.phase("forward"):
+            loss = model(x).square().mean()
+        with timeline.phase("backward"):
+            loss.backward()
+        with timeline.phase("optimizer"):
+            opt.step()
+            opt.zero_grad()
+        timeline.end_step()
+        if (step + 1) % collect_every == 0:
+            report = timeline.collect()
+            blamed.update(report["blamed"])
+            reports.append(report)
+    return blamed, reports
+
+
+def _test_straggler(rank, world_size):
+    timeline = Timeline().install()
+    try:
+        offset, residual = timeline.sync_clocks()
+        model = DistributedDataParallel(_net())
+        model.register_comm_hook(None, timeline.comm_hook())
+        blamed, reports = _train(timeline, model, rank, STEPS, SLOW_EVERY)
+        return blamed, reports, timeline.summary(), offset, residual
+    finally:
+        timeline.uninstall()
+
+
+def test_a_rank_slowed_in_a_quarter_of_the_steps_is_blamed_for_those_steps_only(dist_pool):
+    results = dist_pool.run(_test_straggler)
+    blamed, reports, summary, _, _ = results[0]
+    assert blamed == results[1][0], "every rank derives the same blame from the gathered records"
+    slow = [s for s in range(STEPS) if s % SLOW_EVERY == 1]
+    clean = [s for s in range(STEPS) if s % SLOW_EVERY != 1]
+    on_rank1 = sum(blamed.get(s) == 1 for s in slow)
+    assert on_rank1 >= 0.95 * len(slow), f"rank 1 blamed in {on_rank1} of its {len(slow)} slow steps: {blamed}"
+    noise = [s for s in clean if s in blamed]
+    assert len(noise) <= 0.1 * len(clean), f"clean steps blamed beyond noise: {noise}"
+    assert summary["slowest_rank"] == 1
+    # a quarter of the steps 50 ms late: about 12.5 ms of excess per step
+    assert 0.6 * SLEEP_S * 1e3 / SLOW_EVERY < summary["excess_ms_per_step"] < 1.6 * SLEEP_S * 1e3 / SLOW_EVERY, summary
+    assert reports[-1]["scores"][1] > reports[-1]["scores"][0]
+    assert summary["steps"] == STEPS
+    assert {"ddp_bucket", "ddp_buffers", "syncbn"} <= set(summary["comm_share"]), summary
+    # rank 0 waits for the slow rank in DDP's buffer broadcast, the first collective of each step
+    assert reports[0]["wait_ms"] > 0.5 * SLEEP_S * 1e3 / SLOW_EVERY, reports[0]
+    for _, _, summary, offset, residual in results:
+        # one host: every rank reads the same monotonic clock, so the true offset is 0
+        assert abs(offset) <= residual + 1_000_000, (offset, residual)
+        assert summary["clock_residual_us"] == round(residual / 1e3, 1)
+
+
+def _test_trace(rank, world_size, path):
+    before = dist.all_reduce
+    timeline = Timeline().install()
+    try:
+        timeline.sync_clocks()
+        model = DistributedDataParallel(_net())
+        model.register_comm_hook(None, TimedCommHook(timeline))
+        _train(timeline, model, rank, 6, 0, collect_every=3)
+        timeline.begin_step(6)
+        dist.barrier()
+        distributed_concat(torch.arange(3 + rank))
+        with collective_kind("my_metric"):
+            dist.all_reduce(torch.ones(2))
+        timeline.end_step()
+        timeline.collect()
+        if rank == 0:
+            timeline.write_chrome_trace(path)
+    finally:
+        timeline.uninstall()
+    return dist.all_reduce is before
+
+
+def test_the_trace_is_chrome_trace_json_with_every_rank_and_collective_kind(dist_pool, tmp_path):
+    path = tmp_path / "trace.json"
+    restored = dist_pool.run(_test_trace, str(path))
+    assert restored == [True, True], "uninstall puts torch.distributed back"
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    for event in events:
+        assert {"name", "ph", "pid"} <= set(event), event
+        if event["ph"] == "X":
+            assert event["dur"] >= 0 and isinstance(event["ts"], float)
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+    kinds = {e["name"] for e in events if e.get("cat") == "collective"}
+    assert kinds == {"ddp_bucket", "ddp_buffers", "syncbn", "barrier", "gather", "my_metric"}, kinds
+    phases = {e["name"] for e in events if e.get("cat") == "phase"}
+    assert phases == {"data_wait", "forward", "backward", "optimizer", "step"}
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"rank 0", "rank 1"}
+    assert any(e["ph"] == "C" for e in events), "the straggler score is a counter track"
+    sites = {e["args"]["site"] for e in events if e.get("cat") == "collective"}
+    assert any(__file__ in site for site in sites), f"call sites name the caller's line: {sites}"
+    assert trace["otherData"]["steps"] == 7
+
+
+def _park():
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    time.sleep(30)  # PARKED: where the stopped rank is
+
+
+PARKED_LINE = _park.__code__.co_firstlineno + 2
+
+
+def _test_stopped_rank(rank, world_size, dump_dir):
+    timeline = Timeline().install()
+    timeline.sync_clocks()
+    HangWatch(timeline, stall_after_s=1.5, interval_s=0.2, dump_dir=dump_dir).start()
+    payload = torch.ones(4)
+    for step in range(50):
+        timeline.begin_step(step)
+        if rank == 1 and step == 5:
+            _park()
+        dist.all_reduce(payload)
+        timeline.end_step()
+
+
+def test_a_rank_stopped_with_sigstop_is_named_with_its_source_line_within_one_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 raised"):
+        spawn(_test_stopped_rank, str(tmp_path), world_size=2, timeout=60, pg_timeout=6)
+    dump = (tmp_path / "hang_rank0.txt").read_text()
+    assert f"rank 1 stopped at {__file__}:{PARKED_LINE} in _park" in dump, dump
+    waited = float(dump.split("has waited ", 1)[1].split(" s", 1)[0])
+    assert 1.5 <= waited < 6, "named before the collective timeout"
+    assert "collective #" in dump and "all_reduce" in dump and "_test_stopped_rank" in dump
+    assert not (tmp_path / "hang_rank1.txt").exists(), "the stopped rank writes nothing"
+    assert time.monotonic() - start < 40
+
+
+def test_bad_arguments_are_one_line_errors():
+    with pytest.raises(ValueError, match="`score_decay` should be"):
+        Timeline(score_decay=0)
+    with pytest.raises(TypeError, match="`hook` should be"):
+        TimedCommHook(Timeline(), hook=3)
+    with pytest.raises(ValueError, match="`stall_after_s` should be"):
+        HangWatch(Timeline(), stall_after_s=0)
+
+
+def test_collectives_are_timed_only_while_installed():
+    timeline = Timeline()
+    original = dist.all_reduce
+    timeline.install()
+    try:
+        assert dist.all_reduce.__wrapped__ is original
+    finally:
+        timeline.uninstall()
+    assert dist.all_reduce is original

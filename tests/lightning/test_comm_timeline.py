@@ -1,0 +1,135 @@
+"""CommTimeline in a Trainer on 2 gloo ranks: every collective kind of the pack traced, a slow rank blamed,
+metrics logged, the user's and AllReduceCounter's hooks kept, and the math unchanged."""
+
+import json
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_plugins.lightning import (
+    AllReduceCounter,
+    CommTimeline,
+    DDPPluginsStrategy,
+    PreemptionCheckpoint,
+    SyncBatchNormCallback,
+)
+from ddp_plugins.testing import run_lightning
+from tests.core.test_comm_hooks import _user_hook
+
+_ALL_REDUCE = torch.distributed.all_reduce  # as imported, before any timeline
+
+BATCH = 8  # per rank
+BATCHES = 80  # per rank and epoch
+SLOW_EVERY, SLEEP_S = 4, 0.05  # rank 1's loader sleeps before a quarter of its batches
+
+
+class _SlowOnRank1:
+    """A collate function that sleeps on rank 1 before every 4th batch: a slow data loader."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.calls = rank, 0
+
+    def __call__(self, rows):
+        if self.rank == 1 and self.calls % SLOW_EVERY == 1:
+            time.sleep(SLEEP_S)
+        self.calls += 1
+        return torch.utils.data.default_collate(rows)
+
+
+class _Model(pl.LightningModule):
+    def __init__(self, slow: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+        self.slow = slow
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)  # a metric sync every step
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2 * BATCH * BATCHES, 8, generator=g)
+        dataset = TensorDataset(x, x[:, :1] - x[:, 1:2])
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        sampler = DistributedSampler(dataset, world, rank, shuffle=False)
+        collate = _SlowOnRank1(rank) if self.slow else None
+        return DataLoader(dataset, batch_size=BATCH, sampler=sampler, collate_fn=collate)
+
+
+def _fit(out_dir, callbacks, slow):
+    _user_hook.seen = 0
+    strategy = DDPPluginsStrategy(ddp_comm_hook=_user_hook, timeout=60)
+    model = _Model(slow)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        callbacks=[SyncBatchNormCallback(), PreemptionCheckpoint(dirpath=f"{out_dir}/ckpt"), *callbacks],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=out_dir,
+    )
+    trainer.fit(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    return trainer, strategy, params
+
+
+def _run(out_dir):
+    _, _, plain = _fit(out_dir, [], slow=False)
+    counter, timeline = AllReduceCounter(), CommTimeline(every_n_steps=20, trace_path=f"{out_dir}/trace.json")
+    trainer, strategy, params = _fit(out_dir, [counter, timeline], slow=True)
+    path = Path(out_dir) / "trace.json"
+    trace = json.loads(path.read_text()) if path.exists() else None
+    return {
+        "same_math": all(torch.equal(a, b) for a, b in zip(plain, params, strict=True)),
+        "summary": timeline.summary,
+        "metrics": sorted(trainer.callback_metrics),
+        "trace": trace,
+        "user_seen": _user_hook.seen,
+        "rounds": counter.rounds,
+        "hook_restored": strategy._ddp_comm_hook is _user_hook,
+        "restored": torch.distributed.all_reduce is _ALL_REDUCE,
+    }
+
+
+@pytest.mark.slow
+def test_comm_timeline_traces_every_kind_blames_the_slow_rank_and_keeps_the_math():
+    ranks = run_lightning(_run, timeout=240)
+    for rank, out in enumerate(ranks):
+        assert out["same_math"], f"rank {rank}: the timeline changed the trained weights"
+        assert out["user_seen"] >= BATCHES and out["rounds"] == BATCHES, "the user's hook and the counter were kept"
+        assert out["hook_restored"], "the strategy's hook was not handed back"
+        assert out["restored"], "torch.distributed was not put back after fit"
+        assert {"time/forward_ms", "time/backward_ms", "time/data_wait_ms", "time/optimizer_ms"} <= set(out["metrics"])
+        assert {"time/comm/ddp_bucket_ms", "straggler/slowest_rank", "straggler/score_rank1"} <= set(out["metrics"])
+    summary = ranks[0]["summary"]
+    assert summary["slowest_rank"] == 1, summary
+    slow_steps = BATCHES // SLOW_EVERY
+    assert summary["blamed_steps"].get(1, 0) >= 0.95 * slow_steps, summary
+    assert sum(summary["blamed_steps"].values()) <= slow_steps + 0.1 * (BATCHES - slow_steps), summary
+    assert summary["trace"].endswith("trace.json")
+    events = ranks[0]["trace"]["traceEvents"]
+    assert ranks[1]["trace"] is None, "rank 0 writes the trace"
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+    kinds = {e["name"] for e in events if e.get("cat") == "collective"}
+    expected = {"ddp_bucket", "ddp_buffers", "syncbn", "metric_sync", "agreement", "barrier"}
+    assert expected <= kinds, f"missing collective kinds: {expected - kinds}"
+    for name in ("data_wait", "forward", "backward", "optimizer", "step"):
+        steps = [e for e in events if e.get("cat") == "phase" and e["name"] == name and e["pid"] == 1]
+        assert len(steps) >= BATCHES - 1, f"{name}: {len(steps)} of {BATCHES} batches"
