@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,22 +19,12 @@ from ddp_plugins import _compat
 __all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
 
 
-@overload
-def _upcast(tensor: Tensor, dtype: torch.dtype) -> Tensor: ...
-@overload
-def _upcast(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None: ...
-def _upcast(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """``tensor`` in ``dtype`` when it is a lower-precision float (float16, bfloat16), else as it is."""
-    if tensor is None or tensor.dtype not in (torch.float16, torch.bfloat16):
-        return tensor
-    return tensor.to(dtype)
-
-
 class SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over a process group: one all_reduce forward, one backward.
 
-    Built from sums, ``batch_norm`` with given statistics and ``native_batch_norm_backward``, so it
-    runs on every device. Forward all-reduces the per-channel sums, sums of squares and the count
+    Built from sums, elementwise ops and ``native_batch_norm_backward``, so it runs on every device,
+    with few ops per layer (each small op costs microseconds on CPU, as much as a small layer's
+    arithmetic). Forward all-reduces the per-channel sums, sums of squares and the count
     in one tensor, backward ``sum(dy)`` and ``sum(dy * x_hat)``: per-rank batch sizes may differ,
     down to 0. float16 and bfloat16 inputs are normalized in float32 and returned in their own dtype.
 
@@ -57,89 +47,100 @@ class SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         process_group: Any,
     ) -> Tensor:
+        # Every small-tensor op costs microseconds on CPU, as much as the arithmetic of a small layer:
+        # the per-channel math below is written in few ops (no no-op casts, no tensor unpacking).
         channels = input.size(1)
         local = input.numel() // channels
         low_precision = input.dtype in (torch.float16, torch.bfloat16)
         stat_dtype = torch.float32 if low_precision else input.dtype
         acc_dtype = torch.float32 if input.device.type == "mps" else torch.float64  # mps has no float64
+        shape = (1, channels) + (1,) * (input.dim() - 2)
+        x = input.float() if low_precision else input  # float16/bfloat16: normalized in float32
         # Fused payload [sum (C), sum of squares (C), count (1)], built from stable local stats.
-        payload = torch.zeros(2 * channels + 1, dtype=acc_dtype, device=input.device)
         if local > 0:
-            # Two passes (mean, then centered squares): stable, and on CPU faster than the fused stats kernel.
-            x = input.float() if low_precision else input
+            # Two passes (sums, then centered squares). The centered values go into the buffer that
+            # becomes the output: no other input-sized temporary (on CPU a fresh one costs as much as
+            # the arithmetic), and several times faster than var_mean or the training-mode kernel.
             dims = [0, *range(2, input.dim())]
-            mean = x.sum(dims) / local
-            m2 = (x - mean.view(1, channels, *[1] * (input.dim() - 2))).square_().sum(dims)
-            mean, m2 = mean.to(acc_dtype), m2.to(acc_dtype)
-            payload[:channels] = mean * local
-            payload[channels:-1] = m2 + mean * mean * local
+            sums = x.sum(dims)
+            out = torch.sub(x, (sums / local).view(shape))
+            payload = torch.cat([sums, out.square_().sum(dims), sums.new_zeros(1)])
+            if payload.dtype != acc_dtype:
+                payload = payload.to(acc_dtype)
+            local_sums = payload[:channels]
+            payload[channels:-1].addcmul_(local_sums, local_sums, value=1.0 / local)  # + n * mean^2
             payload[-1] = local
+        else:
+            payload = torch.zeros(2 * channels + 1, dtype=acc_dtype, device=input.device)
         dist.all_reduce(payload, group=process_group)
-        total = int(payload[-1].item())
+        total = int(payload[-1])
         if total <= 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {total} over the process group"
             )
-        mean = payload[:channels] / total
-        var = (payload[channels:-1] / total - mean * mean).clamp_(min=0)
-        with torch.no_grad():
-            if running_mean is not None:
-                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-            if running_var is not None:
-                unbiased = var * (total / (total - 1))
-                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
-        mean, var = mean.to(stat_dtype), var.to(stat_dtype)
+        moments = payload[:-1].view(2, channels) / total
+        mean = moments[0]
+        var = torch.addcmul(moments[1], mean, mean, value=-1).clamp_(min=0)
+        if running_mean is not None:  # in-place ops cast the float64 statistics to the buffers' dtype
+            running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        if running_var is not None:
+            running_var.mul_(1 - momentum).add_(var, alpha=momentum * total / (total - 1))  # unbiased
+        # y = x * scale + shift per channel (as the native kernel applies given statistics)
+        invstd = (var + eps).rsqrt_()
+        scale = invstd if weight is None else invstd * weight
+        shift = (mean * scale).neg_() if bias is None else torch.addcmul(bias, mean, scale, value=-1)
+        # rows: mean, var, scale, scale * invstd (backward's coefficient of x), shift
+        coefs = torch.stack([mean, var, scale, scale * invstd, shift])
+        if coefs.dtype != stat_dtype:
+            coefs = coefs.to(stat_dtype)
         if local > 0:
-            # float16/bfloat16: normalize in float32 (as the plain layer's CPU kernel does), output in the input's dtype
-            output = F.batch_norm(
-                _upcast(input, stat_dtype),
-                mean,
-                var,
-                _upcast(weight, stat_dtype),
-                _upcast(bias, stat_dtype),
-                False,
-                0.0,
-                eps,
-            ).to(input.dtype)
+            affine = coefs[2:].view(3, *shape)
+            output = torch.mul(x, affine[0], out=out).add_(affine[2])
+            if low_precision:
+                output = output.to(input.dtype)
         else:
             output = torch.empty_like(input)
-        ctx.save_for_backward(input, weight, mean, var)
+        ctx.save_for_backward(input, weight, coefs)
         ctx.eps, ctx.total, ctx.process_group = eps, total, process_group
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        input, weight, mean, var = ctx.saved_tensors
+        input, weight, coefs = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        input_dtype = input.dtype
-        input, grad_output = _upcast(input, mean.dtype), _upcast(grad_output, mean.dtype)
+        input_dtype, stat_dtype = input.dtype, coefs.dtype
+        if input_dtype != stat_dtype:  # float16/bfloat16
+            input, grad_output = input.to(stat_dtype), grad_output.to(stat_dtype)
         channels = input.size(1)
+        mean = coefs[0]
         if input.numel() > 0:
             # Local sum(dy * x_hat) and sum(dy) in one fused kernel (eval mode: no batch terms).
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad_output, input, None, mean, var, None, None, False, ctx.eps, [False, True, True]
+                grad_output, input, None, mean, coefs[1], None, None, False, ctx.eps, [False, True, True]
             )
         else:
-            sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=mean.dtype, device=input.device)
+            sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=stat_dtype, device=input.device)
         # Weight and bias gradients stay local: DDP reduces them like every other gradient.
-        grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight and weight is not None else None
-        grad_bias = sum_dy.to(weight.dtype if weight is not None else mean.dtype) if need_bias else None
-        grad_input = None
+        param_dtype = stat_dtype if weight is None else weight.dtype
+        grad_weight = grad_bias = grad_input = None
+        if need_weight and weight is not None:
+            grad_weight = sum_dy_xhat if param_dtype == stat_dtype else sum_dy_xhat.to(param_dtype)
+        if need_bias:
+            grad_bias = sum_dy if param_dtype == stat_dtype else sum_dy.to(param_dtype)
         if need_input:
             payload = torch.cat([sum_dy, sum_dy_xhat])
             dist.all_reduce(payload, group=ctx.process_group)
             if input.numel() > 0:
-                mean_dy, mean_dy_xhat = (payload / ctx.total).split(channels)
-                invstd = torch.rsqrt(var + ctx.eps)
-                # grad_input = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)) = a*dy + b*x + c
-                scale = invstd if weight is None else weight.to(invstd.dtype) * invstd
-                coef_x = -scale * invstd * mean_dy_xhat
-                shift = -scale * mean_dy - coef_x * mean
-                ones, zeros = torch.ones_like(var), torch.zeros_like(mean)
-                grad_input = F.batch_norm(grad_output, zeros, ones, scale, shift, False, 0.0, 0.0)
-                shape = [1, channels] + [1] * (input.dim() - 2)
-                grad_input = grad_input.addcmul_(input, coef_x.view(shape)).to(input_dtype)
+                # grad_input = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)) = scale*dy + coef_x*x + shift
+                # rows of terms: -scale * mean(dy), coef_x = -scale * invstd * mean(dy * x_hat)
+                terms = coefs[2:4] * (payload / -ctx.total).view(2, channels)
+                shift = torch.addcmul(terms[0], terms[1], mean, value=-1)
+                shape = (1, channels) + (1,) * (input.dim() - 2)
+                grad_input = torch.mul(grad_output, coefs[2].view(shape))
+                grad_input = grad_input.addcmul_(input, terms[1].view(shape)).add_(shift.view(shape))
+                if input_dtype != stat_dtype:
+                    grad_input = grad_input.to(input_dtype)
             else:
                 grad_input = torch.zeros_like(input, dtype=input_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
