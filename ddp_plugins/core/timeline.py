@@ -182,14 +182,19 @@ class Timeline:
 
     :meth:`collect` (a collective every rank calls at the same step boundary) gathers the records
     since the previous call and, for each collective, how long each rank waited for the last one to
-    arrive; the last arrival is blamed for the lead it had on the next-latest rank when that is above
-    ``blame_threshold_s``. Each step's blame feeds a moving straggler score per rank. Written by hand:
+    arrive. The last arrival leads by its start's distance to the next-latest rank's, counted only as
+    far as its own work since it left its previous collective exceeds the others' (a rank that left
+    the previous collective later, or waited there, is not late twice); a rank's excess in a step is
+    its summed lead less the largest summed lead of any other rank (jitter that hits every rank alike
+    cancels), and the step is blamed on the rank with the largest excess above ``blame_threshold_s``.
+    Each step's excess feeds a moving straggler score per rank (ms). Collectives torch issues in C++
+    (DDP's bucket rebuild after the first step) are not seen. Written by hand:
     torch's profiler and Flight Recorder record collectives per rank, but neither puts the ranks on
     one clock nor blames a rank.
 
     Args:
         history: collectives kept for a hang dump (the last ones).
-        blame_threshold_s: the least lead of the last arrival that counts as blame.
+        blame_threshold_s: the least excess in a step that blames the step on a rank.
         score_decay: weight of the newest step in the moving straggler score (0 < decay <= 1).
         max_trace_events: records kept for the trace, about (the oldest windows are dropped first).
         group: the process group; the default one when ``None``.
@@ -237,8 +242,9 @@ class Timeline:
         self._phases: list[tuple[int, str, int, int]] = []
         self._step_start = self._phase_start = self._last_step_end = 0
         self._totals: dict[str, Any] = {"steps": 0, "step_ns": 0, "kind_ns": defaultdict(float)}
-        self._totals["blame"] = defaultdict(float)  # rank: ms of lead blamed on it
+        self._totals["blame"] = defaultdict(float)  # rank: ms of excess
         self._blamed: dict[int, int] = defaultdict(int)
+        self._left_ns: dict[int, float] = {}  # rank: when it left its last collective collected
         self._main = threading.get_ident()
 
     # clocks
@@ -388,17 +394,30 @@ class Timeline:
 
     def _analyse(self, gathered: dict[str, Any], rank: int) -> dict[str, Any]:
         coll, text, phase = gathered["coll"].tolist(), gathered["text"], gathered["phase"].tolist()
+        # A rank's gap before a collective: the time since it left its previous one (its own work).
+        gaps: dict[tuple[int, int], float | None] = {}  # (rank, seq): gap; None before its first
+        for r, seq, start, end in sorted((int(r), int(seq), start, end) for r, _, seq, start, end, _ in coll):
+            left = self._left_ns.get(r)
+            gaps[r, seq] = None if left is None else start - left
+            self._left_ns[r] = end if left is None else max(left, end)
         arrivals: dict[int, list[tuple[float, int, int]]] = defaultdict(list)  # seq: (start, rank, step)
         for r, step, seq, start, _, _ in coll:
             arrivals[int(seq)].append((start, int(r), int(step)))
         last: dict[int, tuple[float, int]] = {}  # seq: (start, rank) of the last arrival
-        blame: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))  # step: rank: ns of lead
+        leads: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))  # step: rank: ns of lead
         for seq, starts in arrivals.items():
             starts.sort()
             (start, r, step), lead = starts[-1], starts[-1][0] - starts[-2][0] if len(starts) > 1 else 0.0
             last[seq] = (start, r)
-            if lead > self.blame_threshold_ns and step >= 0:
-                blame[step][r] += lead
+            # Arriving last counts only by what the rank's own gap exceeds the others': a rank that
+            # left the previous collective later (gloo's ring returns to the ranks one after the
+            # other) or waited there for a late rank is not late again.
+            own, others = gaps.get((r, seq)), [gaps.get((q, seq)) for _, q, _ in starts[:-1]]
+            known = [gap for gap in others if gap is not None]
+            if own is not None and known and len(known) == len(others):
+                lead = min(lead, max(own - max(known), 0.0))
+            if step >= 0:
+                leads[step][r] += lead
         per_step: dict[str, float] = defaultdict(float)  # this rank's phases
         step_end: dict[tuple[int, int], float] = {}  # (rank, step): when the step ended
         for r, step, p, start, end in phase:
@@ -420,18 +439,25 @@ class Timeline:
         world = dist.get_world_size(self.group) if _distributed() else 1
         blamed, score_points = {}, []
         for step in steps:
-            shares = blame.get(step, {})
-            if shares:
-                blamed[step] = max(shares, key=lambda r: shares[r])
-                self._blamed[blamed[step]] += 1
+            by_rank = leads.get(step, {})
+            # a rank's excess: its lead over the rank that led most besides it (jitter that hits
+            # every rank alike cancels out); the step is blamed on the largest, above the threshold
+            net = {
+                r: max(ns - max((o for q, o in by_rank.items() if q != r), default=0.0), 0.0)
+                for r, ns in by_rank.items()
+            }
+            top = max(net, key=lambda r: net[r], default=None)
+            if top is not None and net[top] > self.blame_threshold_ns:
+                blamed[step] = top
+                self._blamed[top] += 1
             for r in range(world):
-                excess = shares.get(r, 0.0) / 1e6
+                excess = net.get(r, 0.0) / 1e6
                 self._totals["blame"][r] += excess
                 self.scores[r] = self.scores.get(r, excess) + self.score_decay * (excess - self.scores.get(r, excess))
                 score_points.append((r, step_end.get((r, step), 0.0), self.scores[r]))
         self._totals["steps"] += len(steps)
         if rank == 0:  # the trace is built when written: here every rank does the same work
-            self._windows.append((coll, text, phase, last, score_points))
+            self._windows.append((coll, text, phase, last, score_points, blamed))
             self._window_rows += len(coll) + len(phase)
             while self._window_rows > self.max_trace_events and len(self._windows) > 1:
                 dropped = self._windows.popleft()
@@ -451,8 +477,8 @@ class Timeline:
     def summary(self) -> dict[str, Any]:
         """The run so far: the slowest rank, its excess per step, the share of step time per collective kind.
 
-        ``slowest_rank`` is the rank blamed for the most excess (``None`` when none was blamed);
-        ``excess_ms_per_step`` its blamed lead per step; ``blamed_steps`` ``{rank: steps}``;
+        ``slowest_rank`` is the rank with the most excess (``None`` when no rank had any);
+        ``excess_ms_per_step`` its excess per step; ``blamed_steps`` ``{rank: steps blamed on it}``;
         ``comm_share`` ``{kind: time in that kind / step time}``, summed over ranks.
         """
         totals = self._totals
@@ -478,7 +504,7 @@ class Timeline:
         """
         events: list[dict[str, Any]] = []
         ranks: set[int] = set()
-        for coll, text, phase, last, score_points in self._windows:
+        for coll, text, phase, last, score_points, blamed in self._windows:
             for (r, step, seq, start, end, nbytes), (kind, op, site) in zip(coll, text, strict=True):
                 last_start, last_rank = last[int(seq)]
                 args = {
@@ -503,6 +529,7 @@ class Timeline:
                     }
                 )
             for r, step, p, start, end in phase:
+                args = {"step": int(step), "blamed": blamed.get(int(step))} if PHASES[int(p)] == "step" else {}
                 events.append(
                     {
                         "name": PHASES[int(p)],
@@ -512,7 +539,7 @@ class Timeline:
                         "tid": 0,
                         "ts": start / 1e3,
                         "dur": max(end - start, 0.0) / 1e3,
-                        "args": {"step": int(step)},
+                        "args": {"step": int(step), **args},
                     }
                 )
             for r, end, score in score_points:

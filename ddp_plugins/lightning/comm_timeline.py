@@ -63,7 +63,8 @@ class CommTimeline(Callback):
         history: collectives kept per rank for a hang dump.
         stall_after_s: seconds in one collective before a hang dump; ``None`` for half the process
             group's timeout, at most 300.
-        blame_threshold_ms: the least lead of a collective's last arrival that counts as blame.
+        blame_threshold_ms: the least excess in a batch (a rank's lead at the batch's collectives over
+            the other ranks') that blames the batch on the rank.
         score_decay: weight of the newest batch in the moving straggler score.
         log: log the metrics with ``LightningModule.log``.
 
@@ -232,9 +233,11 @@ class CommTimeline(Callback):
         """Take the summary a spawned rank 0 exported to ``path`` (and remove the file)."""
         try:
             with open(path) as file:
-                self._summary = json.load(file)
+                summary = json.load(file)
         finally:
             os.remove(path)
+        summary["blamed_steps"] = {int(rank): steps for rank, steps in summary["blamed_steps"].items()}  # JSON keys
+        self._summary = summary
 
     def _finish(self, trainer: pl.Trainer) -> None:
         assert self.timeline is not None

@@ -19,10 +19,14 @@ from ddp_plugins.core import convert_sync_batchnorm, distributed_concat
 from ddp_plugins.core.hang_watch import HangWatch
 from ddp_plugins.core.timeline import TimedCommHook, Timeline, collective_kind
 from ddp_plugins.testing import spawn
+from tests.helpers.straggler import assert_blamed_for_slow_steps_only
 
 STEPS = 80
 SLOW_EVERY = 4  # rank 1 sleeps in its "data loader" before every 4th step: a quarter of the steps
 SLEEP_S = 0.05
+# blame threshold: well under the injected delay, above the scheduling jitter of a shared 2-core machine
+# (the 5 ms default is for nodes that run nothing else)
+BLAME_THRESHOLD_S = 0.02
 
 
 def _net():
@@ -55,7 +59,7 @@ def _train(timeline, model, rank, steps, slow_every, collect_every=20):
 
 
 def _test_straggler(rank, world_size):
-    timeline = Timeline().install()
+    timeline = Timeline(blame_threshold_s=BLAME_THRESHOLD_S).install()
     try:
         offset, residual = timeline.sync_clocks()
         model = DistributedDataParallel(_net())
@@ -70,12 +74,7 @@ def test_a_rank_slowed_in_a_quarter_of_the_steps_is_blamed_for_those_steps_only(
     results = dist_pool.run(_test_straggler)
     blamed, reports, summary, _, _ = results[0]
     assert blamed == results[1][0], "every rank derives the same blame from the gathered records"
-    slow = [s for s in range(STEPS) if s % SLOW_EVERY == 1]
-    clean = [s for s in range(STEPS) if s % SLOW_EVERY != 1]
-    on_rank1 = sum(blamed.get(s) == 1 for s in slow)
-    assert on_rank1 >= 0.95 * len(slow), f"rank 1 blamed in {on_rank1} of its {len(slow)} slow steps: {blamed}"
-    noise = [s for s in clean if s in blamed]
-    assert len(noise) <= 0.1 * len(clean), f"clean steps blamed beyond noise: {noise}"
+    assert_blamed_for_slow_steps_only(blamed, STEPS, SLOW_EVERY)
     assert summary["slowest_rank"] == 1
     # a quarter of the steps 50 ms late: about 12.5 ms of excess per step
     assert 0.6 * SLEEP_S * 1e3 / SLOW_EVERY < summary["excess_ms_per_step"] < 1.6 * SLEEP_S * 1e3 / SLOW_EVERY, summary

@@ -21,12 +21,14 @@ from ddp_plugins.lightning import (
 )
 from ddp_plugins.testing import run_lightning
 from tests.core.test_comm_hooks import _user_hook
+from tests.helpers.straggler import assert_blamed_for_slow_steps_only
 
 _ALL_REDUCE = torch.distributed.all_reduce  # as imported, before any timeline
 
 BATCH = 8  # per rank
 BATCHES = 80  # per rank and epoch
 SLOW_EVERY, SLEEP_S = 4, 0.05  # rank 1's loader sleeps before a quarter of its batches
+BLAME_THRESHOLD_MS = 20  # under the injected delay, above the jitter of a shared 2-core machine (default 5)
 
 
 class _SlowOnRank1:
@@ -92,7 +94,10 @@ def _fit(out_dir, callbacks, slow):
 
 def _run(out_dir):
     _, _, plain = _fit(out_dir, [], slow=False)
-    counter, timeline = AllReduceCounter(), CommTimeline(every_n_steps=20, trace_path=f"{out_dir}/trace.json")
+    counter, timeline = (
+        AllReduceCounter(),
+        CommTimeline(every_n_steps=20, blame_threshold_ms=BLAME_THRESHOLD_MS, trace_path=f"{out_dir}/trace.json"),
+    )
     trainer, strategy, params = _fit(out_dir, [counter, timeline], slow=True)
     path = Path(out_dir) / "trace.json"
     trace = json.loads(path.read_text()) if path.exists() else None
@@ -120,9 +125,13 @@ def test_comm_timeline_traces_every_kind_blames_the_slow_rank_and_keeps_the_math
         assert {"time/comm/ddp_bucket_ms", "straggler/slowest_rank", "straggler/score_rank1"} <= set(out["metrics"])
     summary = ranks[0]["summary"]
     assert summary["slowest_rank"] == 1, summary
-    slow_steps = BATCHES // SLOW_EVERY
-    assert summary["blamed_steps"].get(1, 0) >= 0.95 * slow_steps, summary
-    assert sum(summary["blamed_steps"].values()) <= slow_steps + 0.1 * (BATCHES - slow_steps), summary
+    phases = [e for e in ranks[0]["trace"]["traceEvents"] if e.get("cat") == "phase" and e["pid"] == 1]
+    # the steps rank 1 slept before: its data wait shows them (Lightning fetches a batch ahead)
+    slow = {e["args"]["step"] for e in phases if e["name"] == "data_wait" and e["dur"] >= 0.8 * SLEEP_S * 1e6}
+    expected = {step for step in range(BATCHES) if step % SLOW_EVERY == 1}
+    assert len(slow & expected) >= len(expected) - 1, f"rank 1's sleeps should show as its data wait: {sorted(slow)}"
+    blamed = {e["args"]["step"]: e["args"]["blamed"] for e in phases if e["name"] == "step"}
+    assert_blamed_for_slow_steps_only(blamed, BATCHES, SLOW_EVERY)
     assert summary["trace"].endswith("trace.json")
     events = ranks[0]["trace"]["traceEvents"]
     assert ranks[1]["trace"] is None, "rank 0 writes the trace"
