@@ -21,6 +21,7 @@ NOTEBOOKS = (
     "03_accumulation.ipynb",
     "04_sequential_evaluation.ipynb",
     "05_seeding.ipynb",
+    "06_where_time_goes.ipynb",
 )
 CELL_TIMEOUT_S = 180  # generous: a loaded machine is slow, a hang is not
 

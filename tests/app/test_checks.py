@@ -93,6 +93,8 @@ def test_callbacks_are_switchable():
         "rank_aware_seed",
     ]
     assert "sync_batchnorm" not in compose_config(["~callbacks.sync_batchnorm"]).callbacks
+    added = compose_config(["callbacks=[default,comm_timeline]"]).callbacks  # an option outside the defaults
+    assert list(added) == [*compose_config([]).callbacks, "comm_timeline"]
 
 
 BAD_INPUTS = [
