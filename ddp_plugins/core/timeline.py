@@ -90,12 +90,13 @@ _local = threading.local()  # depth: > 0 inside a timed call (nested calls are n
 class CollectiveRecord:
     """One collective call on this rank: times in ns on rank 0's clock (``end_ns`` 0 while in flight)."""
 
-    __slots__ = ("end_ns", "kind", "nbytes", "op", "seq", "stack", "start_ns", "step")
+    __slots__ = ("end_ns", "events", "kind", "nbytes", "op", "seq", "stack", "start_ns", "step")
 
     def __init__(self, seq: int, step: int, kind: str, op: str, nbytes: int, stack: tuple, start_ns: int) -> None:
         self.seq, self.step, self.kind, self.op, self.nbytes = seq, step, kind, op, nbytes
         self.stack = stack  # ((file, line, function), ...), innermost first
         self.start_ns, self.end_ns = start_ns, 0
+        self.events: list[Any] | None = None  # CUDA tensors: [start, end] events on the calling stream
 
     @property
     def site(self) -> str:
@@ -105,6 +106,37 @@ class CollectiveRecord:
     def __repr__(self) -> str:
         took = f"{(self.end_ns - self.start_ns) / 1e6:.2f} ms" if self.end_ns else "in flight"
         return f"#{self.seq} {self.op} ({self.kind}, {self.nbytes} B, step {self.step}) at {self.site}: {took}"
+
+
+class _GpuClock:
+    """CUDA events read on a timeline's clock, through an anchor event whose host time is known.
+
+    A collective on CUDA tensors (nccl) returns to the host before it runs: the host's times say when
+    it was queued. Its events, recorded on the calling stream before and after it, say when the
+    stream reached it (its work before done: the rank "arrived") and when it completed.
+    """
+
+    def __init__(self) -> None:
+        self.anchor: Any = None
+        self.anchor_ns = 0
+
+    def reanchor(self, now_ns: Callable[[], int]) -> None:
+        torch.cuda.synchronize()
+        self.anchor = torch.cuda.Event(enable_timing=True)
+        self.anchor.record()
+        self.anchor.synchronize()
+        self.anchor_ns = now_ns()
+
+    def event(self, now_ns: Callable[[], int]) -> Any:
+        if self.anchor is None:
+            self.reanchor(now_ns)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def to_ns(self, event: Any) -> int:
+        event.synchronize()
+        return self.anchor_ns + int(self.anchor.elapsed_time(event) * 1e6)
 
 
 @contextlib.contextmanager
@@ -157,14 +189,23 @@ class TimedCommHook:
     def __call__(self, state, bucket):
         # no annotations: DDP compares them with the real classes
         buffer = bucket.buffer()
-        record = self.timeline._start("ddp_bucket", "all_reduce", buffer.numel() * buffer.element_size(), ())
+        nbytes = buffer.numel() * buffer.element_size()
+        record = self.timeline._start("ddp_bucket", "all_reduce", nbytes, (), cuda=buffer.is_cuda)
         _local.depth = _depth() + 1
         try:
             future = self.hook(state, bucket)
         finally:
             _local.depth -= 1
-        if record is not None:
-            future.add_done_callback(lambda _: self.timeline._end(record))
+        if record is None:
+            return future
+        if record.events is not None:  # a CUDA future runs `then` on streams that wait for its work
+
+            def done(fut):
+                self.timeline._end(record)
+                return fut.value()
+
+            return future.then(done)
+        future.add_done_callback(lambda _: self.timeline._end(record))
         return future
 
 
@@ -176,7 +217,10 @@ class Timeline:
     pack's per-step agreement and barriers are timed wherever they are called from; DDP's gradient
     buckets are timed by a :class:`TimedCommHook` from :meth:`comm_hook`. Each collective's kind comes
     from the module that called it (``syncbn``, ``ddp_bucket``, ``metric_sync``, ``agreement``,
-    ``gather``, ``barrier``, else ``other``; :func:`collective_kind` names your own). The clocks of
+    ``gather``, ``barrier``, else ``other``; :func:`collective_kind` names your own). A collective on
+    CUDA tensors (nccl) returns before it runs: it is timed by CUDA events on the calling stream
+    (from when the stream reaches it to when it completes), read on the host clock at
+    :meth:`collect`; an ``async_op`` call is timed by its future. The clocks of
     the ranks are put on rank 0's by :meth:`sync_clocks` (timestamps exchanged after barriers;
     ``clock_residual_ns`` is half the spread of the estimates).
 
@@ -245,6 +289,7 @@ class Timeline:
         self._totals["blame"] = defaultdict(float)  # rank: ms of excess
         self._blamed: dict[int, int] = defaultdict(int)
         self._left_ns: dict[int, float] = {}  # rank: when it left its last collective collected
+        self._gpu = _GpuClock()
         self._main = threading.get_ident()
 
     # clocks
@@ -349,12 +394,14 @@ class Timeline:
 
     # records
 
-    def _start(self, kind: str, op: str, nbytes: int, stack: tuple) -> CollectiveRecord | None:
+    def _start(self, kind: str, op: str, nbytes: int, stack: tuple, cuda: bool = False) -> CollectiveRecord | None:
         if _active is not self or _depth():
             return None
         label = getattr(_local, "label", None)
         self.seq += 1
         record = CollectiveRecord(self.seq, self.step, label or kind, op, nbytes, stack, self.now())
+        if cuda:
+            record.events = [self._gpu.event(self.now), None]
         self._pending.append(record)
         self.recent.append(record)
         if threading.get_ident() == self._main:
@@ -362,6 +409,8 @@ class Timeline:
         return record
 
     def _end(self, record: CollectiveRecord) -> None:
+        if record.events is not None:
+            record.events[1] = self._gpu.event(self.now)
         record.end_ns = self.now()
         if self.in_flight is record:
             self.in_flight = None
@@ -375,6 +424,12 @@ class Timeline:
         """
         records = [r for r in self._pending if r.end_ns]
         self._pending = [r for r in self._pending if not r.end_ns]
+        timed_on_gpu = [r for r in records if r.events is not None]
+        for r in timed_on_gpu:  # the stream's times replace the host's
+            r.start_ns, r.end_ns = (self._gpu.to_ns(event) for event in r.events)  # type: ignore[union-attr]
+            r.events = None
+        if timed_on_gpu:
+            self._gpu.reanchor(self.now)  # the next window's events, against a fresh anchor
         phases, self._phases = self._phases, []
         rank, origin = (dist.get_rank(self.group) if _distributed() else 0), self.origin_ns
         rows = {
@@ -653,13 +708,24 @@ def _kind(name: str, frame: Any) -> str:
     return "other"
 
 
+def _on_cuda(args: tuple, kwargs: dict) -> bool:
+    """Whether the collective's first tensor (or list of tensors) argument is on a CUDA device."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            value = value[0]
+        if isinstance(value, torch.Tensor):
+            return value.is_cuda
+    return False
+
+
 def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
         timeline = _active
         if timeline is None or _depth():
             return original(*args, **kwargs)
         caller = sys._getframe(1)
-        record = timeline._start(_kind(name, caller), name, _tensor_bytes(args, kwargs, name), _stack(caller))
+        cuda = not kwargs.get("async_op") and _on_cuda(args, kwargs)  # an async op is timed by its future
+        record = timeline._start(_kind(name, caller), name, _tensor_bytes(args, kwargs, name), _stack(caller), cuda)
         _local.depth = _depth() + 1
         try:
             out = original(*args, **kwargs)

@@ -185,3 +185,40 @@ def test_collectives_are_timed_only_while_installed():
     finally:
         timeline.uninstall()
     assert dist.all_reduce is original
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and dist.is_nccl_available()),
+    reason="needs a CUDA GPU and nccl: nccl collectives are timed with CUDA events",
+)
+def test_nccl_collectives_are_timed_on_the_gpu_stream_not_when_queued(tmp_path):
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    timeline = Timeline().install()
+    try:
+        x = torch.randn(4096, 4096, device="cuda")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            y = x @ x
+        end.record()
+        end.synchronize()
+        matmuls_ns = start.elapsed_time(end) * 1e6
+        dist.all_reduce(y)  # the communicator's first use, untimed below
+        torch.cuda.synchronize()
+        timeline.begin_step(0)
+        queued = timeline.now()
+        for _ in range(10):
+            y = x @ x  # queued: the stream is busy with them after the host has moved on
+        dist.all_reduce(y)
+        returned = timeline.now()
+        timeline.end_step()
+        timeline.collect()
+        record = timeline.recent[-1]
+        assert record.op == "all_reduce" and record.events is None
+        assert returned - queued < 0.5 * matmuls_ns, "the host should not have waited for the matmuls"
+        # the stream reached the all_reduce after the matmuls ran: the record says so, not the host
+        assert record.start_ns - queued > 0.5 * matmuls_ns, (record.start_ns - queued, matmuls_ns)
+        assert record.end_ns >= record.start_ns
+    finally:
+        timeline.uninstall()
+        dist.destroy_process_group()
