@@ -207,8 +207,8 @@ def truncate_rows(data: Any, n: int) -> Any:
     return _unflatten(data, iter([leaf[:n] for _, leaf in _flatten(data)[1]]))
 
 
-def _comm_device(group: Any, tensor: Tensor) -> torch.device:
-    backend = dist.get_backend(group)
+def _comm_device(group: Any, tensor: Tensor, backend: str | None = None) -> torch.device:
+    backend = backend or dist.get_backend(group)
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     if backend == "gloo":
@@ -225,8 +225,10 @@ def _concat(
     error: str | None = None,
 ) -> Any:
     """:func:`distributed_concat`, plus ``error``: a failure found on this rank, raised on every rank."""
-    check_int("num_total_examples", num_total_examples, 0, allow_none=True)
-    check_number("pad_value", pad_value, allow_none=True)
+    if num_total_examples is not None:
+        check_int("num_total_examples", num_total_examples, 0, allow_none=True)
+    if pad_value is not None:
+        check_number("pad_value", pad_value, allow_none=True)
     spec: Any = None
     leaves: list[tuple[str, Any]] = []
     if error is None:
@@ -235,11 +237,10 @@ def _concat(
         except TypeError as exc:
             error = str(exc)
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    distributed = world > 1
-    names = [name for name, _ in leaves]
-    if not distributed:
+    if world == 1:
         if error is not None:
             raise ValueError(error)
+        names = [name for name, _ in leaves]
         _check_consistent([_RankMeta(spec, [_describe(leaf) for _, leaf in leaves], [])], names, pad_value)
         outs = [list(leaf) if _is_rows(leaf) else leaf for _, leaf in leaves]
     else:
@@ -288,19 +289,22 @@ _INLINE_MAX_BYTES = 1 << 20  # larger data goes in a second round, gathered in p
 class _Round:
     """One group's agreed first-round size, and its send and receive buffers (kept for the next call)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, backend: str) -> None:
         self.size = size
+        self.backend = backend  # the group's, read once
         self.device: torch.device | None = None
         self.send_bytes: bytearray | None = None  # CPU buffers are Python bytearrays: struct writes the header
         self.recv_bytes: bytearray | None = None
         self.send = self.recv = torch.empty(0, dtype=torch.uint8)
         self.cached: dict[tuple, tuple[list[Tensor], list[tuple[Tensor, ...]]]] = {}  # views per layout, by views()
+        self.repeats: dict[tuple, _Repeat] = {}  # calls that took the common path on gloo, by signature
 
     def prepare(self, device: torch.device, world: int) -> None:
         if self.device == device and self.recv.numel() == world * self.size:
             return
         self.device = device
         self.cached.clear()
+        self.repeats.clear()
         if device.type == "cpu":
             self.send_bytes, self.recv_bytes = bytearray(self.size), bytearray(world * self.size)
             self.send = torch.frombuffer(self.send_bytes, dtype=torch.uint8)
@@ -338,6 +342,12 @@ class _Round:
         else:
             self.send[: 8 * len(words)].copy_(torch.tensor(words, dtype=torch.int64).view(torch.uint8))
 
+    def headers_are(self, header: bytes) -> bool:
+        """Whether every rank's part of the CPU receive buffer starts with ``header``."""
+        assert self.recv_bytes is not None
+        received, n = memoryview(self.recv_bytes), len(header)
+        return all(received[start : start + n] == header for start in range(0, len(received), self.size))
+
     def read(self, count: int) -> list[tuple[int, ...]]:
         """The first ``count`` words of every rank's buffer."""
         if self.recv_bytes is not None:
@@ -364,6 +374,25 @@ class _Layout(NamedTuple):
     words: list[int]  # the header after its status word, then every leaf's shape
     offsets: list[int]  # the byte where each leaf starts
     needed: int  # the bytes of header, shapes and leaves
+
+
+class _Repeat(NamedTuple):
+    """A call that took the common path on gloo: a later call with the same signature skips the
+    planning and, when every rank sent the same header again, the reading of the headers."""
+
+    signature: tuple  # (spec, ((dtype, shape, layout), ...))
+    words: list[int]  # the header it wrote (still in the send buffer)
+    layout: _Layout
+    header: bytes  # those words as bytes, to compare with every rank's
+    sends: list[Tensor]  # each leaf's place in the send buffer
+    parts: list[tuple[Tensor, ...]]  # each leaf's place in every rank's part of the receive buffer
+
+
+def _signature(spec: Any, tensors: list[Any]) -> tuple | None:
+    try:
+        return spec, tuple((t.dtype, t.shape, t.layout) for t in tensors)
+    except AttributeError:  # Python rows
+        return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -396,28 +425,63 @@ def _gather_shapes_with_data(
     key = dist.group.WORLD if group is None else group
     rnd = _rounds.get(key)
     if rnd is None:
-        rnd = _rounds[key] = _Round(_FIRST_ROUND_BYTES)
-    rnd.prepare(_comm_device(group, tensors[0] if tensors else torch.empty(0)), world)
-    words = [_FULL, 0, 0, len(tensors), 0, 0, 0, 0]
-    layout: _Layout | None = None
-    if error is None and all(
-        isinstance(t, Tensor) and t.layout == torch.strided and not t.is_quantized for t in tensors
-    ):
-        dtype_shapes = tuple((t.dtype, t.shape) for t in tensors)
-        layout = _layout(spec, dtype_shapes)
-        status = _FITS if layout.needed <= rnd.size else _SHAPES if 8 * len(layout.words) + 8 <= rnd.size else _FULL
-        try:
-            if status == _FITS:
-                for t, view in zip(tensors, rnd.views(dtype_shapes, layout.offsets)[0], strict=True):
-                    view.copy_(t.detach() if t.requires_grad else t)
-        except (RuntimeError, TypeError, ValueError):  # bytes that cannot be copied as they are: the full exchange
-            status = _FULL
-        if status != _FULL:
-            words = [status, *layout.words]
-    rnd.write(words)
+        rnd = _rounds[key] = _Round(_FIRST_ROUND_BYTES, dist.get_backend(group))
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather_single(rnd.recv, rnd.send, group=group)
+    signature = _signature(spec, tensors) if rnd.repeats and error is None else None
+    repeat = rnd.repeats.get(signature) if signature is not None else None
+    if repeat is not None and rnd.send_bytes is not None:
+        # an earlier call's plan and header, in buffers that stay on the CPU (gloo only)
+        rnd.send_bytes[: len(repeat.header)] = repeat.header
+        for t, view in zip(tensors, repeat.sends, strict=True):
+            view.copy_(t.detach() if t.requires_grad else t)
+        all_gather_single(rnd.recv, rnd.send, group=group)
+        if rnd.headers_are(repeat.header):
+            return [
+                torch.cat(parts) if t.is_cpu else torch.cat(parts).to(t.device)
+                for t, parts in zip(tensors, repeat.parts, strict=True)
+            ]
+        words, layout, dtype_shapes = repeat.words, repeat.layout, tuple((t.dtype, t.shape) for t in tensors)
+    else:
+        rnd.prepare(_comm_device(group, tensors[0] if tensors else torch.empty(0), rnd.backend), world)
+        words = [_FULL, 0, 0, len(tensors), 0, 0, 0, 0]
+        layout = None
+        if error is None and all(
+            isinstance(t, Tensor) and t.layout == torch.strided and not t.is_quantized for t in tensors
+        ):
+            dtype_shapes = tuple((t.dtype, t.shape) for t in tensors)
+            layout = _layout(spec, dtype_shapes)
+            needed, shapes_only = layout.needed, 8 * len(layout.words) + 8
+            status = _FITS if needed <= rnd.size else _SHAPES if shapes_only <= rnd.size else _FULL
+            try:
+                if status == _FITS:
+                    for t, view in zip(tensors, rnd.views(dtype_shapes, layout.offsets)[0], strict=True):
+                        view.copy_(t.detach() if t.requires_grad else t)
+            except (RuntimeError, TypeError, ValueError):  # bytes that cannot be copied as they are: the full exchange
+                status = _FULL
+            if status != _FULL:
+                words = [status, *layout.words]
+        rnd.write(words)
+        all_gather_single(rnd.recv, rnd.send, group=group)
     read = rnd.read(len(words))
+    if layout is not None and words[0] == _FITS and read.count(read[0]) == world:
+        # the common case: every rank sent the same header (structure, dtypes, shapes) and its data
+        # fits, so each leaf is one concatenation of views; the buffer size stays
+        if 4 * layout.needed < rnd.size and max(layout.needed, _FIRST_ROUND_BYTES) != rnd.size:
+            _rounds[key] = _Round(max(layout.needed, _FIRST_ROUND_BYTES), rnd.backend)
+        if all(t.dim() for t in tensors):
+            sends, parts = rnd.views(dtype_shapes, layout.offsets)
+            cached = rnd.backend == "gloo" and _rounds.get(key) is rnd and all(t.numel() for t in tensors)
+            if cached and rnd.send_bytes is not None:
+                if len(rnd.repeats) >= 8:
+                    rnd.repeats.clear()
+                header = bytes(rnd.send_bytes[: 8 * len(words)])
+                signature = signature or _signature(spec, tensors)
+                if signature is not None:
+                    rnd.repeats[signature] = _Repeat(signature, words, layout, header, sends, parts)
+            return [
+                _on(torch.cat(part), t.device) if t.numel() else t.new_empty((world * t.shape[0], *t.shape[1:]))
+                for t, part in zip(tensors, parts, strict=True)
+            ]
     agreed = all(row[0] != _FULL for row in read) and len({row[1:5] for row in read}) == 1
     most = max(row[5] for row in read)
     if not agreed or most > _INLINE_MAX_BYTES:
@@ -427,16 +491,9 @@ def _gather_shapes_with_data(
     else:
         size = rnd.size
     if size != rnd.size:
-        _rounds[key] = _Round(size)  # every rank read the same headers, so every rank agrees on it
+        _rounds[key] = _Round(size, rnd.backend)  # every rank read the same headers, so every rank agrees on it
     if not agreed or layout is None:
         return None
-    same = all(row[_HEADER_WORDS:] == read[0][_HEADER_WORDS:] for row in read)
-    if same and all(row[0] == _FITS for row in read) and all(t.dim() for t in tensors):
-        # the common case: every rank holds the same shapes, so each leaf is one concatenation of views
-        return [
-            _on(torch.cat(parts), t.device) if t.numel() else t.new_empty((world * t.shape[0], *t.shape[1:]))
-            for t, parts in zip(tensors, rnd.views(dtype_shapes, layout.offsets)[1], strict=True)
-        ]
     dims = [t.dim() for t in tensors]
     all_shapes = [  # [rank][leaf]
         [

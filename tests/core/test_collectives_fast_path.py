@@ -124,3 +124,36 @@ def test_fast_path_and_fallback_give_what_the_full_exchange_gives_in_fewer_colle
         assert message.startswith("ValueError: `data`") and "\n" not in message, message
         assert all(part in message for part in shown), message
         assert message == rank1[name]["fast"][0] == rank0[name]["full"][0], f"{name}: the message changed"
+
+
+def _repeated_calls(rank):
+    """Calls in the order a loop makes them: (this rank's tensor) per call."""
+    x = lambda rows, seed: torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + 100 * rank + seed  # noqa: E731
+    return [
+        x(4, 0),  # planned, then remembered by its signature
+        x(4, 1),  # the same signature: the remembered plan, fresh values
+        x(4, 2) if rank == 0 else x(5, 2),  # rank 0 repeats, rank 1 does not: rank 0 reads the headers after all
+        x(4, 3),
+        x(2, 4),  # a second signature
+        x(4, 5),  # the first again
+        x(2, 6),
+        x(4, 7).requires_grad_(),
+    ]
+
+
+def _test_repeated_calls(rank, world_size):
+    out = []
+    for data in _repeated_calls(rank):
+        result, rounds, objects = _counted(distributed_concat, data)
+        out.append((result.detach(), rounds, objects))
+    return out
+
+
+def test_calls_that_repeat_a_signature_give_fresh_values_and_notice_a_rank_that_changed(dist_pool):
+    results = dist_pool.run(_test_repeated_calls)
+    calls = [_repeated_calls(r) for r in range(2)]
+    for rank, out in enumerate(results):
+        for i, (result, rounds, objects) in enumerate(out):
+            expected = torch.cat([calls[0][i], calls[1][i]]).detach()
+            assert torch.equal(result, expected), f"rank {rank}, call {i}: {result} != {expected}"
+            assert (rounds, objects) == (1, 0), f"rank {rank}, call {i}: {rounds} rounds, {objects} object gathers"
