@@ -69,7 +69,8 @@ class AllReduceCounter(Callback):
             raise ArgumentTypeError("prefix", "a non-empty str", prefix)
         if not prefix:
             raise ArgumentValueError("prefix", "a non-empty str", prefix)
-        self.log = log
+        # not `self.log`: Lightning sets every callback's `log` to the module's at fit start
+        self.log_metrics = log
         self.prefix = prefix
         self.hook: CountingCommHook | None = None
         self.optimizer_steps = 0
@@ -129,7 +130,7 @@ class AllReduceCounter(Callback):
         self._last = now
         self.optimizer_steps += 1
         self.history.append(step)
-        if self.log:
+        if self.log_metrics:
             totals = self._totals()
             for name, value, total in zip(("calls", "bytes", "rounds"), step, totals, strict=True):
                 pl_module.log(f"{self.prefix}/allreduce_{name}", float(value), on_step=True, on_epoch=False)

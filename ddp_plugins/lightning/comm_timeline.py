@@ -105,7 +105,8 @@ class CommTimeline(Callback):
         self.stall_after_s = stall_after_s
         self.blame_threshold_ms = blame_threshold_ms
         self.score_decay = score_decay
-        self.log = log
+        # not `self.log`: Lightning sets every callback's `log` to the module's at fit start
+        self.log_metrics = log
         self.spawn_results_key = uuid.uuid4().hex  # pairs this callback with its copy in spawned ranks
         self.timeline: Timeline | None = None
         self.watch: HangWatch | None = None
@@ -259,7 +260,7 @@ class CommTimeline(Callback):
         )
 
     def _log(self, pl_module: pl.LightningModule, report: dict[str, Any], world_size: int) -> None:
-        if not self.log or not report["steps"]:
+        if not self.log_metrics or not report["steps"]:
             return
         metrics = {f"time/{phase}_ms": value for phase, value in report["phases_ms"].items()}
         metrics.update({f"time/comm/{kind}_ms": value for kind, value in report["comm_ms"].items()})

@@ -94,6 +94,9 @@ def _fit(out_dir, callbacks, slow):
 
 def _run(out_dir):
     _, _, plain = _fit(out_dir, [], slow=False)
+    # log=False logs nothing (Lightning sets every callback's `log` to the module's at fit start)
+    quiet = [AllReduceCounter(log=False), CommTimeline(every_n_steps=20, log=False, trace_path=f"{out_dir}/q.json")]
+    quiet_trainer, _, _ = _fit(out_dir, quiet, slow=False)
     counter, timeline = (
         AllReduceCounter(),
         CommTimeline(every_n_steps=20, blame_threshold_ms=BLAME_THRESHOLD_MS, trace_path=f"{out_dir}/trace.json"),
@@ -105,6 +108,8 @@ def _run(out_dir):
         "same_math": all(torch.equal(a, b) for a, b in zip(plain, params, strict=True)),
         "summary": timeline.summary,
         "metrics": sorted(trainer.callback_metrics),
+        "quiet_metrics": sorted(quiet_trainer.callback_metrics),
+        "quiet_counted": quiet[0].rounds,
         "trace": trace,
         "user_seen": _user_hook.seen,
         "rounds": counter.rounds,
@@ -123,6 +128,8 @@ def test_comm_timeline_traces_every_kind_blames_the_slow_rank_and_keeps_the_math
         assert out["restored"], "torch.distributed was not put back after fit"
         assert {"time/forward_ms", "time/backward_ms", "time/data_wait_ms", "time/optimizer_ms"} <= set(out["metrics"])
         assert {"time/comm/ddp_bucket_ms", "straggler/slowest_rank", "straggler/score_rank1"} <= set(out["metrics"])
+        assert out["quiet_metrics"] == ["train_loss"], f"log=False logged {out['quiet_metrics']}"
+        assert out["quiet_counted"] == BATCHES, "log=False still counts"
     summary = ranks[0]["summary"]
     assert summary["slowest_rank"] == 1, summary
     phases = [e for e in ranks[0]["trace"]["traceEvents"] if e.get("cat") == "phase" and e["pid"] == 1]
