@@ -42,10 +42,12 @@ class AllReduceCounter(Callback):
     :class:`CountingCommHook`; the user's hook, state and wrapper keep working. Lightning's
     ``DDPStrategy`` registers hooks only on CUDA, so in ``on_fit_start`` a DDP model without a
     registered hook gets the counting hook (with the strategy's state and wrapper) registered here.
-    At every optimizer step it records what was sent since the previous step and logs
-    ``{prefix}/allreduce_calls``, ``{prefix}/allreduce_bytes``, ``{prefix}/allreduce_rounds`` and
-    their ``_total`` versions. Totals are also attributes (``calls``, ``bytes``, ``rounds``,
-    ``optimizer_steps``) and ``history`` holds one ``(calls, bytes, rounds)`` per optimizer step.
+    At every optimizer step it records what was sent since the previous step; every
+    ``Trainer(log_every_n_steps=...)`` optimizer steps (when the loggers write) and at the last step
+    of an epoch or of the run it logs that step's ``{prefix}/allreduce_calls``,
+    ``{prefix}/allreduce_bytes``, ``{prefix}/allreduce_rounds`` and their ``_total`` versions.
+    Totals are also attributes (``calls``, ``bytes``, ``rounds``, ``optimizer_steps``) and
+    ``history`` holds one ``(calls, bytes, rounds)`` per optimizer step.
 
     Args:
         log: log the counts with ``LightningModule.log``.
@@ -130,7 +132,7 @@ class AllReduceCounter(Callback):
         self._last = now
         self.optimizer_steps += 1
         self.history.append(step)
-        if self.log_metrics:
+        if self.log_metrics and self._logs_now(trainer):
             totals = self._totals()
             for name, value, total in zip(("calls", "bytes", "rounds"), step, totals, strict=True):
                 pl_module.log(f"{self.prefix}/allreduce_{name}", float(value), on_step=True, on_epoch=False)
@@ -153,6 +155,13 @@ class AllReduceCounter(Callback):
         saved = (state_dict.get("calls", 0), state_dict.get("bytes", 0), state_dict.get("rounds", 0))
         self._offset = _minus(saved, live)
         self.optimizer_steps = state_dict.get("optimizer_steps", 0)
+
+    def _logs_now(self, trainer: pl.Trainer) -> bool:
+        """Every ``log_every_n_steps`` optimizer steps, and at the last step of an epoch or the run:
+        when the Trainer's loggers write (each ``LightningModule.log`` call costs a fraction of a ms)."""
+        every = max(int(getattr(trainer, "log_every_n_steps", 1)), 1)  # set on the Trainer by its logger connector
+        last_step = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
+        return self.optimizer_steps % every == 0 or trainer.is_last_batch or last_step
 
     def _totals(self) -> tuple[int, int, int]:
         live = (self.hook.calls, self.hook.bytes, self.hook.rounds) if self.hook is not None else (0, 0, 0)
