@@ -198,15 +198,14 @@ class TimedCommHook:
             _local.depth -= 1
         if record is None:
             return future
-        if record.events is not None:  # a CUDA future runs `then` on streams that wait for its work
 
-            def done(fut):
-                self.timeline._end(record)
-                return fut.value()
+        def done(fut):
+            # DDP waits on the future returned here, so the record ends before DDP goes on; on CUDA,
+            # `then` runs on streams that wait for the collective, where the end event is recorded
+            self.timeline._end(record)
+            return fut.value()
 
-            return future.then(done)
-        future.add_done_callback(lambda _: self.timeline._end(record))
-        return future
+        return future.then(done)
 
 
 class Timeline:
@@ -220,7 +219,7 @@ class Timeline:
     ``gather``, ``barrier``, else ``other``; :func:`collective_kind` names your own). A collective on
     CUDA tensors (nccl) returns before it runs: it is timed by CUDA events on the calling stream
     (from when the stream reaches it to when it completes), read on the host clock at
-    :meth:`collect`; an ``async_op`` call is timed by its future. The clocks of
+    :meth:`collect`. The clocks of
     the ranks are put on rank 0's by :meth:`sync_clocks` (timestamps exchanged after barriers;
     ``clock_residual_ns`` is half the spread of the estimates).
 
@@ -308,18 +307,20 @@ class Timeline:
         if not _distributed():
             return 0, 0
         world = dist.get_world_size(self.group)
+        nccl = dist.get_backend(self.group) == "nccl"  # collectives of CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         estimates = []
         with _untimed():
             for _ in range(rounds):
                 dist.barrier(group=self.group)
-                stamp = torch.tensor([time.perf_counter_ns()], dtype=torch.int64)
+                stamp = torch.tensor([time.perf_counter_ns()], dtype=torch.int64, device=device)
                 stamps = [torch.zeros_like(stamp) for _ in range(world)]
                 dist.all_gather(stamps, stamp, group=self.group)
                 estimates.append(int(stamp) - int(stamps[0]))
             offset = int(statistics.median(estimates))
-            spread = torch.tensor([(max(estimates) - min(estimates)) // 2], dtype=torch.int64)
+            spread = torch.tensor([(max(estimates) - min(estimates)) // 2], dtype=torch.int64, device=device)
             dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
-            origin = torch.tensor([time.perf_counter_ns() - offset], dtype=torch.int64)
+            origin = torch.tensor([time.perf_counter_ns() - offset], dtype=torch.int64, device=device)
             dist.broadcast(origin, _group_rank_zero(self.group), group=self.group)
         self.offset_ns, self.clock_residual_ns, self.origin_ns = offset, int(spread), int(origin)
         return self.offset_ns, self.clock_residual_ns
@@ -724,7 +725,7 @@ def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if timeline is None or _depth():
             return original(*args, **kwargs)
         caller = sys._getframe(1)
-        cuda = not kwargs.get("async_op") and _on_cuda(args, kwargs)  # an async op is timed by its future
+        cuda = _on_cuda(args, kwargs)
         record = timeline._start(_kind(name, caller), name, _tensor_bytes(args, kwargs, name), _stack(caller), cuda)
         _local.depth = _depth() + 1
         try:
@@ -737,7 +738,8 @@ def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             _local.depth -= 1
         if record is not None:
             if kwargs.get("async_op") and out is not None:
-                out.get_future().add_done_callback(lambda _: timeline._end(record))
+                # on CUDA `then` runs on streams that wait for the work: the end event marks its completion
+                out.get_future().then(lambda _: timeline._end(record))
             else:
                 timeline._end(record)
         return out
