@@ -430,10 +430,14 @@ def _gather_shapes_with_data(
     signature = _signature(spec, tensors) if rnd.repeats and error is None else None
     repeat = rnd.repeats.get(signature) if signature is not None else None
     if repeat is not None and rnd.send_bytes is not None:
+        try:
+            for t, view in zip(tensors, repeat.sends, strict=True):
+                view.copy_(t.detach() if t.requires_grad else t)
+        except (RuntimeError, TypeError, ValueError):  # bytes that cannot be copied as they are: plan afresh
+            repeat = None
+    if repeat is not None and rnd.send_bytes is not None:
         # an earlier call's plan and header, in buffers that stay on the CPU (gloo only)
         rnd.send_bytes[: len(repeat.header)] = repeat.header
-        for t, view in zip(tensors, repeat.sends, strict=True):
-            view.copy_(t.detach() if t.requires_grad else t)
         all_gather_single(rnd.recv, rnd.send, group=group)
         if rnd.headers_are(repeat.header):
             return [
