@@ -159,9 +159,12 @@ class AllReduceCounter(Callback):
     def _logs_now(self, trainer: pl.Trainer) -> bool:
         """Every ``log_every_n_steps`` optimizer steps, and at the last step of an epoch or the run:
         when the Trainer's loggers write (each ``LightningModule.log`` call costs a fraction of a ms)."""
-        every = max(int(getattr(trainer, "log_every_n_steps", 1)), 1)  # set on the Trainer by its logger connector
-        last_step = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
-        return self.optimizer_steps % every == 0 or trainer.is_last_batch or last_step
+        every = int(getattr(trainer, "log_every_n_steps", 1))  # set on the Trainer by its logger connector
+        if every <= 0:  # the loggers never write step metrics
+            return False
+        step = trainer.global_step + 1  # this optimizer step, counted as the loggers count (resumes included)
+        last_step = trainer.max_steps > 0 and step >= trainer.max_steps
+        return step % every == 0 or trainer.is_last_batch or last_step
 
     def _totals(self) -> tuple[int, int, int]:
         live = (self.hook.calls, self.hook.bytes, self.hook.rounds) if self.hook is not None else (0, 0, 0)
