@@ -218,17 +218,21 @@ _SENT_ARGUMENT = {
 }
 
 
-def _tensor_bytes(args: tuple, kwargs: dict, name: str = "") -> int:
-    """Bytes of the tensor a collective sends: its input (the first tensor argument, or list of tensors)."""
+def _sent_tensors(args: tuple, kwargs: dict, name: str = "") -> list[torch.Tensor]:
+    """The tensors a collective sends: its input (the first tensor argument, or list of tensors)."""
     if name in _SENT_ARGUMENT:
         index, key = _SENT_ARGUMENT[name]
         args, kwargs = ((args[index],) if len(args) > index else ()), {key: kwargs[key]} if key in kwargs else {}
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            return value.numel() * value.element_size()
+            return [value]
         if isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
-            return sum(t.numel() * t.element_size() for t in value)
-    return 0
+            return list(value)
+    return []
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _counting(name: str) -> Callable[..., Any]:
@@ -239,7 +243,7 @@ def _counting(name: str) -> Callable[..., Any]:
         for counts, names, only_thread in list(_active):
             if name in names and only_thread in (None, thread):
                 counts.calls[name] += 1
-                counts.bytes[name] += _tensor_bytes(args, kwargs, name)
+                counts.bytes[name] += _nbytes(_sent_tensors(args, kwargs, name))
         return original(*args, **kwargs)
 
     return counting

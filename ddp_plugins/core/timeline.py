@@ -30,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, check_int, check_number
 from ddp_plugins.core.collectives import distributed_concat
-from ddp_plugins.core.comm_hooks import _tensor_bytes
+from ddp_plugins.core.comm_hooks import _nbytes, _sent_tensors
 from ddp_plugins.core.files import write_text_atomic
 
 __all__ = ["PHASES", "CollectiveRecord", "TimedCommHook", "Timeline", "collective_kind"]
@@ -709,24 +709,15 @@ def _kind(name: str, frame: Any) -> str:
     return "other"
 
 
-def _on_cuda(args: tuple, kwargs: dict) -> bool:
-    """Whether the collective's first tensor (or list of tensors) argument is on a CUDA device."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            value = value[0]
-        if isinstance(value, torch.Tensor):
-            return value.is_cuda
-    return False
-
-
 def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
         timeline = _active
         if timeline is None or _depth():
             return original(*args, **kwargs)
         caller = sys._getframe(1)
-        cuda = _on_cuda(args, kwargs)
-        record = timeline._start(_kind(name, caller), name, _tensor_bytes(args, kwargs, name), _stack(caller), cuda)
+        sent = _sent_tensors(args, kwargs, name)
+        cuda = bool(sent) and sent[0].is_cuda  # an nccl collective: timed by CUDA events
+        record = timeline._start(_kind(name, caller), name, _nbytes(sent), _stack(caller), cuda)
         _local.depth = _depth() + 1
         try:
             out = original(*args, **kwargs)
