@@ -467,25 +467,6 @@ def _gather_shapes_with_data(
         rnd.write(words)
         all_gather_single(rnd.recv, rnd.send, group=group)
     read = rnd.read(len(words))
-    if layout is not None and words[0] == _FITS and read.count(read[0]) == world:
-        # the common case: every rank sent the same header (structure, dtypes, shapes) and its data
-        # fits, so each leaf is one concatenation of views; the buffer size stays
-        if 4 * layout.needed < rnd.size and max(layout.needed, _FIRST_ROUND_BYTES) != rnd.size:
-            _rounds[key] = _Round(max(layout.needed, _FIRST_ROUND_BYTES), rnd.backend)
-        if all(t.dim() for t in tensors):
-            sends, parts = rnd.views(dtype_shapes, layout.offsets)
-            cached = rnd.backend == "gloo" and _rounds.get(key) is rnd and all(t.numel() for t in tensors)
-            if cached and rnd.send_bytes is not None:
-                if len(rnd.repeats) >= 8:
-                    rnd.repeats.clear()
-                header = bytes(rnd.send_bytes[: 8 * len(words)])
-                signature = signature or _signature(spec, tensors)
-                if signature is not None:
-                    rnd.repeats[signature] = _Repeat(signature, words, layout, header, sends, parts)
-            return [
-                _on(torch.cat(part), t.device) if t.numel() else t.new_empty((world * t.shape[0], *t.shape[1:]))
-                for t, part in zip(tensors, parts, strict=True)
-            ]
     agreed = all(row[0] != _FULL for row in read) and len({row[1:5] for row in read}) == 1
     most = max(row[5] for row in read)
     if not agreed or most > _INLINE_MAX_BYTES:
@@ -496,6 +477,22 @@ def _gather_shapes_with_data(
         size = rnd.size
     if size != rnd.size:
         _rounds[key] = _Round(size, rnd.backend)  # every rank read the same headers, so every rank agrees on it
+    if layout is not None and words[0] == _FITS and read.count(read[0]) == world and all(t.dim() for t in tensors):
+        # the common case: every rank sent the same header (structure, dtypes, shapes) and its data
+        # fits, so each leaf is one concatenation of views
+        sends, parts = rnd.views(dtype_shapes, layout.offsets)
+        cached = rnd.backend == "gloo" and _rounds.get(key) is rnd and all(t.numel() for t in tensors)
+        if cached and rnd.send_bytes is not None:
+            if len(rnd.repeats) >= 8:
+                rnd.repeats.clear()
+            header = bytes(rnd.send_bytes[: 8 * len(words)])
+            signature = signature or _signature(spec, tensors)
+            if signature is not None:
+                rnd.repeats[signature] = _Repeat(signature, words, layout, header, sends, parts)
+        return [
+            _on(torch.cat(part), t.device) if t.numel() else t.new_empty((world * t.shape[0], *t.shape[1:]))
+            for t, part in zip(tensors, parts, strict=True)
+        ]
     if not agreed or layout is None:
         return None
     dims = [t.dim() for t in tensors]
