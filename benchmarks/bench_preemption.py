@@ -4,7 +4,8 @@
    (the anchor), the check after every optimizer step (the default), and after every 10th. The
    variants alternate in one run (A B C A B C ...) and the median time per step of each is
    compared. No checkpoint is written in these fits (no signal, no step checkpoints): only the
-   per-step agreement (one ``all_reduce`` of one integer) is measured.
+   per-step agreement (one asynchronous ``all_reduce`` of one integer, read at the next step) is
+   measured.
 2. Time from ``SIGTERM`` sent to the whole process group of a running ``python -m ddp_plugins.train``
    job to its last process gone (every rank has stopped at one step, written the checkpoint and
    exited 143), against the job's own median step time.

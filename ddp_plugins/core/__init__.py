@@ -29,7 +29,14 @@ from ddp_plugins.core.comm_hooks import (
 from ddp_plugins.core.files import save_atomic
 from ddp_plugins.core.hang_watch import HangWatch
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
-from ddp_plugins.core.preemption import Preempted, SignalFlag, agree_on_signal, slurm_requeue, stable_run_name
+from ddp_plugins.core.preemption import (
+    Preempted,
+    SignalAgreement,
+    SignalFlag,
+    agree_on_signal,
+    slurm_requeue,
+    stable_run_name,
+)
 from ddp_plugins.core.process import exit_process, run_main
 from ddp_plugins.core.ranks import get_rank, get_world_size, rank_zero_first, setup_rank_logging
 from ddp_plugins.core.samplers import ResumableSampler, SequentialDistributedSampler
@@ -67,6 +74,7 @@ __all__ = [
     "ResumableSampler",
     "WorkerInit",
     "SequentialDistributedSampler",
+    "SignalAgreement",
     "SignalFlag",
     "SyncBatchNorm",
     "SyncBatchNormFunction",

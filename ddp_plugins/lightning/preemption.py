@@ -23,8 +23,8 @@ from ddp_plugins.core.files import count_csv_rows, read_json, truncate_csv_rows,
 from ddp_plugins.core.preemption import (
     DEFAULT_SIGNALS,
     Preempted,
+    SignalAgreement,
     SignalFlag,
-    agree_on_signal,
     check_signals,
     slurm_job_id,
     slurm_requeue,
@@ -52,7 +52,9 @@ class PreemptionCheckpoint(Callback):
         signals: the signals that stop the run (names or numbers); a second Ctrl-C ends the
             process at once.
         check_every_n_steps: agree on the flag after every this many optimizer steps (one
-            ``all_reduce`` of one integer each time).
+            ``all_reduce`` of one integer each time, read at the next step's end: the ranks never
+            wait for it, and stop one step after the flag was first seen; at an epoch's end it is
+            waited for).
         requeue: ``"auto"`` (under Slurm, requeue the job after a ``requeue_signal``), ``"always"``
             (after any of the signals) or ``"never"``.
         requeue_signal: the signal Slurm sends before preempting (``--signal=USR1@90``).
@@ -88,6 +90,7 @@ class PreemptionCheckpoint(Callback):
         self.requeue = check_choice("requeue", requeue, ("auto", "always", "never"))
         (self.requeue_signal,) = check_signals([requeue_signal])
         self._flag = SignalFlag(self.signals)
+        self._agreement = SignalAgreement()
         self._boundaries = 0
         self._rows_pending = False  # a checkpoint was written; its metrics rows are counted at the next hook
         self._trainer: pl.Trainer | None = None
@@ -108,6 +111,7 @@ class PreemptionCheckpoint(Callback):
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         self._trainer, self._boundaries, self._rows_pending, self._stop, self._due = trainer, 0, False, None, None
         self._flag.clear()
+        self._agreement = SignalAgreement(trainer.strategy.root_device)
         if isinstance(trainer.strategy, StepAgreement):
             trainer.strategy.add_flag_source(self._signum)
         submitit = submitit_signal()
@@ -129,6 +133,7 @@ class PreemptionCheckpoint(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            self._agreement.cancel()
             self._flag.restore()
             self._trainer = None
             if isinstance(trainer.strategy, StepAgreement):
@@ -143,6 +148,7 @@ class PreemptionCheckpoint(Callback):
             # replaced the stop: no "preempted by" line, exit 0).
             self._finish_rows(trainer)
             return
+        self._agreement.cancel()  # a peer may be gone: never wait for the exchange in flight
         self._flag.restore()
 
     # ---------------------------------------------------------------- the step boundary
@@ -154,14 +160,17 @@ class PreemptionCheckpoint(Callback):
         if not is_step_boundary(trainer):
             return
         self._boundaries += 1
-        signum = 0
+        last = _last_batch_of_epoch(trainer)
         agreed = trainer.strategy.agreed_flag() if isinstance(trainer.strategy, StepAgreement) else None
         if agreed is not None:  # agreed in the strategy's own round for this batch: no round of ours
-            signum = agreed
-        elif self._boundaries % self.check_every_n_steps == 0:
-            signum = agree_on_signal(self._flag.signum, device=trainer.strategy.root_device)
+            signum = max(agreed, self._agreement.poll(0, start=False))
+        elif last:  # the epoch ends on an agreed state
+            signum = self._agreement.settle(self._flag.signum)
+        else:
+            start = self._boundaries % self.check_every_n_steps == 0
+            signum = self._agreement.poll(self._flag.signum, start=start)
         step_due = bool(self.every_n_train_steps) and trainer.global_step % self.every_n_train_steps == 0
-        if _last_batch_of_epoch(trainer):
+        if last:
             # Lightning resumes a checkpoint taken here in the next epoch and skips this epoch's
             # validation and end: write it at `on_train_epoch_end` instead (after validation).
             self._due = (signum, step_due) if signum or step_due else None
@@ -204,6 +213,7 @@ class PreemptionCheckpoint(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._agreement.poll(0, start=False)  # the run is complete: a flag agreed only now changes nothing
         self._after_step(trainer)
 
     def _after_step(self, trainer: pl.Trainer) -> None:

@@ -17,6 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_plugins.core import (
     Preempted,
     ResumableSampler,
+    SignalAgreement,
     SignalFlag,
     agree_on_signal,
     gather_per_rank,
@@ -96,6 +97,31 @@ def _agree(rank, world_size):
 
 def test_ranks_agree_on_a_signal_that_reached_one_of_them(dist_pool):
     assert dist_pool.run(_agree) == [(int(signal.SIGUSR1), 0)] * 2
+
+
+def _one_step_behind(rank, world_size):
+    import torch.distributed as dist
+
+    side = dist.new_group(backend="gloo")  # where rank 1 waits for rank 0 before its first poll
+    agreement, seen = SignalAgreement(), []
+    if rank == 1:
+        dist.barrier(group=side)  # a poll that waited for the other rank would never get here
+    seen.append(agreement.poll(0))
+    if rank == 0:
+        dist.barrier(group=side)
+    seen.append(agreement.poll(int(signal.SIGUSR1) if rank == 1 else 0))  # rank 1 is signalled
+    seen.append(agreement.poll(0))  # ... and every rank learns it one poll later
+    seen.append(agreement.poll(0))  # nothing was started after an agreed stop
+    agreement.poll(int(signal.SIGTERM) if rank == 0 else 0)
+    seen.append(agreement.settle(int(signal.SIGUSR2) if rank == 1 else 0))  # in flight and now, waited for
+    seen.append(agreement.settle(0))
+    dist.destroy_process_group(side)
+    return seen
+
+
+def test_the_agreement_never_waits_for_the_other_ranks_and_is_one_poll_behind(dist_pool):
+    expected = [0, 0, int(signal.SIGUSR1), 0, max(int(signal.SIGTERM), int(signal.SIGUSR2)), 0]
+    assert dist_pool.run(_one_step_behind, timeout=30) == [expected] * 2
 
 
 def _gather(rank, world_size):

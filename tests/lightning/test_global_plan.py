@@ -313,31 +313,55 @@ class _SignalledAtStep(_Model):
         return super().training_step(batch, batch_idx)
 
 
-def _run_uneven_stopped(out_dir):
-    import ddp_plugins.lightning.preemption as preemption
-
-    own_rounds = []
-    agree = preemption.agree_on_signal
-    preemption.agree_on_signal = lambda *args, **kwargs: own_rounds.append(1) or agree(*args, **kwargs)
-    pl.seed_everything(SEED)
-    model = _SignalledAtStep()
-    model.train_dataloader = lambda: DataLoader(_Shard(), batch_size=4)
+def _fit_stopped(model, out_dir):
     trainer = _trainer(None, callbacks=[PreemptionCheckpoint(dirpath=out_dir)], checkpoints=True)
     try:
         trainer.fit(model)
     except Preempted as stop:
-        return {"signum": stop.signum, "step": trainer.global_step, "own_rounds": len(own_rounds),
+        return {"signum": stop.signum, "step": trainer.global_step,
                 "files": sorted(p.name for p in Path(out_dir).glob("*.ckpt"))}  # fmt: skip
     return {"signum": None, "step": trainer.global_step}
 
 
+def _run_stopped(out_dir):
+    """The signal of step 3 on rank 1, once in the strategy's round for uneven shards, once in the
+    callback's own agreement (even data), which no rank waits for."""
+    from ddp_plugins.core.preemption import SignalAgreement
+
+    rounds = []  # the stop check's own exchanges: (waited for?)
+    poll, settle = SignalAgreement.poll, SignalAgreement.settle
+
+    def counted_poll(self, signum, start=True):
+        if start:
+            rounds.append(False)
+        return poll(self, signum, start)
+
+    def counted_settle(self, signum):
+        rounds.append(True)
+        return settle(self, signum)
+
+    SignalAgreement.poll, SignalAgreement.settle = counted_poll, counted_settle
+    pl.seed_everything(SEED)
+    model = _SignalledAtStep()
+    model.train_dataloader = lambda: DataLoader(_Shard(), batch_size=4)
+    uneven = _fit_stopped(model, f"{out_dir}/uneven") | {"rounds": list(rounds)}
+    rounds.clear()
+    even = _fit_stopped(_SignalledAtStep(), f"{out_dir}/even") | {"rounds": list(rounds)}
+    return {"uneven": uneven, "even": even}
+
+
 @pytest.mark.slow
-def test_a_preemption_signal_rides_in_the_uneven_round_and_stops_every_rank_at_one_step():
-    ranks = run_lightning(_run_uneven_stopped, world_size=2, timeout=240)
-    assert [r["signum"] for r in ranks] == [signal.SIGTERM] * 2, ranks
-    assert ranks[0]["step"] == ranks[1]["step"] and 4 <= ranks[0]["step"] <= 6, ranks  # signalled in step 4
-    assert ranks[0]["own_rounds"] == ranks[1]["own_rounds"] == 0, "the stop check made rounds of its own"
-    assert ranks[0]["files"] == [f"step-{ranks[0]['step']}-preempted.ckpt"], ranks[0]["files"]
+def test_a_preemption_signal_stops_every_rank_at_one_step_in_the_uneven_round_or_one_step_later():
+    ranks = run_lightning(_run_stopped, world_size=2, timeout=240)
+    uneven, even = [r["uneven"] for r in ranks], [r["even"] for r in ranks]
+    assert [r["signum"] for r in uneven + even] == [signal.SIGTERM] * 4, ranks
+    assert uneven[0]["step"] == uneven[1]["step"] and 4 <= uneven[0]["step"] <= 6, ranks  # signalled in step 4
+    assert uneven[0]["rounds"] == uneven[1]["rounds"] == [], "the stop check made rounds of its own"
+    assert uneven[0]["files"] == [f"step-{uneven[0]['step']}-preempted.ckpt"], uneven[0]["files"]
+    # even data: rank 1's flag goes out after step 4 and is read after step 5 (no epoch end between)
+    assert even[0]["step"] == even[1]["step"] == 5, ranks
+    assert even[0]["rounds"] == even[1]["rounds"] == [False] * 5, "a poll per step, none waited for"
+    assert even[0]["files"] == ["step-5-preempted.ckpt"], even[0]["files"]
 
 
 class _EpochLogged(_Model):
