@@ -135,7 +135,8 @@ class CountingCommHook:
     (``fp16_compress_hook``, or an inner hook wrapped by ``fp16_compress_wrapper``) is counted at
     its compressed size, so the figure is what crossed the wire, not the bucket size. To see those
     calls, ``torch.distributed.all_reduce`` is replaced by a counting pass-through only for the
-    duration of the hook call, and only calls from the hook's own thread are counted. Not seen:
+    duration of the hook call, and only calls from the hook's own thread are counted (torch's
+    ``allreduce_hook``, which all-reduces its bucket once, is counted without the patch). Not seen:
     collectives issued in a future's ``then`` callback after the hook returned (PowerSGD's second
     all-reduce), calls made directly on a ``ProcessGroup`` object, and DDP's own bookkeeping
     (unused-parameter map, bucket rebuild, buffer broadcast). ``rounds`` counts synchronized
@@ -171,10 +172,15 @@ class CountingCommHook:
 
     def __call__(self, state, bucket):
         # no annotations: DDP compares them with the real classes, and this module's are strings
-        with count_collectives(("all_reduce",), this_thread=True) as counts:
+        if self.hook is allreduce_hook:  # known to send the bucket once: counted without a patch
             future = self.hook(state, bucket)
-        self.calls += counts.calls["all_reduce"]
-        self.bytes += counts.bytes["all_reduce"]
+            self.calls += 1
+            self.bytes += _nbytes([bucket.buffer()])
+        else:
+            with count_collectives(("all_reduce",), this_thread=True) as counts:
+                future = self.hook(state, bucket)
+            self.calls += counts.calls["all_reduce"]
+            self.bytes += counts.bytes["all_reduce"]
         if bucket.is_last():
             self.rounds += 1
         return future
