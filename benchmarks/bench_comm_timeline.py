@@ -1,17 +1,20 @@
 """What the pack and CommTimeline cost per step, against plain Lightning DDP.
 
 Step time on 2 CPU ranks (gloo) of the app's DigitsCNN (plain BatchNorm: SyncBN changes the math
-and has its own benchmark) in three variants that alternate in one run (A B C A B C ...):
+and has its own benchmark) in four variants that alternate in one run (A B C D A B C D ...):
 
 1. plain Lightning: ``DDPStrategy(process_group_backend="gloo")``, no callbacks (the anchor);
-2. the pack: ``DDPPluginsStrategy`` with ``AccumulationNoSync``, ``AllReduceCounter``,
-   ``RankAwareSeed`` and ``PreemptionCheckpoint`` (its one-integer agreement every step, the default);
-3. the same with the stop check every 10 steps (``check_every_n_steps=10``);
+2. the same again: the ratio of two identical fits shows this machine's noise;
+3. the pack: ``DDPPluginsStrategy`` with ``AccumulationNoSync``, ``AllReduceCounter``,
+   ``RankAwareSeed`` and ``PreemptionCheckpoint`` (its one-integer exchange every step, the default);
 4. that with ``CommTimeline`` (every collective timed, the records gathered every 50 steps, the
    trace written at the end of fit).
 
-Each variant's time is the median over its steps (after 5 warm-up steps per fit) of the time
-between two ends of a training batch on rank 0 (DDP keeps the ranks in step).
+Each fit's time is the median over its steps (after 5 warm-up steps) of the time between two ends
+of a training batch on rank 0 (DDP keeps the ranks in step). The variants alternate ``REPEATS`` times;
+a ratio is taken within each round (against the anchor fitted just before it) and the table gives
+the median of those ratios with their interquartile range, since this machine's speed drifts
+between rounds by more than the differences measured.
 
     .venv/bin/python benchmarks/bench_comm_timeline.py
 """
@@ -38,12 +41,12 @@ from ddp_plugins.lightning import (
 )
 from ddp_plugins.testing import LOOPBACK_ENV
 
-REPEATS = 3
+REPEATS = 12
 STEPS = 60  # optimizer steps per fit; the first 5 are warm-up and not timed
 VARIANTS = (
     "plain Lightning DDP (anchor)",
-    "ddp_plugins: strategy + callbacks (stop check every step)",
-    "ddp_plugins, stop check every 10 steps",
+    "plain Lightning DDP again (noise)",
+    "ddp_plugins: strategy + callbacks",
     "the line above + CommTimeline",
 )
 
@@ -61,11 +64,9 @@ def _fit(variant: str) -> list[float]:
     root = tempfile.mkdtemp()
     callbacks: list[pl.Callback] = [clock]
     strategy: DDPStrategy = DDPStrategy(process_group_backend="gloo")
-    if variant != VARIANTS[0]:
+    if variant in VARIANTS[2:]:
         strategy = DDPPluginsStrategy(backend="gloo")
-        check_every = 1 if variant == VARIANTS[1] else 10
-        callbacks += [AccumulationNoSync(1), AllReduceCounter(), RankAwareSeed(seed=0)]
-        callbacks.append(PreemptionCheckpoint(check_every_n_steps=check_every))
+        callbacks += [AccumulationNoSync(1), AllReduceCounter(), RankAwareSeed(seed=0), PreemptionCheckpoint()]
     if variant == VARIANTS[3]:
         callbacks.append(CommTimeline(every_n_steps=50, trace_path=f"{root}/trace.json"))
     torch.manual_seed(0)
@@ -84,24 +85,25 @@ def main() -> None:
     os.environ.update(LOOPBACK_ENV)
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    rounds: list[dict[str, float]] = []
     for _ in range(REPEATS):
-        for name in VARIANTS:
-            times[name] += _fit(name)
+        rounds.append({name: statistics.median(_fit(name)) for name in VARIANTS})
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return
-    median = {name: statistics.median(t) for name, t in times.items()}
     print(
         "\nDigitsCNN (32 channels, plain BN), batch 32/rank, 2 CPU ranks (gloo), "
-        f"median of {len(times[VARIANTS[0]])} steps per variant\n"
+        f"{REPEATS} rounds of {STEPS} steps per variant\n"
     )
-    print("| variant | ms / step | ratio to plain Lightning | ratio to the line above |")
-    print("|---|---:|---:|---:|")
-    previous = median[VARIANTS[0]]
+    print("| variant | ms / step (median of rounds) | ratio to plain Lightning | quartiles | ratio to the line above |")
+    print("|---|---:|---:|---:|---:|")
+    previous = VARIANTS[0]
     for name in VARIANTS:
-        ratio = median[name] / median[VARIANTS[0]]
-        print(f"| {name} | {median[name] * 1e3:.2f} | {ratio:.3f} | {median[name] / previous:.3f} |")
-        previous = median[name]
+        ms = statistics.median(r[name] for r in rounds) * 1e3
+        ratios = [r[name] / r[VARIANTS[0]] for r in rounds]
+        low, mid, high = statistics.quantiles(ratios, n=4)
+        step = statistics.median(r[name] / r[previous] for r in rounds)
+        print(f"| {name} | {ms:.2f} | {mid:.3f} | {low:.3f}-{high:.3f} | {step:.3f} |")
+        previous = name
 
 
 if __name__ == "__main__":
