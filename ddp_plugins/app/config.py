@@ -48,9 +48,9 @@ __all__ = [
 CONFIG_MODULE = "ddp_plugins.conf"
 CONFIG_NAME = "train"
 SCHEMA_NAME = "train_schema"
-PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
+PRECISIONS = ("auto", "32-true", "64-true", "16-mixed", "bf16-mixed")
 # What `resolve_precision` hands to `lightning.pytorch.Trainer(precision=...)`.
-Precision = Literal["32-true", "16-mixed", "bf16-mixed"]
+Precision = Literal["32-true", "64-true", "16-mixed", "bf16-mixed"]
 
 
 # --------------------------------------------------------------------------- the schema

@@ -99,6 +99,10 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
+    if cfg.precision.name == "64-true":
+        # Lightning restores a checkpoint's weights before its precision plugin converts the
+        # model: into float32 parameters they would be rounded (a resumed float64 run would differ)
+        model = model.double()
     resume = str(cfg.get("resume", "auto"))
     _prepare_checkpoint_folder(Path(output_dir) / "checkpoints", resume)
     trainer = build_trainer(cfg, output_dir)

@@ -31,7 +31,7 @@ CPU_ERRORS = {
 def test_groups_and_their_options():
     assert {g: config.group_options(g) for g in ["backend", "precision", "strategy"]} == {
         "backend": ["auto", "gloo", "mpi", "nccl"],
-        "precision": ["16-mixed", "32-true", "auto", "bf16-mixed"],
+        "precision": ["16-mixed", "32-true", "64-true", "auto", "bf16-mixed"],
         "strategy": ["ddp", "ddp_notebook", "ddp_spawn"],
     }
     for group in GROUPS:
@@ -106,7 +106,7 @@ BAD_INPUTS = [
         "precision got '16-mixed', which needs CUDA (float16 autocast with a GradScaler) on a CPU run,"
         " allowed: '32-true', 'bf16-mixed' or 'auto' on CPU",
     ),
-    (["precision=fp8"], "precision got 'fp8', allowed: one of '16-mixed', '32-true', 'auto', 'bf16-mixed'"),
+    (["precision=fp8"], "precision got 'fp8', allowed: one of '16-mixed', '32-true', '64-true', 'auto', 'bf16-mixed'"),
     (["strategy=deepspeed"], "strategy got 'deepspeed', allowed: one of 'ddp', 'ddp_notebook', 'ddp_spawn'"),
     (
         ["trainer.devices=64"],
