@@ -28,9 +28,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy ddp_plugins
 
 # Two pytest workers (pytest-xdist): most tests wait on processes they started (ranks importing
-# Lightning, timeouts, Slurm), so two at a time fill the 2 cores; tests/conftest.py keeps some
-# modules on one worker (their app-run fixtures run once; one Slurm cluster at a time).
-XDIST := -n 2 --dist loadgroup
+# Lightning, timeouts, Slurm), so two at a time fill the 2 cores.
+XDIST := -n 2
 
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)

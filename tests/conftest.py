@@ -28,10 +28,12 @@ def isolated():
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A private one-node Slurm cluster (tests/helpers/slurm.py), installed and started if needed;
-    every client these tests run (sbatch, scontrol, submitit) finds it through ``SLURM_CONF``."""
+    every client these tests run (sbatch, scontrol, submitit) finds it through ``SLURM_CONF``. One
+    per pytest-xdist worker that runs a Slurm test: the clusters share nothing (ports, state and
+    job ids are each their own)."""
     try:
         cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).__enter__()
     except SlurmUnavailable as error:  # no root, no apt, or a system Slurm already runs here
@@ -44,20 +46,6 @@ def slurm_cluster(tmp_path_factory):
             cluster.stop()
 
 
-# Under pytest-xdist (make test runs two workers) the tests of these modules share one worker, so
-# that their module-scoped fixtures (app runs every test of the module compares with) run once; the
-# Slurm tests share the "slurm" worker with the modules whose fixtures they use (one private cluster
-# at a time).
-_XDIST_GROUPS = {
-    "test_preemption.py": "slurm",
-    "test_exact_epochs.py": "slurm",
-    "test_safety.py": "safety",
-    "test_bad_input.py": "bad_input",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = "slurm" if item.get_closest_marker("slurm") else _XDIST_GROUPS.get(item.path.name)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+# Under pytest-xdist (make test runs two workers) the app runs that tests on both workers compare
+# with are made once per test run (tests/helpers/shared.py). xdist_group marks are not used: with
+# pytest 9.2, `--dist loadgroup` silently stops grouping (pytest-xdist issue 1386).

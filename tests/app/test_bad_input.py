@@ -11,6 +11,7 @@ import pytest
 
 from ddp_plugins.app.precheck import max_cpu_processes
 from ddp_plugins.testing import check_ok, loopback_env, run_command
+from tests.helpers.shared import made_once
 
 # (command line, the config key the error must name)
 BAD_COMMAND_LINES = [
@@ -82,13 +83,15 @@ BAD_COMMAND_LINES = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def walked(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bad") / "results.json"
     lines = json.dumps([line.split() for line, _ in BAD_COMMAND_LINES])
-    check_ok(
-        run_command([sys.executable, "-m", "tests.helpers.bad_cli", str(out), lines], timeout=600, env=loopback_env())
-    )
+
+    def make(shared):
+        cmd = [sys.executable, "-m", "tests.helpers.bad_cli", str(shared / "results.json"), lines]
+        check_ok(run_command(cmd, timeout=600, env=loopback_env()))
+
+    out = made_once(tmp_path_factory, "bad_command_lines", make) / "results.json"
     return {" ".join(r["argv"]): r for r in json.loads(out.read_text())}
 
 

@@ -23,6 +23,7 @@ import torch
 from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
 from tests.helpers import REPO_ROOT
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
+from tests.helpers.shared import made_once
 from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
@@ -34,14 +35,16 @@ SMALL = [
 RESUMING = re.compile(r"resuming from (\S+) \(epoch (\d+), step (\d+)\)")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     # A double quote and a space in the run folder (Hydra-quoted): the child rank's command line
     # must carry it intact, or rank 1 would write elsewhere and the reference would be incomplete.
-    folder = tmp_path_factory.mktemp("reference") / 'we"ird run'
-    check_ok(run_command([*APP, *SMALL, f"hydra.run.dir='{folder}'"], timeout=300))
-    assert (folder / "checkpoints" / "last.ckpt").exists() and len(list(folder.parent.iterdir())) == 1
-    return folder
+    def make(shared):
+        folder = shared / 'we"ird run'
+        check_ok(run_command([*APP, *SMALL, f"hydra.run.dir='{folder}'"], timeout=300))
+        assert (folder / "checkpoints" / "last.ckpt").exists() and len(list(folder.parent.iterdir())) == 1
+
+    return made_once(tmp_path_factory, "reference", make) / 'we"ird run'
 
 
 def _interrupt(hook: str, step: int, rank: int, sig: str, target: str, name: str = "interrupt") -> list[str]:

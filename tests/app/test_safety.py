@@ -24,6 +24,7 @@ import pytest
 from ddp_plugins.core.checkpoints import digest_path
 from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
 from tests.helpers.runs import assert_equal_states, final_state
+from tests.helpers.shared import made_once
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 SMALL = [
@@ -62,14 +63,17 @@ def _write_crafted(path: Path, marker: Path) -> None:
         pickle.dump({"epoch": 0, "global_step": 5, "state_dict": _Payload(marker)}, file)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_epoch(tmp_path_factory):
     """A finished 1-epoch run with step checkpoints: step-6, step-8, last and the best (both step 8)."""
-    folder = tmp_path_factory.mktemp("base") / "run"
-    check_ok(run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300))
-    names = sorted(p.name for p in (folder / "checkpoints").glob("*.ckpt"))
-    assert names == ["epoch=0-step=8.ckpt", "last.ckpt", "step-6.ckpt", "step-8.ckpt"], names
-    return folder
+
+    def make(shared):
+        folder = shared / "run"
+        check_ok(run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300))
+        names = sorted(p.name for p in (folder / "checkpoints").glob("*.ckpt"))
+        assert names == ["epoch=0-step=8.ckpt", "last.ckpt", "step-6.ckpt", "step-8.ckpt"], names
+
+    return made_once(tmp_path_factory, "one_epoch", make) / "run"
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ only). It refuses, with one line, to start beside a system Slurm whose controlle
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -171,6 +172,10 @@ class SlurmCluster:
             f"PlugStackConfig={root / 'plugstack.conf'}",
             "SlurmUser=root", "SlurmdUser=root", "MpiDefault=none", "JobRequeue=1", "KillWait=30",
             "InactiveLimit=0", "MinJobAge=600",
+            # Lightning's port for a Slurm job is 15000 + its id's last 4 digits: a cluster numbering
+            # from 1 would share port 15001 with any other job 1 on this machine (another cluster,
+            # a test faking SLURM_JOB_ID=1)
+            f"FirstJobId={random.randint(2000, 8999)}",
             f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem} State=UNKNOWN",
             f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
         ]) + "\n")  # fmt: skip

@@ -207,7 +207,7 @@ def test_a_last_step_shorter_than_the_world_leaves_two_ranks_empty_and_equals_on
     torch.testing.assert_close(torch.tensor(ranks[0]["logged"]), torch.tensor(ref_losses), rtol=1e-9, atol=1e-11)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory):
     ckpt_dir = tmp_path_factory.mktemp("plan_ckpts")
     ranks = run_lightning(_run_and_checkpoint, str(ckpt_dir), world_size=2, timeout=240)
