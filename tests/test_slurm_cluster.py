@@ -39,6 +39,7 @@ def test_the_test_cluster_runs_a_job_and_leaves_etc_and_other_processes_alone(tm
             daemons = cluster.pids
         finally:
             cluster.stop()
+        assert cluster.step_daemons() == [], "a job step's slurmstepd outlived the cluster"
         for pid in daemons:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
         assert decoy.poll() is None, "the test cluster signalled a process it did not start"

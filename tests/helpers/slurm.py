@@ -10,6 +10,7 @@ only). It refuses, with one line, to start beside a system Slurm whose controlle
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -208,8 +209,25 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait(timeout=30)
         self._procs.clear()
+        for pid in self.step_daemons():  # a job step still ending when slurmd stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self._owns_root:
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def step_daemons(self) -> list[int]:
+        """The live ``slurmstepd`` processes of this cluster's jobs. They detach from slurmd (their
+        parent is init), so they are found by this cluster's own ``SLURM_CONF`` in their environment."""
+        mine = f"SLURM_CONF={self.conf}".encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and (entry / "comm").read_text().startswith("slurmstepd"):
+                    if mine in (entry / "environ").read_bytes().split(b"\0"):
+                        pids.append(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        return pids
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the controller's and the node daemon's logs (for a failing test's message)."""
