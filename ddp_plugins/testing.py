@@ -178,6 +178,10 @@ def _init_worker(ranks: Any, port: int, world_size: int, pg_timeout: float) -> N
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
 
 
+def _ready(rank: int, world_size: int) -> int:
+    return rank
+
+
 def _call(fn: Callable[..., Any], args: tuple) -> tuple[int, Any]:
     # Each worker takes exactly one of the world_size tasks: a worker cannot pick up a second
     # task before every rank has entered this barrier.
@@ -192,7 +196,8 @@ class DistributedPool:
     ``run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the results
     ordered by rank (torchmetrics' pattern: many small module-level ``_test_*`` functions, one
     process start). A failure or a hang (past ``timeout`` seconds) tears the pool down, so the
-    next call starts from a fresh group, and raises.
+    next call starts from a fresh group, and raises. A call's ``timeout`` starts once the ranks of
+    a fresh group have met; their start-up (spawn, imports, rendezvous) has ``startup_timeout``.
 
     Example::
 
@@ -200,11 +205,15 @@ class DistributedPool:
         >>> pool.close()
     """
 
-    def __init__(self, world_size: int = 2, timeout: float = 60.0, pg_timeout: float = 30.0) -> None:
+    def __init__(
+        self, world_size: int = 2, timeout: float = 60.0, pg_timeout: float = 30.0, startup_timeout: float = 120.0
+    ) -> None:
         check_int("world_size", world_size, 1)
         check_number("timeout", timeout, 0, exclusive_minimum=True)
+        check_number("startup_timeout", startup_timeout, 0, exclusive_minimum=True)
         self.world_size = world_size
         self.timeout = timeout
+        self.startup_timeout = startup_timeout
         self.pg_timeout = pg_timeout
         self._pool: Any = None
 
@@ -228,14 +237,16 @@ class DistributedPool:
         """
         if self._pool is None:
             self._start()
+            self._gather(_ready, (), self.startup_timeout, "the ranks did not start")
+        return self._gather(fn, args, timeout or self.timeout, f"{fn.__name__} did not finish")
+
+    def _gather(self, fn: Callable[..., Any], args: tuple, timeout: float, what: str) -> list[Any]:
         pending = self._pool.starmap_async(_call, [(fn, args)] * self.world_size, chunksize=1)
         try:
-            results = pending.get(timeout or self.timeout)
+            results = pending.get(timeout)
         except mp.TimeoutError:
             self.close()
-            raise AssertionError(
-                f"{fn.__name__} did not finish on {self.world_size} ranks within {timeout or self.timeout}s (hang)"
-            ) from None
+            raise AssertionError(f"{what} on {self.world_size} ranks within {timeout}s (hang)") from None
         except BaseException:
             self.close()
             raise
