@@ -28,8 +28,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy ddp_plugins
 
 # Two pytest workers (pytest-xdist): most tests wait on processes they started (ranks importing
-# Lightning, timeouts, Slurm), so two at a time fill the 2 cores.
-XDIST := -n 2
+# Lightning, timeouts, Slurm), so two at a time fill the 2 cores (three measured slower: the ranks
+# then compete for them). Work stealing: a worker that runs out takes half of the other's queue, so
+# the run does not end on one worker's last long tests.
+XDIST := -n 2 --dist worksteal
 
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
