@@ -33,6 +33,7 @@ __all__ = [
     "hydra_create_main",
     "hydra_sweep_batches",
     "loop_data_source",
+    "set_group_timeout",
     "set_num_threads_if_needed",
     "set_strategy_comm_hook",
     "strategy_comm_hook",
@@ -47,6 +48,7 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
     ("torch.nn.modules.batchnorm", "_BatchNorm._check_input_dim"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     ("torch.distributed", "_broadcast_coalesced"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.update_main_process_results"),
@@ -120,6 +122,16 @@ def default_store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def set_group_timeout(seconds: float) -> None:
+    """Set the default process group's collective timeout (``distributed_c10d._set_pg_timeout``):
+    torch has no public way to change it once the group is made."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds))
 
 
 def basic_subprocess_cmd() -> Any:

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from ddp_plugins import _compat
 from ddp_plugins._compat import explicit_trainer_plugins
 from ddp_plugins.core.checkpoints import gather_per_rank
 from ddp_plugins.core.checks import (
@@ -140,7 +141,13 @@ class DDPPluginsStrategy(DDPStrategy):
     Args:
         backend: ``"auto"`` (nccl on CUDA, gloo otherwise), ``"gloo"``, ``"nccl"`` or ``"mpi"``;
             ``process_group_backend=`` (``DDPStrategy``'s name) is the same argument.
-        timeout: timeout of collectives and of the rendezvous, in seconds or a ``timedelta``.
+        timeout: timeout of collectives (and of the rendezvous, unless ``rendezvous_timeout`` is
+            given), in seconds or a ``timedelta``.
+        rendezvous_timeout: how long the ranks wait for each other to meet at start-up (the store
+            and the group's connect), in seconds or a ``timedelta``; ``None``: ``timeout``. Longer
+            than ``timeout`` where ranks start far apart (nodes leaving a queue, a slow import) but
+            a rank that stops progressing should fail the others fast: ``timeout`` applies from the
+            moment the group is made.
         start_method: ``"popen"`` (children re-run the script), ``"spawn"``, ``"fork"``
             (notebooks) or ``"forkserver"``.
         comm_hook: ``"none"``, ``"fp16"``, ``"bf16"`` (nccl 2.10+ only) or ``"powersgd"``;
@@ -182,6 +189,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self,
         backend: str = "auto",
         timeout: float | timedelta = 1800.0,
+        rendezvous_timeout: float | timedelta | None = None,
         start_method: str = "popen",
         comm_hook: str = "none",
         powersgd_rank: int = 1,
@@ -203,6 +211,12 @@ class DDPPluginsStrategy(DDPStrategy):
         if isinstance(timeout, timedelta):  # Lightning's own type for it
             timeout = timeout.total_seconds()
         check_number("timeout", timeout, 0, exclusive_minimum=True, what="seconds (or a datetime.timedelta)")
+        if isinstance(rendezvous_timeout, timedelta):
+            rendezvous_timeout = rendezvous_timeout.total_seconds()
+        check_number(
+            "rendezvous_timeout", rendezvous_timeout, 0, exclusive_minimum=True, allow_none=True,
+            what="seconds (or a datetime.timedelta)",
+        )  # fmt: skip
         check_comm_hook(comm_hook, backend if backend in ("gloo", "mpi") else None)
         check_int("powersgd_rank", powersgd_rank, 1)
         check_int("powersgd_start_iter", powersgd_start_iter, 2)
@@ -236,6 +250,7 @@ class DDPPluginsStrategy(DDPStrategy):
         )
         self._backend = backend
         self._timeout_s = float(timeout)
+        self._rendezvous_s = float(timeout if rendezvous_timeout is None else rendezvous_timeout)
         self._env_set: list[str] = []
         self.last_checkpoint_path: str | None = None  # the file the last save_checkpoint wrote (rank 0)
         self._comm_hook = comm_hook
@@ -323,10 +338,12 @@ class DDPPluginsStrategy(DDPStrategy):
         except (dist.DistStoreError, dist.DistNetworkError) as err:
             assert self.cluster_environment is not None
             env = self.cluster_environment
-            raise rendezvous_error(err, env.main_address, env.main_port, self.world_size, self._timeout_s) from None
+            raise rendezvous_error(err, env.main_address, env.main_port, self.world_size, self._rendezvous_s) from None
+        if self._rendezvous_s != self._timeout_s:  # the ranks have met: collectives get their own timeout
+            _compat.set_group_timeout(self._timeout_s)
 
     def _make_process_group(self) -> None:
-        store = None if dist.is_initialized() else restart_scoped_store(timedelta(seconds=self._timeout_s))
+        store = None if dist.is_initialized() else restart_scoped_store(timedelta(seconds=self._rendezvous_s))
         if store is not None:
             # Under torchrun the group is made here, on this restart round's keys (see
             # restart_scoped_store); Lightning's _init_dist_connection then finds it made.
@@ -340,10 +357,15 @@ class DDPPluginsStrategy(DDPStrategy):
                 store=store,
                 rank=rank,
                 world_size=size,
-                timeout=self._timeout,
+                timeout=timedelta(seconds=self._rendezvous_s),
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
-        super().setup_distributed()
+        # Otherwise Lightning's _init_dist_connection makes it, with the strategy's `_timeout`
+        collective, self._timeout = self._timeout, timedelta(seconds=self._rendezvous_s)
+        try:
+            super().setup_distributed()
+        finally:
+            self._timeout = collective
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -45,6 +45,7 @@ BAD_COMMAND_LINES = [
     ("model._target_=nope.Model", "model._target_"),
     ("strategy.timeout=inf", "strategy.timeout"),
     ("strategy.timeout=0", "strategy.timeout"),
+    ("strategy.rendezvous_timeout=-5", "strategy.rendezvous_timeout"),
     ("strategy.start_method=foo", "strategy.start_method"),
     ("strategy.find_unused_parameters=maybe", "strategy.find_unused_parameters"),
     ("strategy.bucket_cap_mb=0", "strategy.bucket_cap_mb"),

@@ -192,6 +192,7 @@ def test_each_hook_trains_through_the_trainer_and_fp16_halves_the_bytes():
 # ---------------------------------------------------------------- no hangs when a rank fails
 
 FAIL_TIMEOUT = 20  # the strategy's collective timeout in the failure runs, seconds
+HANG_TIMEOUT = 6  # ... in the hang runs: it starts once the ranks have met (rendezvous_timeout=120)
 
 
 class _FailingDataset(torch.utils.data.Dataset):
@@ -220,7 +221,7 @@ class _FailingModel(_BNModel):
             if self.mode == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "hang":  # stops progressing, neither raising nor dying
-                time.sleep(10 * FAIL_TIMEOUT)
+                time.sleep(10 * HANG_TIMEOUT)
         return super().training_step(batch, batch_idx)
 
     def train_dataloader(self):
@@ -229,10 +230,13 @@ class _FailingModel(_BNModel):
 
 
 def _fit_and_fail(out_dir, mode, rank):
+    timeout = HANG_TIMEOUT if mode == "hang" else FAIL_TIMEOUT
+    if mode == "hang" and rank == 1 and os.environ.get("LOCAL_RANK") == "1":
+        time.sleep(HANG_TIMEOUT + 3)  # late to the rendezvous, by more than the collective timeout
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPPluginsStrategy(backend="gloo", timeout=FAIL_TIMEOUT),
+        strategy=DDPPluginsStrategy(backend="gloo", timeout=timeout, rendezvous_timeout=120),
         max_epochs=1,
         enable_progress_bar=False,
         logger=False,
@@ -267,7 +271,10 @@ def test_a_failing_rank_ends_every_process_non_zero_within_the_timeout(mode, ran
 )
 def test_a_rank_that_stops_progressing_is_named_not_the_one_that_waited(rank, message):
     """A rank that hangs (neither raises nor dies): the other fails at the timeout, and the
-    message names the rank that never came, by the launcher (rank 0) or in rank 1's error."""
+    message names the rank that never came, by the launcher (rank 0) or in rank 1's error.
+
+    The collective timeout (6 s) starts once the ranks have met: rank 1 of the first case comes
+    to the rendezvous 9 s late (``rendezvous_timeout=120``), and the run still trains to its hang."""
     _check_failed_run("hang", rank, message)
 
 
@@ -281,7 +288,9 @@ def _check_failed_run(mode, rank, message):
         elapsed = time.monotonic() - start
     assert result.returncode != 0, f"exit code 0 after {mode} on rank {rank}\n{result.stderr[-3000:]}"
     assert elapsed < FAIL_TIMEOUT + 30
-    if mode != "hang":  # a failure, not a hang: every process ends without waiting out the timeout
+    if mode == "hang":  # the ranks met, though one came later than the collective timeout
+        assert "did not all meet" not in result.stderr, result.stderr[-4000:]
+    else:  # a failure, not a hang: every process ends without waiting out the timeout
         assert elapsed < FAIL_TIMEOUT + 15, f"{elapsed:.0f} s: a rank waited out the {FAIL_TIMEOUT} s timeout"
     assert message in result.stderr, f"{message!r} not shown:\n{result.stderr[-4000:]}"
     if mode == "sigkill" and rank == 1:  # named by the rank watcher, or by rank 0 if its collective failed first
