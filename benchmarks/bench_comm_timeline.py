@@ -14,7 +14,9 @@ Each fit's time is the median over its steps (after 5 warm-up steps) of the time
 of a training batch on rank 0 (DDP keeps the ranks in step). The variants alternate ``REPEATS`` times;
 a ratio is taken within each round (against the anchor fitted just before it) and the table gives
 the median of those ratios with their interquartile range, since this machine's speed drifts
-between rounds by more than the differences measured.
+between rounds by more than the differences measured. A second table does the same with rank 0's
+CPU time per step (``time.process_time``: every thread of the process): what the pack's own code
+costs, less sensitive than wall time to the other processes sharing the machine's cores.
 
     .venv/bin/python benchmarks/bench_comm_timeline.py
 """
@@ -52,14 +54,17 @@ VARIANTS = (
 
 
 class _StepClock(pl.Callback):
+    """Wall time and this process's CPU time (every thread: gloo's, DDP's reducer) at each batch end."""
+
     def __init__(self) -> None:
-        self.ends: list[float] = []
+        self.ends: list[tuple[float, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.ends.append(time.perf_counter())
+        self.ends.append((time.perf_counter(), time.process_time()))
 
 
-def _fit(variant: str) -> list[float]:
+def _fit(variant: str) -> tuple[float, float]:
+    """Median wall and CPU seconds per step of one fit of ``variant``."""
     clock = _StepClock()
     root = tempfile.mkdtemp()
     callbacks: list[pl.Callback] = [clock]
@@ -78,32 +83,36 @@ def _fit(variant: str) -> list[float]:
     data = SyntheticDataModule(num_samples=STEPS * 64 + 64, image_size=8, batch_size=32)
     trainer.fit(DigitsCNN(num_classes=10, channels=32), datamodule=data)
     ends = clock.ends[5:]
-    return [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    steps = list(zip(ends, ends[1:], strict=False))
+    return statistics.median(b[0] - a[0] for a, b in steps), statistics.median(b[1] - a[1] for a, b in steps)
 
 
 def main() -> None:
     os.environ.update(LOOPBACK_ENV)
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    rounds: list[dict[str, float]] = []
+    rounds: list[dict[str, tuple[float, float]]] = []
     for _ in range(REPEATS):
-        rounds.append({name: statistics.median(_fit(name)) for name in VARIANTS})
+        rounds.append({name: _fit(name) for name in VARIANTS})
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return
     print(
         "\nDigitsCNN (32 channels, plain BN), batch 32/rank, 2 CPU ranks (gloo), "
         f"{REPEATS} rounds of {STEPS} steps per variant\n"
     )
-    print("| variant | ms / step (median of rounds) | ratio to plain Lightning | quartiles | ratio to the line above |")
-    print("|---|---:|---:|---:|---:|")
-    previous = VARIANTS[0]
-    for name in VARIANTS:
-        ms = statistics.median(r[name] for r in rounds) * 1e3
-        ratios = [r[name] / r[VARIANTS[0]] for r in rounds]
-        low, mid, high = statistics.quantiles(ratios, n=4)
-        step = statistics.median(r[name] / r[previous] for r in rounds)
-        print(f"| {name} | {ms:.2f} | {mid:.3f} | {low:.3f}-{high:.3f} | {step:.3f} |")
-        previous = name
+    for index, what in enumerate(("wall", "CPU (rank 0, every thread)")):
+        print(f"\n{what} time per step\n")
+        header = "| variant | ms / step (median of rounds) | ratio to plain Lightning | quartiles |"
+        print(header + " ratio to the line above |")
+        print("|---|---:|---:|---:|---:|")
+        previous = VARIANTS[0]
+        for name in VARIANTS:
+            ms = statistics.median(r[name][index] for r in rounds) * 1e3
+            ratios = [r[name][index] / r[VARIANTS[0]][index] for r in rounds]
+            low, mid, high = statistics.quantiles(ratios, n=4)
+            step = statistics.median(r[name][index] / r[previous][index] for r in rounds)
+            print(f"| {name} | {ms:.2f} | {mid:.3f} | {low:.3f}-{high:.3f} | {step:.3f} |")
+            previous = name
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "remove_stale_temporaries",
     "save_checkpoint_file",
     "verify_checkpoint",
+    "write_number",
 ]
 
 #: The key of a callback state's per-rank part, which :func:`gather_per_rank` gathers.
@@ -75,18 +77,49 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
 
     Checkpoints are renamed into place once complete, so every one found is whole; temporary
     files (hidden names) are ignored. A later write is a later point of training, also across
-    restarts of the same run.
+    restarts of the same run, and after a resume from an older checkpoint (the abandoned ones are
+    older writes). The order is the write number :func:`save_checkpoint_file` records in each
+    checkpoint's digest sidecar, so it survives a copy that does not keep modification times
+    (``cp -r``, ``rsync`` without ``-t``); files without one (written by other tools) come before
+    every numbered one, ordered by modification time.
 
     Example::
 
-        >>> import tempfile, time
+        >>> import os, tempfile
+        >>> from ddp_plugins.core.checkpoints import save_checkpoint_file
         >>> folder = Path(tempfile.mkdtemp())
         >>> for name in ("epoch=0.ckpt", "step=12.ckpt"):
-        ...     _ = (folder / name).write_text("x"); time.sleep(0.01)
+        ...     _ = save_checkpoint_file({"name": name}, folder / name)
+        >>> os.utime(folder / "epoch=0.ckpt")  # touched later, as a copy would
         >>> latest_checkpoint(folder).name
         'step=12.ckpt'
     """
     return next(iter(_newest_first(folder)), None)
+
+
+def write_number(path: str | os.PathLike) -> int | None:
+    """The write number of a checkpoint in its folder, from its digest sidecar (None without one).
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> paths = [save_checkpoint_file({}, folder / name) for name in ("a.ckpt", "b.ckpt", "a.ckpt")]
+        >>> write_number(folder / "a.ckpt"), write_number(folder / "b.ckpt"), write_number(folder / "c.ckpt")
+        (3, 2, None)
+    """
+    try:
+        text = digest_path(path).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    found = _WRITE_NUMBER.search(text)
+    return int(found.group(1)) if found else None
+
+
+def _next_write_number(folder: Path) -> int:
+    """One more than the largest write number of ``folder``'s checkpoints: newer than every one there."""
+    numbers = (write_number(p.with_name(p.name[: -len(DIGEST_SUFFIX)])) for p in folder.glob("*" + DIGEST_SUFFIX))
+    return 1 + max((n for n in numbers if n is not None), default=0)
 
 
 def _newest_first(folder: str | os.PathLike) -> list[Path]:
@@ -95,11 +128,18 @@ def _newest_first(folder: str | os.PathLike) -> list[Path]:
     if not folder.is_dir():
         return []
     found = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".") and p.is_file()]
-    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+
+    def order(path: Path) -> tuple[int, int, str]:
+        number = write_number(path)
+        return (-1 if number is None else number, path.stat().st_mtime_ns, path.name)
+
+    return sorted(found, key=order, reverse=True)
 
 
 DIGEST_SUFFIX = ".sha256"
 NO_DIGEST = "no digest"  # how verify_checkpoint's reason begins for a file without a sidecar
+# The sidecar's second line: a comment to `sha256sum -c`, which still checks the file
+_WRITE_NUMBER = re.compile(r"^# write (\d+)$", re.MULTILINE)
 
 
 def digest_path(path: str | os.PathLike) -> Path:
@@ -121,7 +161,9 @@ def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
 
     The checkpoint is written under a temporary name and fsynced, its digest is written (atomically)
     next, and only then is the checkpoint renamed into place: a checkpoint that can be seen has its
-    digest. A full disk raises ``OSError(ENOSPC)`` naming the path (torch reports it as a
+    digest. The sidecar is ``sha256sum -c``'s format, plus a comment line with the file's write
+    number in its folder (:func:`write_number`; one process writes a run's checkpoints, under its
+    folder's lock). A full disk raises ``OSError(ENOSPC)`` naming the path (torch reports it as a
     ``RuntimeError`` from deep inside its zip writer).
 
     Example::
@@ -134,7 +176,8 @@ def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
     path = Path(path)
 
     def write_digest(tmp: Path) -> None:
-        write_text_atomic(digest_path(path), f"{_sha256(tmp)}  {path.name}\n")
+        number = _next_write_number(path.parent)
+        write_text_atomic(digest_path(path), f"{_sha256(tmp)}  {path.name}\n# write {number}\n")
 
     try:
         return save_atomic(obj, path, before_rename=write_digest)
@@ -196,13 +239,14 @@ def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, lis
 
     Example::
 
-        >>> import tempfile, time
+        >>> import tempfile
         >>> folder = Path(tempfile.mkdtemp())
-        >>> good = save_checkpoint_file({"step": 1}, folder / "step-1.ckpt"); time.sleep(0.01)
-        >>> _ = (folder / "step-2.ckpt").write_bytes(b"half a checkpoint")
+        >>> good = save_checkpoint_file({"step": 1}, folder / "step-1.ckpt")
+        >>> cut = save_checkpoint_file({"step": 2}, folder / "step-2.ckpt")
+        >>> _ = cut.write_bytes(cut.read_bytes()[:100])
         >>> found, skipped = newest_valid_checkpoint(folder)
-        >>> found.name, [(p.name, why.split(" (")[0]) for p, why in skipped]
-        ('step-1.ckpt', [('step-2.ckpt', 'no digest')])
+        >>> found.name, [(p.name, why.split(":")[0]) for p, why in skipped]
+        ('step-1.ckpt', [('step-2.ckpt', 'damaged')])
     """
     skipped: list[tuple[Path, str]] = []
     for path in _newest_first(folder):

@@ -94,11 +94,11 @@ def test_a_crafted_checkpoint_runs_nothing(one_epoch, tmp_path):
     result = run_command([*APP, *SMALL, f"resume={crafted}", f"hydra.run.dir={tmp_path / 'b'}"], timeout=120)
     assert "does not load with weights_only=True" in _one_line_failure(result, 2)
 
-    # placed in a run folder with resume=auto (and a forged digest): one line, exit 2
+    # placed in a run folder with resume=auto (and a forged digest, the newest write): one line, exit 2
     folder = tmp_path / "run"
     shutil.copytree(one_epoch, folder)
     shutil.copy(crafted, folder / "checkpoints" / "step-9.ckpt")
-    digest_path(folder / "checkpoints" / "step-9.ckpt").write_text(f"{digest}  step-9.ckpt\n")
+    digest_path(folder / "checkpoints" / "step-9.ckpt").write_text(f"{digest}  step-9.ckpt\n# write 99\n")
     result = run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120)
     assert "does not load with weights_only=True" in _one_line_failure(result, 2)
     assert not marker.exists(), "the crafted checkpoint's code ran"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,13 @@ from ddp_plugins.core import (
     latest_checkpoint,
     save_atomic,
     stable_run_name,
+)
+from ddp_plugins.core.checkpoints import (
+    digest_path,
+    newest_valid_checkpoint,
+    remove_checkpoint_file,
+    save_checkpoint_file,
+    write_number,
 )
 from ddp_plugins.core.files import count_csv_rows, truncate_csv_rows
 from ddp_plugins.core.preemption import check_signals, restart_scoped_store, slurm_job_id, submitit_signal
@@ -182,6 +190,33 @@ def test_latest_checkpoint_is_the_last_written_and_ignores_temporary_files(tmp_p
     (tmp_path / ".step-12.ckpt.123.tmp").write_bytes(b"partial")
     (tmp_path / "notes.txt").write_text("x")
     assert latest_checkpoint(tmp_path).name == "step-9.ckpt"
+
+
+def test_the_write_order_outlives_a_copy_that_drops_modification_times_and_sha256sum_checks_the_sidecar(tmp_path):
+    run = tmp_path / "run"
+    for name in ("step-2.ckpt", "last.ckpt", "step-4.ckpt", "last.ckpt", "step-4-preempted.ckpt"):
+        save_checkpoint_file({"name": name}, run / name)
+    remove_checkpoint_file(run / "step-2.ckpt")  # pruned: the next write still comes after every one left
+    save_checkpoint_file({"name": "step-6.ckpt"}, run / "step-6.ckpt")
+    written = ["step-6.ckpt", "step-4-preempted.ckpt", "last.ckpt", "step-4.ckpt"]
+    assert [write_number(run / name) for name in written] == [6, 5, 4, 3]
+    # a copy that does not keep modification times: the order comes from the sidecars
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    now = time.time_ns()
+    for i, name in enumerate(written):  # the newest write gets the oldest time, as if it was copied first
+        for path in (run / name, digest_path(run / name)):
+            shutil.copyfile(path, copy / path.name)
+            os.utime(copy / path.name, ns=(now + i * 10**9, now + i * 10**9))
+    assert latest_checkpoint(copy).name == "step-6.ckpt"
+    assert newest_valid_checkpoint(copy) == (copy / "step-6.ckpt", [])
+    # a file another tool wrote (no sidecar) is older than every numbered one, whatever its time
+    (copy / "foreign.ckpt").write_bytes(b"x")
+    assert latest_checkpoint(copy).name == "step-6.ckpt"
+    sha256sum = shutil.which("sha256sum")
+    if sha256sum is not None:  # the sidecar stays `sha256sum -c`'s format (the write number is a comment)
+        checked = subprocess.run([sha256sum, "--strict", "-c", "last.ckpt.sha256"], cwd=copy, capture_output=True)
+        assert checked.returncode == 0 and checked.stdout == b"last.ckpt: OK\n", checked
 
 
 def test_a_failed_save_leaves_neither_a_file_nor_a_partial_one(tmp_path):
