@@ -1,7 +1,8 @@
 """What a file, a kill or a full disk can do to a run, through the real app and real ranks.
 
 A crafted checkpoint runs nothing; damaged checkpoints are skipped and the run continues from the
-newest valid one, ending as a run resumed from that one by path; a hard kill with the default
+newest valid one, ending as a run resumed from that one by path (from a copy without its digest,
+which continues unverified with one line); a hard kill with the default
 config loses at most the epoch under way; a full disk, a read-only folder and a checkpoint of
 another model each end in one line.
 """
@@ -128,9 +129,16 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_one_resumed_from_th
     assert found and Path(found.group(1)) == ckpts / "step-6.ckpt", resumed.stdout[-2000:]
     assert not (ckpts / ".step-10.ckpt.4242.tmp").exists(), "a temporary file a kill left is removed at start"
 
+    # The same point resumed by path, from a copy without its digest (a checkpoint of an earlier
+    # version): it continues unverified, with one line saying so, and ends where the damaged folder did
+    legacy = tmp_path / "legacy" / "step-6.ckpt"
+    legacy.parent.mkdir()
+    shutil.copyfile(one_epoch / "checkpoints" / "step-6.ckpt", legacy)
     by_path = tmp_path / "by_path"
-    check_ok(run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={by_path}",
-                          f"resume={one_epoch / 'checkpoints' / 'step-6.ckpt'}"], timeout=300))  # fmt: skip
+    unverified = check_ok(run_command([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={by_path}",
+                                       f"resume={legacy}"], timeout=300))  # fmt: skip
+    assert RESUMING.search(unverified.stdout).group(1) == str(legacy)
+    assert f"resume: {legacy} is not verified (no digest" in unverified.stderr
     assert_equal_states(final_state(by_path), final_state(damaged))
     assert "weights_only" not in resumed.stderr, "a resume prints no weights_only warnings"
 
@@ -226,7 +234,4 @@ def test_checkpoints_of_an_earlier_version_without_digests_are_not_dropped_silen
     cmd = [*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"]
     refused = run_command(cmd, timeout=120)  # auto would otherwise start over and lose the run
     assert "no checkpoint in" in _one_line_failure(refused, 2) and "has a digest" in refused.stderr
-    legacy = folder / "checkpoints" / "step-8.ckpt"
-    resumed = check_ok(run_command([*cmd, f"resume={legacy}"], timeout=300))  # an explicit path: unverified
-    assert RESUMING.search(resumed.stdout).group(1) == str(legacy)
-    assert f"resume: {legacy} is not verified (no digest" in resumed.stderr
+    # resume=<one of them> continues unverified: the damaged-checkpoints test resumes so

@@ -108,7 +108,8 @@ def test_make_train_job_reaches_095_with_one_run_folder(tmp_path):
 
 @pytest.mark.slow
 def test_multirun_runs_each_job_once_as_a_two_process_ddp_run(tmp_path):
-    cmd = [*APP, "-m", "precision=32-true,bf16-mixed", "trainer.max_epochs=2", "trainer.enable_progress_bar=false"]
+    cmd = [*APP, "-m", "precision=32-true,bf16-mixed", "data=synthetic", "data.num_samples=640", "model.channels=8",
+           "trainer.max_epochs=1", "trainer.enable_progress_bar=false"]  # fmt: skip
     result = check_ok(run_command(cmd, timeout=400, cwd=tmp_path))
     out = result.stdout + result.stderr
     assert len(ACCURACY.findall(result.stdout)) == 2, "expected one accuracy line per job"
