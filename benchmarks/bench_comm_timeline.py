@@ -19,11 +19,13 @@ CPU time per step (``time.process_time``: every thread of the process): what the
 costs, less sensitive than wall time to the other processes sharing the machine's cores.
 
     .venv/bin/python benchmarks/bench_comm_timeline.py
+    .venv/bin/python benchmarks/bench_comm_timeline.py --pieces  # each piece of the pack alone, 6 rounds
 """
 
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -51,6 +53,14 @@ VARIANTS = (
     "ddp_plugins: strategy + callbacks",
     "the line above + CommTimeline",
 )
+# --pieces: the pack's cost split by piece, each added alone to the strategy (6 rounds)
+PIECES = (
+    "plain Lightning DDP (anchor)",
+    "DDPPluginsStrategy alone",
+    "strategy + AllReduceCounter",
+    "strategy + PreemptionCheckpoint",
+    "strategy + AccumulationNoSync + RankAwareSeed",
+)
 
 
 class _StepClock(pl.Callback):
@@ -74,6 +84,13 @@ def _fit(variant: str) -> tuple[float, float]:
         callbacks += [AccumulationNoSync(1), AllReduceCounter(), RankAwareSeed(seed=0), PreemptionCheckpoint()]
     if variant == VARIANTS[3]:
         callbacks.append(CommTimeline(every_n_steps=50, trace_path=f"{root}/trace.json"))
+    if variant in PIECES[1:]:
+        strategy = DDPPluginsStrategy(backend="gloo")
+        callbacks += {
+            PIECES[2]: [AllReduceCounter()],
+            PIECES[3]: [PreemptionCheckpoint()],
+            PIECES[4]: [AccumulationNoSync(1), RankAwareSeed(seed=0)],
+        }.get(variant, [])
     torch.manual_seed(0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, callbacks=callbacks, logger=False,
@@ -91,24 +108,25 @@ def main() -> None:
     os.environ.update(LOOPBACK_ENV)
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    variants, repeats = (PIECES, 6) if "--pieces" in sys.argv[1:] else (VARIANTS, REPEATS)
     rounds: list[dict[str, tuple[float, float]]] = []
-    for _ in range(REPEATS):
-        rounds.append({name: _fit(name) for name in VARIANTS})
+    for _ in range(repeats):
+        rounds.append({name: _fit(name) for name in variants})
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return
     print(
         "\nDigitsCNN (32 channels, plain BN), batch 32/rank, 2 CPU ranks (gloo), "
-        f"{REPEATS} rounds of {STEPS} steps per variant\n"
+        f"{repeats} rounds of {STEPS} steps per variant\n"
     )
     for index, what in enumerate(("wall", "CPU (rank 0, every thread)")):
         print(f"\n{what} time per step\n")
         header = "| variant | ms / step (median of rounds) | ratio to plain Lightning | quartiles |"
         print(header + " ratio to the line above |")
         print("|---|---:|---:|---:|---:|")
-        previous = VARIANTS[0]
-        for name in VARIANTS:
+        previous = variants[0]
+        for name in variants:
             ms = statistics.median(r[name][index] for r in rounds) * 1e3
-            ratios = [r[name][index] / r[VARIANTS[0]][index] for r in rounds]
+            ratios = [r[name][index] / r[variants[0]][index] for r in rounds]
             low, mid, high = statistics.quantiles(ratios, n=4)
             step = statistics.median(r[name][index] / r[previous][index] for r in rounds)
             print(f"| {name} | {ms:.2f} | {mid:.3f} | {low:.3f}-{high:.3f} | {step:.3f} |")
