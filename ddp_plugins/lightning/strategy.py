@@ -175,7 +175,8 @@ class DDPPluginsStrategy(DDPStrategy):
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an unknown backend, start method or hook, a backend this machine cannot run,
-            ``bf16`` on a backend without it, or a number out of range.
+            ``bf16`` on a backend without it, a ``rendezvous_timeout`` of its own on a backend other than
+            gloo or nccl, or a number out of range.
 
     Example::
 
@@ -217,6 +218,13 @@ class DDPPluginsStrategy(DDPStrategy):
             "rendezvous_timeout", rendezvous_timeout, 0, exclusive_minimum=True, allow_none=True,
             what="seconds (or a datetime.timedelta)",
         )  # fmt: skip
+        if rendezvous_timeout not in (None, timeout) and backend not in ("auto", "gloo", "nccl"):
+            raise ArgumentValueError(
+                "rendezvous_timeout",
+                "None or `timeout` on this backend",
+                rendezvous_timeout,
+                hint=f"torch changes a {backend!r} group's timeout only when it is made; gloo and nccl take both.",
+            )
         check_comm_hook(comm_hook, backend if backend in ("gloo", "mpi") else None)
         check_int("powersgd_rank", powersgd_rank, 1)
         check_int("powersgd_start_iter", powersgd_start_iter, 2)

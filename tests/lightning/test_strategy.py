@@ -60,6 +60,16 @@ BF16_ON_GLOO = (
             ValueError,
             "`timeout` should be a positive finite number of seconds (or a datetime.timedelta), got 0.",
         ),
+        (
+            {"rendezvous_timeout": -1},
+            ValueError,
+            "`rendezvous_timeout` should be a positive finite number of seconds (or a datetime.timedelta) or None",
+        ),
+        (
+            {"process_group_backend": "ucc", "rendezvous_timeout": 60},
+            ValueError,
+            "`rendezvous_timeout` should be None or `timeout` on this backend, got 60. torch changes a 'ucc' group's",
+        ),
         ({"backend": "foo"}, ValueError, "`backend` should be one of 'auto', 'gloo', 'nccl', 'mpi', got 'foo'."),
         (
             {"start_method": "x"},
