@@ -235,7 +235,8 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
 
 def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest ``*.ckpt`` of ``folder`` that passes :func:`verify_checkpoint`, and the newer
-    ones it skipped, each with the reason.
+    ones it skipped, each with the reason (files without a digest count as skipped when they were
+    modified after the one found).
 
     Example::
 
@@ -249,9 +250,16 @@ def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, lis
         ('step-1.ckpt', [('step-2.ckpt', 'damaged')])
     """
     skipped: list[tuple[Path, str]] = []
-    for path in _newest_first(folder):
+    ordered = _newest_first(folder)
+    for path in ordered:
         reason = verify_checkpoint(path)
         if reason is None:
+            # Files without a digest sort after every numbered one: still name those written after this one
+            after = path.stat().st_mtime_ns
+            passed = {p for p, _ in skipped}
+            for other in ordered:
+                if other not in passed and not digest_path(other).exists() and other.stat().st_mtime_ns > after:
+                    skipped.append((other, str(verify_checkpoint(other))))
             return path, skipped
         skipped.append((path, reason))
     return None, skipped

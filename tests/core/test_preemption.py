@@ -210,9 +210,15 @@ def test_the_write_order_outlives_a_copy_that_drops_modification_times_and_sha25
             os.utime(copy / path.name, ns=(now + i * 10**9, now + i * 10**9))
     assert latest_checkpoint(copy).name == "step-6.ckpt"
     assert newest_valid_checkpoint(copy) == (copy / "step-6.ckpt", [])
-    # a file another tool wrote (no sidecar) is older than every numbered one, whatever its time
+    # a file another tool wrote (no sidecar) is older than every numbered one, whatever its time; written
+    # after the newest valid one, it is named as skipped
     (copy / "foreign.ckpt").write_bytes(b"x")
+    os.utime(copy / "foreign.ckpt", ns=(now + 10**9 // 2, now + 10**9 // 2))
     assert latest_checkpoint(copy).name == "step-6.ckpt"
+    found, skipped = newest_valid_checkpoint(copy)
+    assert found == copy / "step-6.ckpt" and [(p.name, why.split(" (")[0]) for p, why in skipped] == [
+        ("foreign.ckpt", "no digest")
+    ]
     sha256sum = shutil.which("sha256sum")
     if sha256sum is not None:  # the sidecar stays `sha256sum -c`'s format (the write number is a comment)
         checked = subprocess.run([sha256sum, "--strict", "-c", "last.ckpt.sha256"], cwd=copy, capture_output=True)
