@@ -167,7 +167,7 @@ def _the_stop_at_the_same_step(found: Path) -> Path:
     At an epoch's last step the stop checkpoint and the epoch-end ``last.ckpt`` hold the same point,
     written one after the other; the stop's file is the record of the stop, so it is preferred.
     """
-    from ddp_plugins.core.checkpoints import verify_checkpoint, write_number
+    from ddp_plugins.core.checkpoints import verify_checkpoint, write_order
 
     if _PREEMPTED.fullmatch(found.name):
         return found
@@ -179,7 +179,7 @@ def _the_stop_at_the_same_step(found: Path) -> Path:
     except (ValueError, AttributeError):
         return found  # reported when it is loaded
     same = [p for p, s in stops.items() if s == step and verify_checkpoint(p) is None]
-    return max(same, key=lambda p: (write_number(p) or 0, p.stat().st_mtime_ns)) if same else found
+    return max(same, key=write_order) if same else found
 
 
 def _prepare_checkpoint_folder(folder: Path, resume: str) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "save_checkpoint_file",
     "verify_checkpoint",
     "write_number",
+    "write_order",
 ]
 
 #: The key of a callback state's per-rank part, which :func:`gather_per_rank` gathers.
@@ -108,8 +109,28 @@ def write_number(path: str | os.PathLike) -> int | None:
         >>> write_number(folder / "a.ckpt"), write_number(folder / "b.ckpt"), write_number(folder / "c.ckpt")
         (3, 2, None)
     """
+    return _recorded_number(digest_path(path))
+
+
+def write_order(path: str | os.PathLike) -> tuple[int, int]:
+    """The sort key of a checkpoint among its folder's, the oldest first: its write number (-1
+    without one, so before every numbered file), then its modification time.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> paths = [save_checkpoint_file({}, folder / name) for name in ("b.ckpt", "a.ckpt")]
+        >>> [p.name for p in sorted(paths, key=write_order)]
+        ['b.ckpt', 'a.ckpt']
+    """
+    number = write_number(path)
+    return (-1 if number is None else number, Path(path).stat().st_mtime_ns)
+
+
+def _recorded_number(sidecar: Path) -> int | None:
     try:
-        text = digest_path(path).read_text()
+        text = sidecar.read_text()
     except (OSError, UnicodeDecodeError):
         return None
     found = _WRITE_NUMBER.search(text)
@@ -118,7 +139,7 @@ def write_number(path: str | os.PathLike) -> int | None:
 
 def _next_write_number(folder: Path) -> int:
     """One more than the largest write number of ``folder``'s checkpoints: newer than every one there."""
-    numbers = (write_number(p.with_name(p.name[: -len(DIGEST_SUFFIX)])) for p in folder.glob("*" + DIGEST_SUFFIX))
+    numbers = (_recorded_number(sidecar) for sidecar in folder.glob("*" + DIGEST_SUFFIX))
     return 1 + max((n for n in numbers if n is not None), default=0)
 
 
@@ -128,12 +149,7 @@ def _newest_first(folder: str | os.PathLike) -> list[Path]:
     if not folder.is_dir():
         return []
     found = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".") and p.is_file()]
-
-    def order(path: Path) -> tuple[int, int, str]:
-        number = write_number(path)
-        return (-1 if number is None else number, path.stat().st_mtime_ns, path.name)
-
-    return sorted(found, key=order, reverse=True)
+    return sorted(found, key=lambda p: (*write_order(p), p.name), reverse=True)
 
 
 DIGEST_SUFFIX = ".sha256"

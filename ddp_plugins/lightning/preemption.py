@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
-from ddp_plugins.core.checkpoints import remove_checkpoint_file, write_number
+from ddp_plugins.core.checkpoints import remove_checkpoint_file, write_order
 from ddp_plugins.core.checks import check_choice, check_int
 from ddp_plugins.core.files import count_csv_rows, read_json, truncate_csv_rows, write_text_atomic
 from ddp_plugins.core.preemption import (
@@ -249,7 +249,7 @@ class PreemptionCheckpoint(Callback):
         """Keep the newest ``keep`` step checkpoints of this callback (preemption ones included),
         by the write order the checkpoint IO records (modification times where it recorded none)."""
         ours = [path for path in newest.parent.iterdir() if _STEP_FILE.match(path.name) and path != newest]
-        ours.sort(key=lambda path: (write_number(path) or 0, path.stat().st_mtime_ns))
+        ours.sort(key=write_order)
         for path in ours[: max(len(ours) - (self.keep - 1), 0)]:
             remove_checkpoint_file(path)
 
