@@ -16,7 +16,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from types import FrameType
 from typing import Any
@@ -27,6 +27,8 @@ import torch.distributed as dist
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError
 
 __all__ = [
+    "AUTO_CHECK_MAX_STEPS",
+    "AUTO_CHECK_SECONDS",
     "DEFAULT_SIGNALS",
     "Preempted",
     "SignalAgreement",
@@ -198,6 +200,33 @@ def agree_on_signal(signum: int, device: torch.device | str = "cpu", group: Any 
     return int(flag.item())
 
 
+AUTO_CHECK_SECONDS = 0.5
+"""With ``every="auto"``, :class:`SignalAgreement` exchanges the stop flag about this often."""
+AUTO_CHECK_MAX_STEPS = 1000
+"""... and at least every this many boundaries."""
+
+
+def check_every(name: str, value: Any) -> int | str:
+    """``value`` when it is ``"auto"`` or an integer >= 1: how often a stop flag is agreed on.
+
+    Raises:
+        ArgumentTypeError, ArgumentValueError: anything else.
+
+    Example::
+
+        >>> check_every("check_every_n_steps", "auto"), check_every("check_every_n_steps", 10)
+        ('auto', 10)
+    """
+    if value == "auto":
+        return "auto"
+    allowed = "'auto' or an integer >= 1"
+    if isinstance(value, str) or isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(name, allowed, value)
+    if value < 1:
+        raise ArgumentValueError(name, allowed, value)
+    return int(value)
+
+
 class SignalAgreement:
     """The ranks' agreement on a stop flag, one step behind, so that no rank waits for it.
 
@@ -210,6 +239,15 @@ class SignalAgreement:
     :meth:`cancel` forgets one when the run failed (a peer may be gone). Every rank must call
     them in the same order. Without a process group the flag is its own agreement.
 
+    :meth:`at_boundary` is :meth:`poll` on a schedule, called at every step boundary: every
+    ``every``-th boundary, or with ``every="auto"`` about every :data:`AUTO_CHECK_SECONDS` of
+    training (at least every :data:`AUTO_CHECK_MAX_STEPS` boundaries). Each exchange then also
+    carries the rank's seconds per boundary since its previous exchange, in whole microseconds,
+    agreed with the same MAX; every rank derives the boundary of the next exchange from that agreed
+    integer alone, so all ranks exchange at the same boundaries whatever their own clocks read.
+    A flag then stops the run within about that time plus one step, where checking every step
+    would cost one exchange per step (on 2 gloo CPU ranks, its thread competes with the compute).
+
     Example::
 
         >>> agreement = SignalAgreement()
@@ -217,24 +255,63 @@ class SignalAgreement:
         (0, 15, 0)
     """
 
-    def __init__(self, device: torch.device | str = "cpu", group: Any = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        group: Any = None,
+        every: int | str = 1,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.device, self.group = device, group
+        self.every = check_every("every", every)
+        self._clock = clock or time.monotonic
         self._pending: tuple[torch.Tensor, Any] | None = None
+        self.agreed_pace_us: int | None = None  # the slowest rank's microseconds per boundary, last read
+        self._boundary = 0
+        self._next = 1  # the boundary of the next scheduled exchange ("auto")
+        self._started: tuple[int, float] | None = None  # boundary and clock of the last scheduled one
 
-    def poll(self, signum: int, start: bool = True) -> int:
+    def poll(self, signum: int, start: bool = True, pace_us: int = 0) -> int:
         """The previous exchange's agreed flag (0 if none); then, unless it stops the run or ``start``
-        is false, the exchange of ``signum`` starts."""
+        is false, the exchange of ``signum`` (and ``pace_us``) starts."""
         if not (dist.is_available() and dist.is_initialized()):
             return int(signum) if start else 0
         agreed = self._read()
         if start and not agreed:
-            flag = torch.tensor([int(signum)], dtype=torch.int32, device=self.device)
+            flag = torch.tensor([int(signum), int(pace_us)], dtype=torch.int64, device=self.device)
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             self._pending = (flag, work)
         return agreed
 
+    def at_boundary(self, signum: int) -> int:
+        """At a step boundary: the agreed flag of the exchange in flight (0 if none); then the next
+        exchange starts if the schedule says so."""
+        self._boundary += 1
+        boundary = self._boundary
+        if not (dist.is_available() and dist.is_initialized()):
+            return int(signum)
+        if self.every != "auto":
+            return self.poll(signum, start=boundary % int(self.every) == 0)
+        self.agreed_pace_us = None
+        agreed = self.poll(0, start=False)
+        if self.agreed_pace_us is not None and self._started is not None:
+            self._next = self._started[0] + _steps_between_checks(self.agreed_pace_us)
+        if agreed or boundary < self._next:
+            return agreed
+        now = self._clock()
+        pace_us = 0
+        if self._started is not None and boundary > self._started[0]:
+            pace_us = max(int((now - self._started[1]) * 1e6) // (boundary - self._started[0]), 1)
+        self._started, self._next = (boundary, now), boundary + AUTO_CHECK_MAX_STEPS + 1  # until it is read
+        return self.poll(signum, start=True, pace_us=pace_us)
+
     def settle(self, signum: int) -> int:
-        """The largest flag of the exchange in flight and of ``signum`` on every rank, waited for."""
+        """The largest flag of the exchange in flight and of ``signum`` on every rank, waited for.
+
+        A boundary for :meth:`at_boundary`'s count; the ``"auto"`` schedule starts measuring again
+        after it (an epoch's end: validation's time is not a step's)."""
+        self._boundary += 1
+        self._started, self._next = None, self._boundary + 1
         return max(self._read(), agree_on_signal(signum, self.device, self.group))
 
     def cancel(self) -> None:
@@ -245,7 +322,24 @@ class SignalAgreement:
             return 0
         (flag, work), self._pending = self._pending, None
         work.wait()
-        return int(flag.item())
+        self.agreed_pace_us = int(flag[1].item())
+        return int(flag[0].item())
+
+
+def _steps_between_checks(pace_us: int) -> int:
+    """Boundaries between two ``"auto"`` exchanges for the agreed microseconds per boundary (0:
+    not measured yet). Integer arithmetic: every rank gets the same number from the same input.
+
+    Example::
+
+        >>> _steps_between_checks(0), _steps_between_checks(20_000), _steps_between_checks(2_000_000)
+        (1, 25, 1)
+        >>> _steps_between_checks(1)
+        1000
+    """
+    if pace_us <= 0:
+        return 1
+    return max(1, min(AUTO_CHECK_MAX_STEPS, int(AUTO_CHECK_SECONDS * 1_000_000) // pace_us))
 
 
 def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:

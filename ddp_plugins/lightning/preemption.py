@@ -25,13 +25,14 @@ from ddp_plugins.core.preemption import (
     Preempted,
     SignalAgreement,
     SignalFlag,
+    check_every,
     check_signals,
     slurm_job_id,
     slurm_requeue,
     submitit_signal,
 )
 from ddp_plugins.lightning.accumulation import is_step_boundary
-from ddp_plugins.lightning.contracts import SavesCheckpoints, StepAgreement
+from ddp_plugins.lightning.contracts import SavesCheckpoints, StepAgreement, implements
 
 __all__ = ["PreemptionCheckpoint"]
 
@@ -51,10 +52,12 @@ class PreemptionCheckpoint(Callback):
         keep: how many of this callback's step checkpoints to keep (the newest), at least 1.
         signals: the signals that stop the run (names or numbers); a second Ctrl-C ends the
             process at once.
-        check_every_n_steps: agree on the flag after every this many optimizer steps (one
-            ``all_reduce`` of one integer each time, read at the next step's end: the ranks never
-            wait for it, and stop one step after the flag was first seen; at an epoch's end it is
-            waited for).
+        check_every_n_steps: agree on the flag after every this many optimizer steps, or
+            ``"auto"``: about every half second of training, from the slowest rank's step time
+            (:class:`~ddp_plugins.core.SignalAgreement`). Each check is one ``all_reduce`` of two
+            integers, read at the next step's end: the ranks never wait for it, and stop one step
+            after the check that saw the flag; at an epoch's end it is waited for. ``1`` stops at
+            the step after the signal, for one exchange per step.
         requeue: ``"auto"`` (under Slurm, requeue the job after a ``requeue_signal``), ``"always"``
             (after any of the signals) or ``"never"``.
         requeue_signal: the signal Slurm sends before preempting (``--signal=USR1@90``).
@@ -78,7 +81,7 @@ class PreemptionCheckpoint(Callback):
         every_n_train_steps: int = 0,
         keep: int = 2,
         signals: list[str] | tuple[str, ...] = DEFAULT_SIGNALS,
-        check_every_n_steps: int = 1,
+        check_every_n_steps: int | str = "auto",
         requeue: str = "auto",
         requeue_signal: str = "SIGUSR1",
     ) -> None:
@@ -86,12 +89,11 @@ class PreemptionCheckpoint(Callback):
         self.every_n_train_steps = check_int("every_n_train_steps", every_n_train_steps, 0)
         self.keep = check_int("keep", keep, 1)
         self.signals = check_signals(signals)
-        self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.check_every_n_steps = check_every("check_every_n_steps", check_every_n_steps)
         self.requeue = check_choice("requeue", requeue, ("auto", "always", "never"))
         (self.requeue_signal,) = check_signals([requeue_signal])
         self._flag = SignalFlag(self.signals)
         self._agreement = SignalAgreement()
-        self._boundaries = 0
         self._rows_pending = False  # a checkpoint was written; its metrics rows are counted at the next hook
         self._trainer: pl.Trainer | None = None
         self._saving: str | None = None
@@ -109,10 +111,10 @@ class PreemptionCheckpoint(Callback):
             return
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
-        self._trainer, self._boundaries, self._rows_pending, self._stop, self._due = trainer, 0, False, None, None
+        self._trainer, self._rows_pending, self._stop, self._due = trainer, False, None, None
         self._flag.clear()
-        self._agreement = SignalAgreement(trainer.strategy.root_device)
-        if isinstance(trainer.strategy, StepAgreement):
+        self._agreement = SignalAgreement(trainer.strategy.root_device, every=self.check_every_n_steps)
+        if implements(trainer.strategy, StepAgreement):
             trainer.strategy.add_flag_source(self._signum)
         submitit = submitit_signal()
         self._requeue_signals = {self.requeue_signal} | ({submitit} if submitit else set())
@@ -136,7 +138,7 @@ class PreemptionCheckpoint(Callback):
             self._agreement.cancel()
             self._flag.restore()
             self._trainer = None
-            if isinstance(trainer.strategy, StepAgreement):
+            if implements(trainer.strategy, StepAgreement):
                 trainer.strategy.remove_flag_source(self._signum)
 
     @override
@@ -159,16 +161,14 @@ class PreemptionCheckpoint(Callback):
     ) -> None:
         if not is_step_boundary(trainer):
             return
-        self._boundaries += 1
         last = _last_batch_of_epoch(trainer)
-        agreed = trainer.strategy.agreed_flag() if isinstance(trainer.strategy, StepAgreement) else None
+        agreed = trainer.strategy.agreed_flag() if implements(trainer.strategy, StepAgreement) else None
         if agreed is not None:  # agreed in the strategy's own round for this batch: no round of ours
             signum = max(agreed, self._agreement.poll(0, start=False))
         elif last:  # the epoch ends on an agreed state
             signum = self._agreement.settle(self._flag.signum)
         else:
-            start = self._boundaries % self.check_every_n_steps == 0
-            signum = self._agreement.poll(self._flag.signum, start=start)
+            signum = self._agreement.at_boundary(self._flag.signum)
         step_due = bool(self.every_n_train_steps) and trainer.global_step % self.every_n_train_steps == 0
         if last:
             # Lightning resumes a checkpoint taken here in the next epoch and skips this epoch's
@@ -289,7 +289,7 @@ class PreemptionCheckpoint(Callback):
             return
         self._rows_pending = False
         strategy = trainer.strategy
-        path = strategy.last_checkpoint_path if isinstance(strategy, SavesCheckpoints) else self._pending_path
+        path = strategy.last_checkpoint_path if implements(strategy, SavesCheckpoints) else self._pending_path
         self._pending_path = None
         if not trainer.is_global_zero or path is None:
             return

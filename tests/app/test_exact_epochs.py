@@ -37,8 +37,8 @@ PLANNED = [
 STOP = [
     "+callbacks.interrupt._target_=tests.helpers.interrupt.SignalAt", "+callbacks.interrupt.hook=train_batch_end",
     "+callbacks.interrupt.step=3", "+callbacks.interrupt.rank=0", "+callbacks.interrupt.sig=SIGTERM",
-    "+callbacks.interrupt.target=self",
-]  # fmt: skip
+    "+callbacks.interrupt.target=self", "callbacks.preemption.check_every_n_steps=1",
+]  # fmt: skip  # the stop at the step after the signal (step 4), where the resume is checked
 RESUMING = re.compile(r"resuming from (\S+) \(epoch (\d+), step (\d+)\)(.*)")
 
 

@@ -80,7 +80,10 @@ def test_interrupted_runs_resume_and_end_bit_identical(scenario, reference, tmp_
     stops = INTERRUPTIONS[scenario]
     folder = tmp_path / "run"
     interrupts = [arg for i, spec in enumerate(stops) for arg in _interrupt(*spec, name=f"stop{i}")]
-    cmd = [*APP, *SMALL, f"hydra.run.dir={folder}", *interrupts]
+    # Each stop at the step after its signal (the default, "auto", checks about every half second,
+    # which in these short epochs is often the epoch's end): the next interruption's step must come.
+    exact = "callbacks.preemption.check_every_n_steps=1"
+    cmd = [*APP, *SMALL, exact, f"hydra.run.dir={folder}", *interrupts]
     resume_from = None
     for i, (hook, _, _, sig, _) in enumerate(stops):
         before = set((folder / "checkpoints").glob("step-*-preempted.ckpt"))

@@ -132,6 +132,51 @@ def test_the_agreement_never_waits_for_the_other_ranks_and_is_one_poll_behind(di
     assert dist_pool.run(_one_step_behind, timeout=30) == [expected] * 2
 
 
+def _auto_schedule(rank, world_size):
+    """200 boundaries, each rank on its own fake clock: rank 1 takes 40 ms a boundary, rank 0
+    10 ms, until boundary 100, where rank 0 becomes the slow one (100 ms); rank 1 is signalled at
+    boundary 150; an epoch's end (``settle``) at boundary 120."""
+    now = [0.0]
+    agreement, started, stopped = SignalAgreement(every="auto", clock=lambda: now[0]), [], None
+    for boundary in range(1, 201):
+        now[0] += (0.04 if rank == 1 else 0.01) if boundary <= 100 else (0.1 if rank == 0 else 0.01)
+        if boundary == 120:
+            agreement.settle(0)
+            continue
+        agreed = agreement.at_boundary(int(signal.SIGUSR1) if rank == 1 and boundary >= 150 else 0)
+        if agreed:
+            stopped = (boundary, agreed)
+            break
+        if agreement._pending is not None:  # an exchange started at this boundary
+            started.append(boundary)
+    return started, stopped
+
+
+def test_the_auto_schedule_exchanges_at_the_same_boundaries_on_every_rank(dist_pool):
+    """Every rank derives the next exchange from the slowest rank's agreed pace: 0.5 s / 40 ms = 12
+    boundaries apart, then 0.5 s / 100 ms = 5 once rank 0 is the slow one; it calibrates again
+    after an epoch's end, and a flag stops both ranks one boundary after the exchange that carried it."""
+    (started, stopped), other = dist_pool.run(_auto_schedule, timeout=30)
+    assert other == (started, stopped), "the ranks exchanged at different boundaries"
+    assert started[:2] == [1, 2], started  # unmeasured, then measured over one boundary
+    gaps = [b - a for a, b in zip(started, started[1:], strict=False)]
+    first = [g for a, g in zip(started, gaps, strict=False) if 2 <= a and a + g <= 100]
+    assert first and set(first) == {12}, started
+    late = [g for a, g in zip(started, gaps, strict=False) if a >= 123]
+    assert late and set(late) == {5}, started
+    assert [b for b in started if 120 < b <= 123] == [121, 122], "measured afresh after the epoch's end"
+    assert (
+        stopped is not None and stopped[1] == signal.SIGUSR1 and stopped[0] == min(b for b in started if b >= 150) + 1
+    ), (started, stopped)
+
+
+def test_the_schedule_is_checked():
+    assert SignalAgreement(every="auto").every == "auto"
+    for bad in (0, "often", 1.5, True):
+        with pytest.raises((TypeError, ValueError), match="`every` should be 'auto' or an integer >= 1"):
+            SignalAgreement(every=bad)
+
+
 def _gather(rank, world_size):
     checkpoint = {"callbacks": {"B": {"per_rank": f"b{rank}"}, "A": {"per_rank": {"r": rank}, "x": 1}, "C": {"y": 2}}}
     return gather_per_rank(checkpoint)

@@ -11,6 +11,7 @@ never are refused with one line.
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -313,8 +314,22 @@ class _SignalledAtStep(_Model):
         return super().training_step(batch, batch_idx)
 
 
-def _fit_stopped(model, out_dir):
-    trainer = _trainer(None, callbacks=[PreemptionCheckpoint(dirpath=out_dir)], checkpoints=True)
+class _SlowRankSignalled(_Model):
+    """Rank 1 takes at least 20 ms a step and gets SIGTERM in step 31, of 100 a epoch."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1:
+            time.sleep(0.02)
+            if batch_idx == 30:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*_data(800)), batch_size=4)
+
+
+def _fit_stopped(model, out_dir, **kwargs):
+    trainer = _trainer(None, callbacks=[PreemptionCheckpoint(dirpath=out_dir, **kwargs)], checkpoints=True)
     try:
         trainer.fit(model)
     except Preempted as stop:
@@ -325,16 +340,17 @@ def _fit_stopped(model, out_dir):
 
 def _run_stopped(out_dir):
     """The signal of step 3 on rank 1, once in the strategy's round for uneven shards, once in the
-    callback's own agreement (even data), which no rank waits for."""
+    callback's own agreement (even data) at every step, which no rank waits for; then the default
+    schedule ("auto"), with a rank slower than the other."""
     from ddp_plugins.core.preemption import SignalAgreement
 
     rounds = []  # the stop check's own exchanges: (waited for?)
     poll, settle = SignalAgreement.poll, SignalAgreement.settle
 
-    def counted_poll(self, signum, start=True):
+    def counted_poll(self, signum, start=True, pace_us=0):
         if start:
             rounds.append(False)
-        return poll(self, signum, start)
+        return poll(self, signum, start, pace_us)
 
     def counted_settle(self, signum):
         rounds.append(True)
@@ -346,8 +362,10 @@ def _run_stopped(out_dir):
     model.train_dataloader = lambda: DataLoader(_Shard(), batch_size=4)
     uneven = _fit_stopped(model, f"{out_dir}/uneven") | {"rounds": list(rounds)}
     rounds.clear()
-    even = _fit_stopped(_SignalledAtStep(), f"{out_dir}/even") | {"rounds": list(rounds)}
-    return {"uneven": uneven, "even": even}
+    even = _fit_stopped(_SignalledAtStep(), f"{out_dir}/even", check_every_n_steps=1) | {"rounds": list(rounds)}
+    rounds.clear()
+    auto = _fit_stopped(_SlowRankSignalled(), f"{out_dir}/auto") | {"rounds": list(rounds)}
+    return {"uneven": uneven, "even": even, "auto": auto}
 
 
 @pytest.mark.slow
@@ -362,6 +380,13 @@ def test_a_preemption_signal_stops_every_rank_at_one_step_in_the_uneven_round_or
     assert even[0]["step"] == even[1]["step"] == 5, ranks
     assert even[0]["rounds"] == even[1]["rounds"] == [False] * 5, "a poll per step, none waited for"
     assert even[0]["files"] == ["step-5-preempted.ckpt"], even[0]["files"]
+    # "auto": an exchange about every 0.5 s of the slower rank's steps (>= 20 ms: at most 25 steps
+    # apart), at the same steps on both ranks; the flag of step 31 stops both at one step after it
+    auto = [r["auto"] for r in ranks]
+    stop = auto[0]["step"]
+    assert auto[1]["step"] == stop and 31 < stop <= 31 + 25 + 1 and auto[0]["signum"] == signal.SIGTERM, auto
+    assert auto[0]["files"] == [f"step-{stop}-preempted.ckpt"], auto[0]["files"]
+    assert auto[0]["rounds"] == auto[1]["rounds"] and 3 <= len(auto[0]["rounds"]) < stop / 2, auto
 
 
 class _EpochLogged(_Model):
