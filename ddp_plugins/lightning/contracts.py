@@ -8,7 +8,7 @@ docs/design.md ("Contracts between the adapters").
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 __all__ = [
     "AccumulationSchedule",
@@ -17,8 +17,12 @@ __all__ = [
     "OwnsAccumulationWindow",
     "SavesCheckpoints",
     "StepAgreement",
+    "implements",
     "of_kind",
 ]
+
+
+_T = TypeVar("_T")
 
 
 @runtime_checkable
@@ -95,8 +99,31 @@ class CarriesSpawnResults(Protocol):
     def import_results(self, path: str) -> None: ...
 
 
-def of_kind(objects: Iterable[Any], kind: type[Any]) -> list[Any]:
-    """The objects (callbacks, usually) that implement protocol ``kind``, in order.
+def implements(obj: Any, kind: type[_T]) -> TypeGuard[_T]:
+    """``isinstance(obj, kind)`` for one of these protocols, decided once per class.
+
+    typing's runtime check looks up every member of the protocol on each call (tens of
+    microseconds); the adapters ask at every training step, for every callback. A class either
+    has a contract's members or not: the answer for its first instance is kept for the class.
+
+    Example::
+
+        >>> from lightning.pytorch.callbacks import GradientAccumulationScheduler
+        >>> implements(GradientAccumulationScheduler({0: 2}), AccumulationSchedule), implements(object(), StepAgreement)
+        (True, False)
+    """
+    key = (type(obj), kind)
+    known = _IMPLEMENTS.get(key)
+    if known is None:
+        known = _IMPLEMENTS[key] = isinstance(obj, kind)
+    return known
+
+
+_IMPLEMENTS: dict[tuple[type[Any], type[Any]], bool] = {}
+
+
+def of_kind(objects: Iterable[Any], kind: type[_T]) -> list[_T]:
+    """The objects (callbacks, usually) that implement protocol ``kind``, in order (:func:`implements`).
 
     Example::
 
@@ -104,4 +131,4 @@ def of_kind(objects: Iterable[Any], kind: type[Any]) -> list[Any]:
         >>> [type(c).__name__ for c in of_kind([GradientAccumulationScheduler({0: 2}), object()], AccumulationSchedule)]
         ['GradientAccumulationScheduler']
     """
-    return [obj for obj in objects if isinstance(obj, kind)]
+    return [obj for obj in objects if implements(obj, kind)]

@@ -28,7 +28,7 @@ from ddp_plugins.core.seeding import (
     set_deterministic,
     set_rng_states,
 )
-from ddp_plugins.lightning.contracts import GathersPerRankState
+from ddp_plugins.lightning.contracts import GathersPerRankState, implements
 
 __all__ = ["RankAwareSeed"]
 
@@ -146,7 +146,7 @@ class RankAwareSeed(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # A strategy that gathers per-rank parts does it when it saves; under any other they are
         # gathered here (every rank dumps the checkpoint, in step)
-        if not isinstance(trainer.strategy, GathersPerRankState):
+        if not implements(trainer.strategy, GathersPerRankState):
             gather_per_rank(checkpoint)
 
     @override
