@@ -32,6 +32,7 @@ __all__ = [
     "hydra_config_search_path",
     "hydra_create_main",
     "hydra_sweep_batches",
+    "logger_step",
     "loop_data_source",
     "set_group_timeout",
     "set_num_threads_if_needed",
@@ -93,6 +94,7 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lightning.pytorch.utilities.combined_loader", "CombinedLoader", ("_mode",)),
     ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", ("_data_source",)),
     ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop", ("_data_source",)),
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop", ("_batches_that_stepped",)),
 )
 
 #: The ``torch.distributed`` function DDP broadcasts its buffers with before each forward (and its
@@ -177,6 +179,16 @@ def loop_data_source(loop: Any) -> Any:
     friends are read-only views.
     """
     return loop._data_source
+
+
+def logger_step(trainer: Any) -> int:
+    """The step Lightning's logger connector writes the current training batch's metrics at.
+
+    Lightning's own monitoring callbacks (``LearningRateMonitor``, ``DeviceStatsMonitor``) pass
+    the same counter to ``Logger.log_metrics``; ``trainer.global_step`` differs from it in manual
+    optimization and after an accumulation window's last batch.
+    """
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
 def combined_loader_mode(combined: Any) -> str:

@@ -48,6 +48,7 @@ _INSTANCES = {
     "CombinedLoader": lambda cls, tmp_path: cls([[1, 2]], mode="sequential"),
     "_EvaluationLoop": lambda cls, tmp_path: _trainer().validate_loop,
     "_PredictionLoop": lambda cls, tmp_path: _trainer().predict_loop,
+    "_TrainingEpochLoop": lambda cls, tmp_path: _trainer().fit_loop.epoch_loop,
 }
 
 

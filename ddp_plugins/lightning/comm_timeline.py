@@ -28,6 +28,7 @@ from ddp_plugins.core.files import write_text_atomic
 from ddp_plugins.core.hang_watch import HangWatch
 from ddp_plugins.core.stalls import is_collective_failure
 from ddp_plugins.core.timeline import TimedCommHook, Timeline
+from ddp_plugins.lightning._loggers import log_to_loggers
 from ddp_plugins.lightning.comm_hook_chain import register_on_model, unwrap_comm_hook, wrap_comm_hook
 
 __all__ = ["CommTimeline"]
@@ -44,7 +45,9 @@ class CommTimeline(Callback):
     on the strategy's own and on :class:`AllReduceCounter`'s), DDP's buffer broadcast, SyncBN,
     metric syncs, the pack's per-step agreement, gathers and barriers. Every ``every_n_steps``
     batches the ranks gather their records (one collective), each collective's last arrival is
-    blamed for its lead on the others, and the callback logs this rank's ``time/<phase>_ms``,
+    blamed for its lead on the others, and the callback writes to the Trainer's loggers (as
+    ``LearningRateMonitor`` does; not through ``LightningModule.log``, which costs about a
+    millisecond a metric, so they are not in ``trainer.callback_metrics``) this rank's ``time/<phase>_ms``,
     ``time/comm/<kind>_ms`` and ``time/waited_for_last_ms`` (means per batch) and the global
     ``straggler/slowest_rank``, ``straggler/score_max_ms``, ``straggler/blamed_steps`` and, up to 16
     ranks, ``straggler/score_rank<r>`` (a moving average of each rank's blamed ms per batch).
@@ -66,7 +69,7 @@ class CommTimeline(Callback):
         blame_threshold_ms: the least excess in a batch (a rank's lead at the batch's collectives over
             the other ranks') that blames the batch on the rank.
         score_decay: weight of the newest batch in the moving straggler score.
-        log: log the metrics with ``LightningModule.log``.
+        log: write the metrics to the Trainer's loggers.
 
     Raises:
         ValueError: an argument out of range.
@@ -273,4 +276,4 @@ class CommTimeline(Callback):
         metrics["straggler/blamed_steps"] = float(len(report["blamed"]))
         if world_size <= _MAX_PER_RANK_SCORES:
             metrics.update({f"straggler/score_rank{r}": score for r, score in scores.items()})
-        pl_module.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
+        log_to_loggers(pl_module.trainer, {k: float(v) for k, v in metrics.items()})

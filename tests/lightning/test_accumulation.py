@@ -17,6 +17,7 @@ from ddp_plugins.lightning.accumulation import AccumulationNoSync
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
 from ddp_plugins.testing import run_lightning
 from tests.core.test_comm_hooks import _user_hook
+from tests.helpers.loggers import RecordingLogger
 
 BATCH = 4  # per rank
 BATCHES_PER_EPOCH = 10  # per rank; not a multiple of K=4, so each epoch ends on a short window
@@ -149,7 +150,7 @@ def _loader(module, tensors):
     return DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, world, rank, shuffle=False))
 
 
-def _trainer(callbacks, epochs, strategy="ddp", devices=WORLD, **kwargs):
+def _trainer(callbacks, epochs, strategy="ddp", devices=WORLD, logger=False, **kwargs):
     return pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -157,7 +158,7 @@ def _trainer(callbacks, epochs, strategy="ddp", devices=WORLD, **kwargs):
         max_epochs=epochs,
         callbacks=callbacks,
         enable_progress_bar=False,
-        logger=False,
+        logger=logger,
         enable_checkpointing=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
@@ -327,10 +328,17 @@ def test_of_without_the_callback_names_what_to_add():
 # ---------------------------------------------------------------- Trainer-level runs on 2 ranks
 
 
+class _LogsBatchIndex(pl.Callback):
+    """A metric through Lightning's own logging, to compare the counter's logger steps with."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.log("batch_idx", float(batch_idx), on_step=True, on_epoch=False)
+
+
 def _run_manual(out_dir, k, epochs):
-    counter = AllReduceCounter()
+    counter, logger = AllReduceCounter(), RecordingLogger()
     model = _ManualRegression()
-    trainer = _trainer([AccumulationNoSync(k), counter], epochs)
+    trainer = _trainer([AccumulationNoSync(k), counter, _LogsBatchIndex()], epochs, logger=logger, log_every_n_steps=1)
     trainer.fit(model)
     return {
         "records": model.records,
@@ -339,7 +347,9 @@ def _run_manual(out_dir, k, epochs):
         "calls": counter.calls,
         "rounds": counter.rounds,
         "bytes": counter.bytes,
-        "logged_rounds_total": float(trainer.callback_metrics["comm/allreduce_rounds_total"]),
+        "logged_rounds_total": logger.latest()["comm/allreduce_rounds_total"],
+        "counter_steps": [step for step, metrics in logger.logged if "comm/allreduce_rounds" in metrics],
+        "lightning_steps": {step: m["batch_idx"] for step, m in logger.logged if "batch_idx" in m},
     }
 
 
@@ -368,6 +378,11 @@ def test_manual_no_sync_on_2_ranks_equals_one_process():
         assert r["history"] == [(1, numel * 8, 1)] * steps
         assert r["bytes"] == steps * numel * 8
         assert r["logged_rounds_total"] == steps
+        # written at every optimizer step (log_every_n_steps=1), at the step Lightning logs that batch's metrics
+        boundaries = [i for i, boundary in enumerate(_boundaries(k) * epochs) if boundary]
+        assert [r["lightning_steps"][step] for step in r["counter_steps"]] == [
+            i % BATCHES_PER_EPOCH for i in boundaries
+        ]
 
 
 def _run_automatic(out_dir, k):
