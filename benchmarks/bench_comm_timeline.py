@@ -1,12 +1,14 @@
 """What the pack and CommTimeline cost per step, against plain Lightning DDP.
 
 Step time on 2 CPU ranks (gloo) of the app's DigitsCNN (plain BatchNorm: SyncBN changes the math
-and has its own benchmark) in four variants that alternate in one run (A B C D A B C D ...):
+and has its own benchmark) in four variants that alternate in one run, each round starting at the
+next variant (A B C D, B C D A, C D A B, ...), so that no variant always runs in the same slot:
 
 1. plain Lightning: ``DDPStrategy(process_group_backend="gloo")``, no callbacks (the anchor);
 2. the same again: the ratio of two identical fits shows this machine's noise;
 3. the pack: ``DDPPluginsStrategy`` with ``AccumulationNoSync``, ``AllReduceCounter``,
-   ``RankAwareSeed`` and ``PreemptionCheckpoint`` (its one-integer exchange every step, the default);
+   ``RankAwareSeed`` and ``PreemptionCheckpoint`` (its stop check on the default schedule, about
+   every half second);
 4. that with ``CommTimeline`` (every collective timed, the records gathered every 50 steps, the
    trace written at the end of fit).
 
@@ -19,7 +21,7 @@ CPU time per step (``time.process_time``: every thread of the process): what the
 costs, less sensitive than wall time to the other processes sharing the machine's cores.
 
     .venv/bin/python benchmarks/bench_comm_timeline.py
-    .venv/bin/python benchmarks/bench_comm_timeline.py --pieces  # each piece of the pack alone, 6 rounds
+    .venv/bin/python benchmarks/bench_comm_timeline.py --pieces  # each piece of the pack alone, 10 rounds
 """
 
 import logging
@@ -53,7 +55,7 @@ VARIANTS = (
     "ddp_plugins: strategy + callbacks",
     "the line above + CommTimeline",
 )
-# --pieces: the pack's cost split by piece, each added alone to the strategy (6 rounds)
+# --pieces: the pack's cost split by piece, each added alone to the strategy (10 rounds: two rotations)
 PIECES = (
     "plain Lightning DDP (anchor)",
     "DDPPluginsStrategy alone",
@@ -108,10 +110,12 @@ def main() -> None:
     os.environ.update(LOOPBACK_ENV)
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    variants, repeats = (PIECES, 6) if "--pieces" in sys.argv[1:] else (VARIANTS, REPEATS)
+    variants, repeats = (PIECES, 10) if "--pieces" in sys.argv[1:] else (VARIANTS, REPEATS)
     rounds: list[dict[str, tuple[float, float]]] = []
-    for _ in range(repeats):
-        rounds.append({name: _fit(name) for name in variants})
+    for index in range(repeats):
+        # each round starts at another variant: no variant always runs first or after the same one
+        shift = index % len(variants)
+        rounds.append({name: _fit(name) for name in variants[shift:] + variants[:shift]})
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return
     print(
