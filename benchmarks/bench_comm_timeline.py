@@ -21,7 +21,7 @@ CPU time per step (``time.process_time``: every thread of the process): what the
 costs, less sensitive than wall time to the other processes sharing the machine's cores.
 
     .venv/bin/python benchmarks/bench_comm_timeline.py
-    .venv/bin/python benchmarks/bench_comm_timeline.py --pieces  # each piece of the pack alone, 10 rounds
+    .venv/bin/python benchmarks/bench_comm_timeline.py --pieces  # each piece of the pack alone, 12 rounds
 """
 
 import logging
@@ -55,13 +55,14 @@ VARIANTS = (
     "ddp_plugins: strategy + callbacks",
     "the line above + CommTimeline",
 )
-# --pieces: the pack's cost split by piece, each added alone to the strategy (10 rounds: two rotations)
+# --pieces: the pack's cost split by piece, each added alone to the strategy (12 rounds: two rotations)
 PIECES = (
     "plain Lightning DDP (anchor)",
     "DDPPluginsStrategy alone",
     "strategy + AllReduceCounter",
     "strategy + PreemptionCheckpoint",
     "strategy + AccumulationNoSync + RankAwareSeed",
+    "plain Lightning DDP + 4 callbacks that do nothing",
 )
 
 
@@ -86,7 +87,9 @@ def _fit(variant: str) -> tuple[float, float]:
         callbacks += [AccumulationNoSync(1), AllReduceCounter(), RankAwareSeed(seed=0), PreemptionCheckpoint()]
     if variant == VARIANTS[3]:
         callbacks.append(CommTimeline(every_n_steps=50, trace_path=f"{root}/trace.json"))
-    if variant in PIECES[1:]:
+    if variant == PIECES[5]:  # what Lightning's dispatch of every hook to a callback costs by itself
+        callbacks += [pl.Callback() for _ in range(4)]
+    elif variant in PIECES[1:]:
         strategy = DDPPluginsStrategy(backend="gloo")
         callbacks += {
             PIECES[2]: [AllReduceCounter()],
@@ -110,7 +113,7 @@ def main() -> None:
     os.environ.update(LOOPBACK_ENV)
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    variants, repeats = (PIECES, 10) if "--pieces" in sys.argv[1:] else (VARIANTS, REPEATS)
+    variants, repeats = (PIECES, 12) if "--pieces" in sys.argv[1:] else (VARIANTS, REPEATS)
     rounds: list[dict[str, tuple[float, float]]] = []
     for index in range(repeats):
         # each round starts at another variant: no variant always runs first or after the same one

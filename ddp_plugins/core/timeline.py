@@ -213,7 +213,7 @@ class Timeline:
 
     :meth:`install` replaces the ``torch.distributed`` collectives of :data:`TIMED` by timing
     pass-throughs (until :meth:`uninstall`; one timeline at a time), so SyncBN, metric syncs, the
-    pack's per-step agreement and barriers are timed wherever they are called from; DDP's gradient
+    pack's stop-flag agreement and barriers are timed wherever they are called from; DDP's gradient
     buckets are timed by a :class:`TimedCommHook` from :meth:`comm_hook`. Each collective's kind comes
     from the module that called it (``syncbn``, ``ddp_bucket``, ``metric_sync``, ``agreement``,
     ``gather``, ``barrier``, else ``other``; :func:`collective_kind` names your own). A collective on

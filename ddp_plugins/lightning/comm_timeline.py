@@ -43,7 +43,7 @@ class CommTimeline(Callback):
     training batch and rank it records the data wait, forward, backward and optimizer time, and the
     time inside each kind of collective: DDP's gradient buckets (through a communication hook layered
     on the strategy's own and on :class:`AllReduceCounter`'s), DDP's buffer broadcast, SyncBN,
-    metric syncs, the pack's per-step agreement, gathers and barriers. Every ``every_n_steps``
+    metric syncs, the pack's stop-flag agreement, gathers and barriers. Every ``every_n_steps``
     batches the ranks gather their records (one collective), each collective's last arrival is
     blamed for its lead on the others, and the callback writes to the Trainer's loggers (as
     ``LearningRateMonitor`` does; not through ``LightningModule.log``, which costs about a
