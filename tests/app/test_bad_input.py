@@ -70,6 +70,7 @@ BAD_COMMAND_LINES = [
     ("callbacks.sequential_evaluation.stages=[train]", "callbacks.sequential_evaluation.stages"),
     ("callbacks.allreduce_counter.prefix=''", "callbacks.allreduce_counter.prefix"),
     ("callbacks.rank_aware_seed.workers=3", "callbacks.rank_aware_seed.workers"),
+    ("callbacks.preemption.check_every_n_steps=often", "callbacks.preemption.check_every_n_steps"),
     (
         "trainer.accumulate_grad_batches=4 callbacks.accumulation_no_sync.accumulate_grad_batches=2",
         "callbacks.accumulation_no_sync.accumulate_grad_batches",
