@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError
+from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_int
 
 __all__ = [
     "AUTO_CHECK_MAX_STEPS",
@@ -206,27 +206,6 @@ AUTO_CHECK_MAX_STEPS = 1000
 """... and at least every this many boundaries."""
 
 
-def check_every(name: str, value: Any) -> int | str:
-    """``value`` when it is ``"auto"`` or an integer >= 1: how often a stop flag is agreed on.
-
-    Raises:
-        ArgumentTypeError, ArgumentValueError: anything else.
-
-    Example::
-
-        >>> check_every("check_every_n_steps", "auto"), check_every("check_every_n_steps", 10)
-        ('auto', 10)
-    """
-    if value == "auto":
-        return "auto"
-    allowed = "'auto' or an integer >= 1"
-    if isinstance(value, str) or isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentTypeError(name, allowed, value)
-    if value < 1:
-        raise ArgumentValueError(name, allowed, value)
-    return int(value)
-
-
 class SignalAgreement:
     """The ranks' agreement on a stop flag, one step behind, so that no rank waits for it.
 
@@ -263,12 +242,11 @@ class SignalAgreement:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.device, self.group = device, group
-        self.every = check_every("every", every)
+        self.every = check_int("every", every, 1, also=("auto",))
         self._clock = clock or time.monotonic
         self._pending: tuple[torch.Tensor, Any] | None = None
-        self.agreed_pace_us: int | None = None  # the slowest rank's microseconds per boundary, last read
         self._boundary = 0
-        self._next = 1  # the boundary of the next scheduled exchange ("auto")
+        self._next = 1  # the boundary of the next scheduled exchange ("auto"), set when one is read
         self._started: tuple[int, float] | None = None  # boundary and clock of the last scheduled one
 
     def poll(self, signum: int, start: bool = True, pace_us: int = 0) -> int:
@@ -292,17 +270,14 @@ class SignalAgreement:
             return int(signum)
         if self.every != "auto":
             return self.poll(signum, start=boundary % int(self.every) == 0)
-        self.agreed_pace_us = None
-        agreed = self.poll(0, start=False)
-        if self.agreed_pace_us is not None and self._started is not None:
-            self._next = self._started[0] + _steps_between_checks(self.agreed_pace_us)
+        agreed = self.poll(0, start=False)  # the exchange in flight, if any, sets the next one's boundary
         if agreed or boundary < self._next:
             return agreed
         now = self._clock()
         pace_us = 0
         if self._started is not None and boundary > self._started[0]:
             pace_us = max(int((now - self._started[1]) * 1e6) // (boundary - self._started[0]), 1)
-        self._started, self._next = (boundary, now), boundary + AUTO_CHECK_MAX_STEPS + 1  # until it is read
+        self._started = (boundary, now)
         return self.poll(signum, start=True, pace_us=pace_us)
 
     def settle(self, signum: int) -> int:
@@ -322,7 +297,8 @@ class SignalAgreement:
             return 0
         (flag, work), self._pending = self._pending, None
         work.wait()
-        self.agreed_pace_us = int(flag[1].item())
+        if self._started is not None:  # an "auto" exchange: the next one follows from the agreed pace
+            self._next = self._started[0] + _steps_between_checks(int(flag[1].item()))
         return int(flag[0].item())
 
 

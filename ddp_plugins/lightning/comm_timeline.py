@@ -191,7 +191,7 @@ class CommTimeline(Callback):
         self.timeline.end_step()
         self._batch += 1
         if self._batch % self.every_n_steps == 0:
-            self._log(pl_module, self.timeline.collect(), trainer.world_size)
+            self._log(trainer, self.timeline.collect())
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -262,7 +262,7 @@ class CommTimeline(Callback):
             f" {s['clock_residual_us']:g} us; trace: {s['trace']}"
         )
 
-    def _log(self, pl_module: pl.LightningModule, report: dict[str, Any], world_size: int) -> None:
+    def _log(self, trainer: pl.Trainer, report: dict[str, Any]) -> None:
         if not self.log_metrics or not report["steps"]:
             return
         metrics = {f"time/{phase}_ms": value for phase, value in report["phases_ms"].items()}
@@ -274,6 +274,6 @@ class CommTimeline(Callback):
             metrics["straggler/slowest_rank"] = float(slowest)
             metrics["straggler/score_max_ms"] = scores[slowest]
         metrics["straggler/blamed_steps"] = float(len(report["blamed"]))
-        if world_size <= _MAX_PER_RANK_SCORES:
+        if trainer.world_size <= _MAX_PER_RANK_SCORES:
             metrics.update({f"straggler/score_rank{r}": score for r, score in scores.items()})
-        log_to_loggers(pl_module.trainer, {k: float(v) for k, v in metrics.items()})
+        log_to_loggers(trainer, {k: float(v) for k, v in metrics.items()})

@@ -315,7 +315,7 @@ class _SignalledAtStep(_Model):
 
 
 class _SlowRankSignalled(_Model):
-    """Rank 1 takes at least 20 ms a step and gets SIGTERM in step 31, of 100 a epoch."""
+    """Rank 1 takes at least 20 ms a step and gets SIGTERM in step 31, of 100 an epoch."""
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1:
