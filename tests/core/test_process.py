@@ -1,77 +1,59 @@
 """The clean process exit (``run_main`` / ``exit_process``) that avoids the gloo abort at interpreter exit."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from ddp_plugins.testing import free_port, loopback_env
+from ddp_plugins.testing import check_ok, loopback_env, run_command
 
-ROUNDS_PLAIN_MAX = 60
-ROUNDS_CLEAN = 10
-ROUNDS_ARMED = 5
+ROUNDS_PLAIN_MAX = 120
+ROUNDS_CLEAN = 30
+ROUNDS_ARMED = 15
 
 
-def _run_rounds(mode: str, rounds: int, timeout: float = 60.0, stop_at_failure: bool = False) -> list:
-    """Run up to ``rounds`` two-rank DDP probes; return (round, exit code, stderr) of every failed process."""
-    failures = []
-    env = loopback_env()
-    for i in range(rounds):
-        port = free_port()
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.helpers.exit_probe", mode, str(rank), "2", str(port)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for rank in range(2)
-        ]
-        for proc in procs:
-            try:
-                _, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise AssertionError(f"{mode} probe round {i} hung for {timeout}s") from None
-            if proc.returncode != 0:
-                failures.append((i, proc.returncode, err.strip()[-300:]))
-        if failures and stop_at_failure:
-            break
-    return failures
+def _run_rounds(tmp_path, mode: str, rounds: int, stop_at_failure: bool = False) -> list:
+    """Run up to ``rounds`` two-rank DDP probes (``tests.helpers.exit_probe``, each rank forked from
+    one warm process); return (round, exit code, stderr) of every process that failed or hung."""
+    out = tmp_path / f"{mode}.json"
+    cmd = [sys.executable, "-m", "tests.helpers.exit_probe", mode, str(rounds), str(out)]
+    check_ok(run_command([*cmd, *(["--stop-at-failure"] if stop_at_failure else [])], timeout=600, env=loopback_env()))
+    results = json.loads(out.read_text())
+    assert len(results) == 2 * rounds or stop_at_failure, f"{len(results)} results of {2 * rounds} processes"
+    return [(r["round"], r["code"], r["stderr"]) for r in results if r["code"] != 0]
 
 
 @pytest.mark.slow
-def test_run_main_exits_never_abort():
+def test_run_main_exits_never_abort(tmp_path):
     """Many short gloo DDP runs ended through ``run_main``: not one process may die at exit.
 
-    Plain exits aborted in about 1 process of 10 on the machine this was written on, so 20 clean
-    exits without a failure (30 with the armed test below, the same ``exit_process``) would happen
-    by chance with probability ~0.12 (~0.04) if the fix did nothing.
+    Plain exits aborted in about 1 process of 10 on the machine this was written on, so 60 clean
+    exits without a failure (90 with the armed test below, the same ``exit_process``) would happen
+    by chance with probability ~0.002 (~0.0001) if the fix did nothing.
     """
-    clean = _run_rounds("clean", ROUNDS_CLEAN)
+    clean = _run_rounds(tmp_path, "clean", ROUNDS_CLEAN)
     assert clean == [], f"run_main exits failed in {len(clean)} of {2 * ROUNDS_CLEAN} processes: {clean[:3]}"
 
 
 @pytest.mark.slow
-def test_exits_armed_at_interpreter_exit_never_abort():
+def test_exits_armed_at_interpreter_exit_never_abort(tmp_path):
     """The same probe returning to the interpreter after ``exit_at_interpreter_exit(0)`` (a job
     run by submitit's entry point): every process exits 0."""
-    armed = _run_rounds("armed", ROUNDS_ARMED)
+    armed = _run_rounds(tmp_path, "armed", ROUNDS_ARMED)
     assert armed == [], f"armed exits failed in {len(armed)} of {2 * ROUNDS_ARMED} processes: {armed[:3]}"
 
 
 @pytest.mark.slow
 @pytest.mark.hazard_control
-def test_plain_exit_probe_reaches_the_hazard():
+def test_plain_exit_probe_reaches_the_hazard(tmp_path):
     """The control: the same probe with a plain exit aborts with the gloo "terminate called" abort.
 
-    It runs until the first abort (at most 120 processes). The hazard is a race at interpreter
+    It runs until the first abort (at most 240 processes). The hazard is a race at interpreter
     exit whose odds depend on the machine's timing: on 2026-11-22's CI machine it did not strike
     in 240 plain exits, so this control is selected with ``-m hazard_control``, not by default.
     """
-    plain = _run_rounds("plain", ROUNDS_PLAIN_MAX, stop_at_failure=True)
+    plain = _run_rounds(tmp_path, "plain", ROUNDS_PLAIN_MAX, stop_at_failure=True)
     assert plain, f"no abort in {2 * ROUNDS_PLAIN_MAX} plain exits: the probe no longer reproduces the hazard"
     assert all(code == -6 for _, code, _ in plain), f"unexpected plain failures: {plain[:3]}"
     assert any("terminate called without an active exception" in err for _, _, err in plain)
