@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +21,8 @@ import pytest
 
 from ddp_plugins.testing import loopback_env
 from tests.helpers import REPO_ROOT
+from tests.helpers.app import APP
 
-APP = [sys.executable, "-m", "ddp_plugins.train"]
 SMALL = [
     "data=synthetic", "data.num_samples=640", "model.channels=8", "trainer.max_epochs=1",
     "trainer.enable_progress_bar=false",

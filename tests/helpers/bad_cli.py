@@ -1,8 +1,9 @@
 """Run ``python -m ddp_plugins.train`` on many command lines, each in a fork of one warm process.
 
 ``python -m tests.helpers.bad_cli OUT.json ARGS_JSON``: imports the app once, then for each command
-line forks a child that runs the app's real entry point (``main()``, which ends through
-``exit_process``) in a fresh empty folder with stdout/stderr captured. This process is a child
+line forks a child that becomes ``python -m ddp_plugins.train ARGS``
+(:func:`tests.helpers.app.start_app`, which ends through ``exit_process``) in a fresh empty folder
+with stdout/stderr captured. This process is a child
 subreaper, so a process the app started (a DDP rank) and left behind is re-parented here and is
 found. Each result: exit code, stderr, stdout, what the folder holds afterwards, the processes
 left behind, and the seconds it took. Forking skips the ~4 s interpreter start per line; the
@@ -18,8 +19,9 @@ import sys
 import tempfile
 import time
 
-from ddp_plugins.app import train
+import ddp_plugins.app.train  # noqa: F401 - what the app imports, once
 from ddp_plugins.core.files import write_text_atomic
+from tests.helpers.app import start_app
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -35,16 +37,11 @@ def _children() -> list[int]:
 def _run(argv: list[str]) -> dict:
     folder = tempfile.mkdtemp(prefix="ddp_plugins_bad_")
     out_path, err_path = folder + ".out", folder + ".err"
+    request = {"args": argv, "env": dict(os.environ), "cwd": folder, "stdout": out_path, "stderr": err_path}
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the app, as `python -m ddp_plugins.train ARGV` would run it, in its own folder
-        os.chdir(folder)
-        for fd, path in ((1, out_path), (2, err_path)):
-            handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(handle, fd)
-        sys.argv = ["ddp_plugins.train", *argv]
-        train.main()  # leaves through exit_process
-        os._exit(99)
+        start_app(request)
     _, status = os.waitpid(pid, 0)
     elapsed = time.monotonic() - start
     left = _children()
