@@ -44,6 +44,7 @@ def reference(tmp_path_factory):
         folder = shared / 'we"ird run'
         run = check_ok(run_app([*APP, *SMALL, f"hydra.run.dir='{folder}'", "resume=never"], timeout=300))
         assert not RESUMING.search(run.stdout), "resume=never must start from scratch"
+        assert "RuntimeWarning" not in run.stderr, f"a rank or loader worker warned:\n{run.stderr[-3000:]}"
         assert (folder / "checkpoints" / "last.ckpt").exists() and len(list(folder.parent.iterdir())) == 1
 
     return made_once(tmp_path_factory, "reference", make) / 'we"ird run'

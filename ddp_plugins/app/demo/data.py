@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import sys
 
 import lightning.pytorch as pl
 import torch
@@ -21,16 +20,14 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     run in 25 had a new worker stuck inside ``os.fork()`` before its first batch, its rank
     waiting for it and the other rank in a collective (torch issue 130610 is the same class of
     hang). The forkserver is a fresh single-threaded process that imports, once per rank, what a
-    worker unpickles (torch, the strategy's ``worker_init_fn`` from ``core.workers``, the main
-    module); none of it imports Lightning. It is started in ``setup`` so that this overlaps the
-    rank's own start.
+    worker unpickles (torch, the strategy's ``worker_init_fn`` from ``core.workers``); none of it
+    imports Lightning. It is started in ``setup`` so that this overlaps the rank's own start. The
+    main module is not preloaded: each worker runs it again by name as ``__mp_main__`` anyway
+    (``python -m ddp_plugins.train`` imports nothing at the top), and a preloaded one made each
+    worker warn "found in sys.modules after import of package" on stderr.
     """
     context = multiprocessing.get_context("forkserver")
-    preload = ["torch", "ddp_plugins.core.workers"]
-    main = getattr(sys.modules["__main__"], "__spec__", None)  # a worker re-imports it by name
-    if main is not None and main.name:
-        preload.append(main.name)
-    context.set_forkserver_preload(preload)
+    context.set_forkserver_preload(["torch", "ddp_plugins.core.workers"])
     return context
 
 
