@@ -24,10 +24,10 @@ import torch
 
 from ddp_plugins.testing import check_ok, free_port, loopback_env
 from tests.app.test_safety import _one_line_failure
-from tests.helpers.app import APP, run_app
 from tests.helpers.runs import final_state
 from tests.helpers.shared import made_once
 from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
+from tests.helpers.warm import APP, run_warm
 
 PLANNED = [
     "data=synthetic", "data.num_samples=400", "model.channels=8", "data.num_workers=0", "trainer.max_epochs=2",
@@ -46,14 +46,14 @@ RESUMING = re.compile(r"resuming from (\S+) \(epoch (\d+), step (\d+)\)(.*)")
 def test_a_planned_run_stopped_on_two_ranks_resumes_on_one_and_a_changed_plan_is_refused(tmp_path):
     folder = tmp_path / "run"
     cmd = [*APP, *PLANNED, f"hydra.run.dir={folder}"]
-    stopped = run_app([*cmd, *STOP], timeout=300)
+    stopped = run_warm([*cmd, *STOP], timeout=300)
     assert stopped.returncode == 128 + 15, stopped.stderr[-4000:]
 
-    changed = run_app([*cmd, "trainer.devices=1", "global_batch_size=32"], timeout=300)
+    changed = run_warm([*cmd, "trainer.devices=1", "global_batch_size=32"], timeout=300)
     line = _one_line_failure(changed, 2)
     assert "global_batch_size 48 -> 32" in line and "the number of ranks may change" in line, line
 
-    resumed = check_ok(run_app([*cmd, "trainer.devices=1"], timeout=300))
+    resumed = check_ok(run_warm([*cmd, "trainer.devices=1"], timeout=300))
     position = RESUMING.search(resumed.stderr + resumed.stdout)
     said = (resumed.stderr + resumed.stdout)[-3000:]
     assert position and position.group(2, 3, 4) == ("0", "5", " on 1 rank (was 2)"), said  # seen after 4
@@ -84,7 +84,7 @@ def one_process(tmp_path_factory):
     """The reference: the same global plan on 1 rank, uninterrupted."""
 
     def make(shared):
-        check_ok(run_app([*APP, *EXACT, "trainer.devices=1", f"hydra.run.dir={shared / 'run'}"], timeout=180))
+        check_ok(run_warm([*APP, *EXACT, "trainer.devices=1", f"hydra.run.dir={shared / 'run'}"], timeout=180))
 
     return final_state(made_once(tmp_path_factory, "one_process", make) / "run")
 

@@ -22,10 +22,10 @@ import torch
 
 from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
 from tests.helpers import REPO_ROOT
-from tests.helpers.app import APP, run_app
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
 from tests.helpers.shared import made_once
 from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
+from tests.helpers.warm import APP, run_warm
 
 SMALL = [
     "data=synthetic", "data.num_samples=640", "model.channels=8", "model.dropout=0.2", "data.num_workers=2",
@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
     # resume=never in a new folder: the run starts from scratch (what every resumed run is compared to).
     def make(shared):
         folder = shared / 'we"ird run'
-        run = check_ok(run_app([*APP, *SMALL, f"hydra.run.dir='{folder}'", "resume=never"], timeout=300))
+        run = check_ok(run_warm([*APP, *SMALL, f"hydra.run.dir='{folder}'", "resume=never"], timeout=300))
         assert not RESUMING.search(run.stdout), "resume=never must start from scratch"
         assert "RuntimeWarning" not in run.stderr, f"a rank or loader worker warned:\n{run.stderr[-3000:]}"
         assert (folder / "checkpoints" / "last.ckpt").exists() and len(list(folder.parent.iterdir())) == 1
@@ -88,7 +88,7 @@ def test_interrupted_runs_resume_and_end_bit_identical(scenario, reference, tmp_
     resume_from = None
     for i, (hook, _, _, sig, _) in enumerate(stops):
         before = set((folder / "checkpoints").glob("step-*-preempted.ckpt"))
-        run = run_app(cmd, timeout=300)
+        run = run_warm(cmd, timeout=300)
         gone = time.time()
         said = f"{sig} at {hook}\n{run.stdout[-2000:]}\n{run.stderr[-5000:]}"
         assert run.returncode == 128 + getattr(signal, sig), f"expected exit code {128 + getattr(signal, sig)}: {said}"
@@ -102,7 +102,7 @@ def test_interrupted_runs_resume_and_end_bit_identical(scenario, reference, tmp_
         resume_from = stopped.pop()
         assert torch.load(resume_from, map_location="cpu", weights_only=True)["global_step"] == _step(resume_from)
 
-    _assert_resumed_from(check_ok(run_app(cmd, timeout=300)), resume_from)
+    _assert_resumed_from(check_ok(run_warm(cmd, timeout=300)), resume_from)
     assert_equal_states(final_state(reference), final_state(folder))
     assert metrics_rows(folder) == metrics_rows(reference)
 
@@ -121,16 +121,16 @@ def _assert_resumed_from(run: subprocess.CompletedProcess, checkpoint: Path) -> 
 def test_resume_never_starts_over_and_a_path_resumes_from_it(reference, tmp_path):
     folder = tmp_path / "run"
     cmd = [*APP, *SMALL, f"hydra.run.dir={folder}"]
-    stopped = run_app([*cmd, *_interrupt("train_batch_end", 5, 0, "SIGTERM", "self")], timeout=300)
+    stopped = run_warm([*cmd, *_interrupt("train_batch_end", 5, 0, "SIGTERM", "self")], timeout=300)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     checkpoint = next((folder / "checkpoints").glob("step-*-preempted.ckpt"))
     other = tmp_path / "other"
-    resumed = check_ok(run_app([*APP, *SMALL, f"hydra.run.dir={other}", f"resume={checkpoint}"], timeout=300))
+    resumed = check_ok(run_warm([*APP, *SMALL, f"hydra.run.dir={other}", f"resume={checkpoint}"], timeout=300))
     assert RESUMING.search(resumed.stdout).group(1) == str(checkpoint)
     assert_equal_states(final_state(reference), final_state(other))
     # resume=never where checkpoints are: refused (the two runs' files would mix). In a new folder it
     # starts over: the reference ran so.
-    refused = run_app([*cmd, "resume=never"], timeout=300)
+    refused = run_warm([*cmd, "resume=never"], timeout=300)
     assert refused.returncode == 2 and refused.stderr.strip() == (
         f"error: resume got 'never', but {folder / 'checkpoints'} holds the checkpoints of an earlier run,"
         " allowed: 'auto' to continue that run, or resume=never with a new hydra.run.dir"
@@ -138,7 +138,7 @@ def test_resume_never_starts_over_and_a_path_resumes_from_it(reference, tmp_path
 
 
 def test_bad_resume_is_a_one_line_error(tmp_path):
-    result = run_app([*APP, "resume=nowhere.ckpt"], timeout=60, cwd=tmp_path)
+    result = run_warm([*APP, "resume=nowhere.ckpt"], timeout=60, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: resume got 'nowhere.ckpt' (no such file), allowed: 'auto', 'never' or the path of a checkpoint file"
@@ -270,7 +270,7 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
             time.sleep(0.2)
         record = {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()}
-        second = run_app([*cmd, "model.lr=0.01"], timeout=120)
+        second = run_warm([*cmd, "model.lr=0.01"], timeout=120)
         assert second.returncode == 2, second.stderr[-3000:]
         assert {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()} == record, (
             "the refused run wrote .hydra/"

@@ -23,9 +23,9 @@ import pytest
 
 from ddp_plugins.core.checkpoints import digest_path
 from ddp_plugins.testing import check_ok, free_port, loopback_env
-from tests.helpers.app import APP, run_app
 from tests.helpers.runs import assert_equal_states, final_state
 from tests.helpers.shared import made_once
+from tests.helpers.warm import APP, run_warm
 
 SMALL = [
     "data=synthetic", "data.num_samples=640", "model.channels=8", "data.num_workers=0",
@@ -69,7 +69,7 @@ def one_epoch(tmp_path_factory):
 
     def make(shared):
         folder = shared / "run"
-        check_ok(run_app([*APP, *SMALL, *STEPS, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300))
+        check_ok(run_warm([*APP, *SMALL, *STEPS, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300))
         names = sorted(p.name for p in (folder / "checkpoints").glob("*.ckpt"))
         assert names == ["epoch=0-step=8.ckpt", "last.ckpt", "step-6.ckpt", "step-8.ckpt"], names
 
@@ -83,7 +83,7 @@ def test_a_crafted_checkpoint_runs_nothing(one_epoch, tmp_path):
     _write_crafted(crafted, marker)
 
     # an explicit path: refused before any process starts
-    result = run_app([*APP, *SMALL, f"resume={crafted}", f"hydra.run.dir={tmp_path / 'a'}"], timeout=120)
+    result = run_warm([*APP, *SMALL, f"resume={crafted}", f"hydra.run.dir={tmp_path / 'a'}"], timeout=120)
     line = _one_line_failure(result, 2)
     assert line.startswith(f"error: resume got '{crafted}' (does not load with weights_only=True"), line
     assert not (tmp_path / "a").exists(), "a refused run writes no folder"
@@ -91,7 +91,7 @@ def test_a_crafted_checkpoint_runs_nothing(one_epoch, tmp_path):
     # its own digest beside it does not help: it does not load with weights_only=True
     digest = hashlib.sha256(crafted.read_bytes()).hexdigest()
     digest_path(crafted).write_text(f"{digest}  {crafted.name}\n")
-    result = run_app([*APP, *SMALL, f"resume={crafted}", f"hydra.run.dir={tmp_path / 'b'}"], timeout=120)
+    result = run_warm([*APP, *SMALL, f"resume={crafted}", f"hydra.run.dir={tmp_path / 'b'}"], timeout=120)
     assert "does not load with weights_only=True" in _one_line_failure(result, 2)
 
     # placed in a run folder with resume=auto (and a forged digest, the newest write): one line, exit 2
@@ -99,7 +99,7 @@ def test_a_crafted_checkpoint_runs_nothing(one_epoch, tmp_path):
     shutil.copytree(one_epoch, folder)
     shutil.copy(crafted, folder / "checkpoints" / "step-9.ckpt")
     digest_path(folder / "checkpoints" / "step-9.ckpt").write_text(f"{digest}  step-9.ckpt\n# write 99\n")
-    result = run_app([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120)
+    result = run_warm([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120)
     assert "does not load with weights_only=True" in _one_line_failure(result, 2)
     assert not marker.exists(), "the crafted checkpoint's code ran"
 
@@ -118,7 +118,9 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_one_resumed_from_th
         file.write(os.urandom(4096))
     (ckpts / ".step-10.ckpt.4242.tmp").write_bytes(b"what a kill during a write leaves")
 
-    resumed = check_ok(run_app([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={damaged}"], timeout=300))
+    resumed = check_ok(
+        run_warm([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={damaged}"], timeout=300)
+    )
     skipped = re.findall(r"resume: skipped (\S+) \((.*)\)", resumed.stderr)
     assert sorted(Path(p).name for p, _ in skipped) == ["epoch=0-step=8.ckpt", "last.ckpt", "step-8.ckpt"], skipped
     assert all(why.startswith("damaged: its SHA-256 does not match") for _, why in skipped), skipped
@@ -132,7 +134,7 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_one_resumed_from_th
     legacy.parent.mkdir()
     shutil.copyfile(one_epoch / "checkpoints" / "step-6.ckpt", legacy)
     by_path = tmp_path / "by_path"
-    unverified = check_ok(run_app([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={by_path}",
+    unverified = check_ok(run_warm([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={by_path}",
                                        f"resume={legacy}"], timeout=300))  # fmt: skip
     assert RESUMING.search(unverified.stdout).group(1) == str(legacy)
     assert f"resume: {legacy} is not verified (no digest" in unverified.stderr
@@ -146,9 +148,9 @@ def test_a_hard_kill_with_the_default_config_loses_at_most_the_epoch_under_way(t
     cmd = [*APP, *SMALL, "trainer.max_epochs=6", f"hydra.run.dir={folder}"]
     kill = ["+callbacks.kill._target_=tests.helpers.interrupt.SignalAt", "+callbacks.kill.hook=train_batch_start",
             "+callbacks.kill.step=38", "+callbacks.kill.sig=SIGKILL", "+callbacks.kill.target=group"]  # fmt: skip
-    killed = run_app([*cmd, *kill], timeout=300)  # SIGKILL to every rank at step 38: epoch 4 of 0..5
+    killed = run_warm([*cmd, *kill], timeout=300)  # SIGKILL to every rank at step 38: epoch 4 of 0..5
     assert killed.returncode == -9, f"exit {killed.returncode}\n{killed.stderr[-3000:]}"
-    resumed = check_ok(run_app(cmd, timeout=300))
+    resumed = check_ok(run_warm(cmd, timeout=300))
     found = RESUMING.search(resumed.stdout)
     assert found, resumed.stdout[-2000:]
     assert int(found.group(3)) == 32, f"resumed at step {found.group(3)}: more than the epoch under way was lost"
@@ -159,7 +161,7 @@ def test_a_hard_kill_with_the_default_config_loses_at_most_the_epoch_under_way(t
 def test_a_checkpoint_of_another_model_is_one_line(one_epoch, tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(one_epoch, folder)
-    result = run_app(
+    result = run_warm(
         [*APP, *SMALL, "model.channels=16", "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120
     )
     line = _one_line_failure(result, 2)
@@ -187,7 +189,7 @@ def _tmpfs(where: Path, options: str):
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
     with _tmpfs(tmp_path / "small", "size=48k") as small:
         folder = small / "run"
-        result = run_app([*APP, *SMALL, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300)
+        result = run_warm([*APP, *SMALL, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300)
         line = _one_line_failure(result, 1)
         assert re.fullmatch(
             rf"error: cannot write checkpoint {re.escape(str(folder))}/checkpoints/\S+\.ckpt: no space left on device",
@@ -198,7 +200,7 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
 
 def test_a_read_only_run_folder_is_one_line(tmp_path):
     with _tmpfs(tmp_path / "ro", "ro,size=16k") as ro:
-        result = run_app([*APP, *SMALL, f"hydra.run.dir={ro / 'run'}"], timeout=120)
+        result = run_warm([*APP, *SMALL, f"hydra.run.dir={ro / 'run'}"], timeout=120)
         line = _one_line_failure(result, 2)
         assert line == (
             f"error: hydra.run.dir {ro / 'run'} cannot be written (Read-only file system),"
@@ -211,7 +213,7 @@ def test_a_rendezvous_for_a_node_that_never_comes_gives_up_within_the_timeout_wi
     env = loopback_env(NODE_RANK="0", MASTER_PORT=str(free_port()))
     start = time.monotonic()
     cmd = [*APP, *SMALL, "trainer.num_nodes=2", "strategy.timeout=10", f"hydra.run.dir={tmp_path / 'run'}"]
-    result = run_app(cmd, timeout=120, env=env)
+    result = run_warm(cmd, timeout=120, env=env)
     elapsed = time.monotonic() - start
     assert result.returncode == 1, f"exit {result.returncode}\n{result.stderr[-3000:]}"
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -230,6 +232,6 @@ def test_checkpoints_of_an_earlier_version_without_digests_are_not_dropped_silen
     for sidecar in (folder / "checkpoints").glob("*.sha256"):
         sidecar.unlink()
     cmd = [*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"]
-    refused = run_app(cmd, timeout=120)  # auto would otherwise start over and lose the run
+    refused = run_warm(cmd, timeout=120)  # auto would otherwise start over and lose the run
     assert "no checkpoint in" in _one_line_failure(refused, 2) and "has a digest" in refused.stderr
     # resume=<one of them> continues unverified: the damaged-checkpoints test resumes so

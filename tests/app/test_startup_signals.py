@@ -21,7 +21,7 @@ import pytest
 
 from ddp_plugins.testing import loopback_env
 from tests.helpers import REPO_ROOT
-from tests.helpers.app import APP
+from tests.helpers.warm import APP
 
 SMALL = [
     "data=synthetic", "data.num_samples=640", "model.channels=8", "trainer.max_epochs=1",

@@ -19,7 +19,7 @@ from ddp_plugins.app.train import _accuracy_key, _reset_job_state
 from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
 from tests.app.test_checks import BAD_INPUTS, GROUPS
 from tests.helpers import REPO_ROOT
-from tests.helpers.app import APP, run_app
+from tests.helpers.warm import APP, run_warm
 
 ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
 
@@ -110,7 +110,7 @@ def test_make_train_job_reaches_095_with_one_run_folder(tmp_path):
 def test_multirun_runs_each_job_once_as_a_two_process_ddp_run(tmp_path):
     cmd = [*APP, "-m", "precision=32-true,bf16-mixed", "data=synthetic", "data.num_samples=640", "model.channels=8",
            "trainer.max_epochs=1", "trainer.enable_progress_bar=false"]  # fmt: skip
-    result = check_ok(run_app(cmd, timeout=400, cwd=tmp_path))
+    result = check_ok(run_warm(cmd, timeout=400, cwd=tmp_path))
     out = result.stdout + result.stderr
     assert len(ACCURACY.findall(result.stdout)) == 2, "expected one accuracy line per job"
     assert out.count("MEMBER: 2/2") == 2, "each job should start exactly one child rank"
@@ -134,7 +134,7 @@ def test_child_ranks_use_the_config_the_user_chose(tmp_path):
         "defaults:\n  - train\n  - _self_\nmodel:\n  channels: 8\ntrainer:\n  max_epochs: 1\n"
     )
     cmd = [*APP, "--config-dir", str(conf), "--config-name", "mine", "trainer.enable_progress_bar=false"]
-    result = check_ok(run_app(cmd, timeout=300, cwd=tmp_path))
+    result = check_ok(run_warm(cmd, timeout=300, cwd=tmp_path))
     assert "MEMBER: 2/2" in result.stdout + result.stderr
     config = (_single_folder(tmp_path / "outputs", 2) / ".hydra" / "config.yaml").read_text()
     assert "channels: 8" in config and "max_epochs: 1" in config

@@ -2,7 +2,7 @@
 
 ``python -m tests.helpers.bad_cli OUT.json ARGS_JSON``: imports the app once, then for each command
 line forks a child that becomes ``python -m ddp_plugins.train ARGS``
-(:func:`tests.helpers.app.start_app`, which ends through ``exit_process``) in a fresh empty folder
+(:func:`tests.helpers.warm.start`, which ends through ``exit_process``) in a fresh empty folder
 with stdout/stderr captured. This process is a child
 subreaper, so a process the app started (a DDP rank) and left behind is re-parented here and is
 found. Each result: exit code, stderr, stdout, what the folder holds afterwards, the processes
@@ -21,7 +21,6 @@ import time
 
 import ddp_plugins.app.train  # noqa: F401 - what the app imports, once
 from ddp_plugins.core.files import write_text_atomic
-from tests.helpers.app import start_app
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -37,11 +36,18 @@ def _children() -> list[int]:
 def _run(argv: list[str]) -> dict:
     folder = tempfile.mkdtemp(prefix="ddp_plugins_bad_")
     out_path, err_path = folder + ".out", folder + ".err"
-    request = {"args": argv, "env": dict(os.environ), "cwd": folder, "stdout": out_path, "stderr": err_path}
+    request = {
+        "module": "ddp_plugins.train",
+        "args": argv,
+        "env": dict(os.environ),
+        "cwd": folder,
+        "stdout": out_path,
+        "stderr": err_path,
+    }
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the app, as `python -m ddp_plugins.train ARGV` would run it, in its own folder
-        start_app(request)
+        start(request)
     _, status = os.waitpid(pid, 0)
     elapsed = time.monotonic() - start
     left = _children()

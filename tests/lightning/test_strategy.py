@@ -21,6 +21,7 @@ from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from ddp_plugins.testing import free_port, loopback_env, run_command, run_lightning
+from tests.helpers.warm import run_warm
 
 # ---------------------------------------------------------------- arguments, registry, SyncBN
 
@@ -293,8 +294,8 @@ def _check_failed_run(mode, rank, message):
         (Path(out_dir) / "args.pkl").write_bytes(pickle.dumps((mode, rank)))
         cmd = [sys.executable, "-m", "tests.helpers.launch", f"{__name__}:_fit_and_fail", out_dir]
         start = time.monotonic()
-        # every rank and dataloader worker holds the output pipes: run_command returns once all are gone
-        result = run_command(cmd, FAIL_TIMEOUT + 30, env=loopback_env(MASTER_PORT=str(free_port())))
+        # every rank and dataloader worker holds the output: run_warm returns once all are gone
+        result = run_warm(cmd, FAIL_TIMEOUT + 30, env=loopback_env(MASTER_PORT=str(free_port())))
         elapsed = time.monotonic() - start
     assert result.returncode != 0, f"exit code 0 after {mode} on rank {rank}\n{result.stderr[-3000:]}"
     assert elapsed < FAIL_TIMEOUT + 30
