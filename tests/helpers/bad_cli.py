@@ -21,6 +21,7 @@ import time
 
 import ddp_plugins.app.train  # noqa: F401 - what the app imports, once
 from ddp_plugins.core.files import write_text_atomic
+from tests.helpers import warm
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -47,7 +48,7 @@ def _run(argv: list[str]) -> dict:
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the app, as `python -m ddp_plugins.train ARGV` would run it, in its own folder
-        start(request)
+        warm.start(request)
     _, status = os.waitpid(pid, 0)
     elapsed = time.monotonic() - start
     left = _children()
