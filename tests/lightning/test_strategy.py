@@ -310,33 +310,38 @@ def _check_failed_run(mode, rank, message):
 
 _KILLED_RANK = """
 import multiprocessing, os, signal, sys
-import lightning.pytorch as pl, torch
-from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+import torch
 
 out = sys.argv[1]
 
 def note_pid(worker_id):
     open(os.path.join(out, f"worker-{os.getpid()}"), "w").close()
 
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(2, 1)
-    def training_step(self, batch, batch_idx):
-        if batch_idx == 2:
-            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a torchrun restart would
-        return self.lin(batch[0]).sum()
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-    def train_dataloader(self):
-        data = torch.utils.data.TensorDataset(torch.randn(64, 2))
-        return torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, persistent_workers=True,
-            worker_init_fn=note_pid, multiprocessing_context=multiprocessing.get_context("forkserver"))
+def main():  # Lightning imported here: each loader worker runs this file again, as __mp_main__
+    import lightning.pytorch as pl
+    from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 
-if __name__ == "__main__":
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a torchrun restart would
+            return self.lin(batch[0]).sum()
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(64, 2))
+            return torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, persistent_workers=True,
+                worker_init_fn=note_pid, multiprocessing_context=multiprocessing.get_context("forkserver"))
+
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPPluginsStrategy(backend="gloo"), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Net())
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -362,35 +367,40 @@ def test_forkserver_workers_of_a_killed_rank_leave_instead_of_holding_its_pipes_
 
 
 _SIGNALED_HELPERS = """
-import multiprocessing, os, signal, sys
+import multiprocessing, os, signal
 from multiprocessing import forkserver, resource_tracker
-import lightning.pytorch as pl, torch
-from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+import torch
 
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(2, 1)
-    def training_step(self, batch, batch_idx):
-        if self.current_epoch == 0 and batch_idx == 1:  # what Slurm does to every process of the step
-            helpers = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
-            for pid in helpers:
-                for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
-                    os.kill(pid, sig)
-            print("signalled", helpers, flush=True)
-        return self.lin(batch[0]).sum()
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-    def train_dataloader(self):  # workers forked anew every epoch, by the forkserver
-        data = torch.utils.data.TensorDataset(torch.randn(16, 2))
-        return torch.utils.data.DataLoader(data, batch_size=4, num_workers=2,
-            multiprocessing_context=multiprocessing.get_context("forkserver"))
+def main():  # Lightning imported here: each loader worker runs this file again, as __mp_main__
+    import lightning.pytorch as pl
+    from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 
-if __name__ == "__main__":
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+        def training_step(self, batch, batch_idx):
+            if self.current_epoch == 0 and batch_idx == 1:  # what Slurm does to every process of the step
+                helpers = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+                for pid in helpers:
+                    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+                        os.kill(pid, sig)
+                print("signalled", helpers, flush=True)
+            return self.lin(batch[0]).sum()
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        def train_dataloader(self):  # workers forked anew every epoch, by the forkserver
+            data = torch.utils.data.TensorDataset(torch.randn(16, 2))
+            return torch.utils.data.DataLoader(data, batch_size=4, num_workers=2,
+                multiprocessing_context=multiprocessing.get_context("forkserver"))
+
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPPluginsStrategy(backend="gloo"), max_epochs=2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Net())
     print("steps", trainer.global_step)
+
+if __name__ == "__main__":
+    main()
 """
 
 
