@@ -387,19 +387,16 @@ def _log_tail(out_dir: Path, rank: int, chars: int = 6000) -> str:
     return f"--- rank {rank} ---\n{text[-chars:]}\n"
 
 
-class _RankServer:
-    """The long-lived process :func:`run_lightning` forks ranks from, one per test session.
+class _ServerProcess:
+    """A long-lived ``python -m MODULE`` child, one per test session (per pytest worker), that
+    takes JSON requests on its stdin, one per line, and answers in lines on its stdout."""
 
-    Line protocol over its stdin/stdout: a JSON request in; ``pids P0 P1 ...`` then one ``exit RANK
-    CODE`` per rank as each ends. Each rank leads its own process group (its loader workers join
-    it), so a timeout kills everything the rank started.
-    """
-
-    _instance: _RankServer | None = None
+    module = ""
+    _instance: _ServerProcess | None = None
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_plugins.testing"],
+            [sys.executable, "-m", self.module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=loopback_env(),
@@ -408,48 +405,24 @@ class _RankServer:
         self._pending = b""
 
     @classmethod
-    def get(cls) -> _RankServer:
+    def get(cls) -> Any:
+        """The running server of this class, started if there is none (or it ended)."""
         if cls._instance is None or cls._instance.proc.poll() is not None:
             cls._instance = cls()
         return cls._instance
 
-    def run(self, request: dict[str, Any], timeout: float) -> dict[int, int]:
-        """Fork the request's ranks and return their exit codes by rank (killed ones: ``-9``)."""
+    def send(self, request: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
-        deadline = time.monotonic() + timeout
-        started = self._line(deadline, request)
-        if started is None:
-            self.close()
-            raise AssertionError(f"the rank server did not start {request['target']} within {timeout}s")
-        pids = [int(pid) for pid in started.split()[1:]]
-        codes: dict[int, int] = {}
-        failed_at: float | None = None
-        while len(codes) < len(pids):
-            # a rank that failed leaves the others in a collective: give them a moment, then stop them
-            line = self._line(deadline if failed_at is None else min(deadline, failed_at + _FAILURE_GRACE_S), request)
-            if line is None:
-                self._kill(pids)
-                while len(codes) < len(pids) and (line := self._line(time.monotonic() + 30, request)):
-                    _, rank, code = line.split()
-                    codes[int(rank)] = int(code)
-                if failed_at is None:
-                    raise AssertionError(self._hang_message(request, timeout))
-                break
-            _, rank, code = line.split()
-            codes[int(rank)] = int(code)
-            if int(code) != 0 and failed_at is None:
-                failed_at = time.monotonic()
-        return codes
 
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
-        _RankServer._instance = None
+        type(self)._instance = None
 
-    def _line(self, deadline: float, request: dict[str, Any]) -> str | None:
-        """The server's next line, or None at the deadline.
+    def line(self, deadline: float, what: str) -> str | None:
+        """The server's next line, or None at the deadline; ``what``: the request, for an error.
 
         Read with ``os.read`` into a buffer of our own: a buffered ``readline`` can take two lines
         from the pipe at once, and ``select`` would then wait on an empty pipe for the second.
@@ -463,11 +436,51 @@ class _RankServer:
             chunk = os.read(fd, 65536)
             if not chunk:
                 code = self.proc.wait()
-                _RankServer._instance = None
-                raise AssertionError(f"the rank server ended (exit code {code}) during {request['target']}")
+                type(self)._instance = None
+                raise AssertionError(f"the server {self.module} ended (exit code {code}) during {what}")
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         return line.decode()
+
+
+class _RankServer(_ServerProcess):
+    """The server :func:`run_lightning` forks ranks from (``python -m ddp_plugins.testing``).
+
+    Line protocol: a JSON request in; ``pids P0 P1 ...`` then one ``exit RANK CODE`` per rank as
+    each ends. Each rank leads its own process group (its loader workers join it), so a timeout
+    kills everything the rank started.
+    """
+
+    module = "ddp_plugins.testing"
+
+    def run(self, request: dict[str, Any], timeout: float) -> dict[int, int]:
+        """Fork the request's ranks and return their exit codes by rank (killed ones: ``-9``)."""
+        self.send(request)
+        deadline = time.monotonic() + timeout
+        started = self.line(deadline, request["target"])
+        if started is None:
+            self.close()
+            raise AssertionError(f"the rank server did not start {request['target']} within {timeout}s")
+        pids = [int(pid) for pid in started.split()[1:]]
+        codes: dict[int, int] = {}
+        failed_at: float | None = None
+        while len(codes) < len(pids):
+            # a rank that failed leaves the others in a collective: give them a moment, then stop them
+            grace = deadline if failed_at is None else min(deadline, failed_at + _FAILURE_GRACE_S)
+            line = self.line(grace, request["target"])
+            if line is None:
+                self._kill(pids)
+                while len(codes) < len(pids) and (line := self.line(time.monotonic() + 30, request["target"])):
+                    _, rank, code = line.split()
+                    codes[int(rank)] = int(code)
+                if failed_at is None:
+                    raise AssertionError(self._hang_message(request, timeout))
+                break
+            _, rank, code = line.split()
+            codes[int(rank)] = int(code)
+            if int(code) != 0 and failed_at is None:
+                failed_at = time.monotonic()
+        return codes
 
     def _kill(self, pids: Sequence[int]) -> None:
         for pid in pids:

@@ -11,10 +11,10 @@ and ``__main__`` as ``python -m`` sets them (so Lightning's launcher starts rank
 whose proof is the start itself (``make train``, signals during start-up, the installed wheel,
 torchrun and Slurm launches) runs its command fresh.
 
-The server (``python -m tests.helpers.warm``) reads one request per line and answers
-``started PID``, then ``exit CODE`` once no process holds the output files as its stdout or stderr
-(``run_command`` reads its pipes until every holder has closed them); it ends when its stdin
-closes, with the pytest worker.
+The server (``python -m tests.helpers.warm``) says ``ready`` once it has imported the app, then
+reads one request per line and answers ``started PID``, then ``exit CODE`` once no process holds
+the output files as its stdout or stderr (``run_command`` reads its pipes until every holder has
+closed them); it ends when its stdin closes, with the pytest worker.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import select
 import subprocess
 import sys
 import tempfile
@@ -33,40 +32,20 @@ from pathlib import Path
 from typing import NoReturn
 
 from ddp_plugins.core.process import system_exit_code
-from ddp_plugins.testing import loopback_env
+from ddp_plugins.testing import _ServerProcess, loopback_env
 
 APP = [sys.executable, "-m", "ddp_plugins.train"]
 
 
-class _Server:
-    _instance: _Server | None = None
+class _Server(_ServerProcess):
+    module = "tests.helpers.warm"
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.warm"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=loopback_env(), start_new_session=True)  # fmt: skip
-        self._pending = b""
-
-    @classmethod
-    def get(cls) -> _Server:
-        if cls._instance is None or cls._instance.proc.poll() is not None:
-            cls._instance = cls()
-        return cls._instance
-
-    def line(self, deadline: float) -> str | None:
-        """The server's next line, or None at the deadline (``os.read``: a buffered readline could
-        take two lines at once and ``select`` then wait for the second on an empty pipe)."""
-        assert self.proc.stdout is not None
-        while b"\n" not in self._pending:
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                return None
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
-            if not chunk:
-                _Server._instance = None
-                raise AssertionError(f"the warm server ended (exit code {self.proc.wait()})")
-            self._pending += chunk
-        line, self._pending = self._pending.split(b"\n", 1)
-        return line.decode()
+        super().__init__()
+        # its imports are the fresh start that run_warm's commands skip: not part of their timeouts
+        if self.line(time.monotonic() + 300, "its start") != "ready":
+            self.close()
+            raise AssertionError("the warm server did not start within 300 s")
 
 
 def run_warm(
@@ -81,17 +60,18 @@ def run_warm(
         folder = str(cwd if cwd is not None else os.getcwd())
         request = {"module": cmd[2], "args": list(cmd[3:]), "env": environ, "cwd": folder,
                    "stdout": str(out), "stderr": str(err)}  # fmt: skip
-        assert server.proc.stdin is not None
-        server.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        server.proc.stdin.flush()
+        server.send(request)
         deadline = time.monotonic() + timeout
-        started = server.line(deadline)
-        assert started is not None, f"the warm server did not start {cmd} within {timeout}s"
+        started = server.line(deadline, cmd[2])
+        if started is None:
+            server.close()
+            raise AssertionError(f"the warm server did not start {cmd} within {timeout}s")
         pid = int(started.split()[1])
-        ended = server.line(deadline)
+        ended = server.line(deadline, cmd[2])
         if ended is None:  # a hang: end its process group (ranks, loader workers), as run_command does
             os.killpg(pid, 9)
-            server.line(time.monotonic() + 60)
+            if server.line(time.monotonic() + 60, cmd[2]) is None:
+                server.close()  # its processes outlived the kill of their group: start afresh next time
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if ended is None:
         raise AssertionError(
@@ -154,6 +134,7 @@ def _serve() -> None:
     import ddp_plugins.app.train  # noqa: F401 - what the app (and Lightning) imports, once
 
     replies = os.dup(1)  # answers never go through sys.stdout, whose buffer a fork would copy
+    os.write(replies, b"ready\n")
     for raw in sys.stdin.buffer:
         request = json.loads(raw)
         sys.stdout.flush()
