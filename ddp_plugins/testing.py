@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from typing_extensions import Self
 
 from ddp_plugins.core.checks import check_int, check_number
 from ddp_plugins.core.files import save_atomic
@@ -392,7 +393,7 @@ class _ServerProcess:
     takes JSON requests on its stdin, one per line, and answers in lines on its stdout."""
 
     module = ""
-    _instance: _ServerProcess | None = None
+    _instance: Self | None = None
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
@@ -405,7 +406,7 @@ class _ServerProcess:
         self._pending = b""
 
     @classmethod
-    def get(cls) -> Any:
+    def get(cls) -> Self:
         """The running server of this class, started if there is none (or it ended)."""
         if cls._instance is None or cls._instance.proc.poll() is not None:
             cls._instance = cls()

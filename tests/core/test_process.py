@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ddp_plugins.testing import check_ok, loopback_env, run_command
+from ddp_plugins.testing import check_ok, run_command
 
 ROUNDS_PLAIN_MAX = 120
 ROUNDS_CLEAN = 30
@@ -18,7 +18,7 @@ def _run_rounds(tmp_path, mode: str, rounds: int, stop_at_failure: bool = False)
     one warm process); return (round, exit code, stderr) of every process that failed or hung."""
     out = tmp_path / f"{mode}.json"
     cmd = [sys.executable, "-m", "tests.helpers.exit_probe", mode, str(rounds), str(out)]
-    check_ok(run_command([*cmd, *(["--stop-at-failure"] if stop_at_failure else [])], timeout=600, env=loopback_env()))
+    check_ok(run_command([*cmd, *(["--stop-at-failure"] if stop_at_failure else [])], timeout=600))
     results = json.loads(out.read_text())
     assert len(results) == 2 * rounds or stop_at_failure, f"{len(results)} results of {2 * rounds} processes"
     return [(r["round"], r["code"], r["stderr"]) for r in results if r["code"] != 0]

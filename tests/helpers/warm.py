@@ -19,6 +19,7 @@ closed them); it ends when its stdin closes, with the pytest worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -69,7 +70,8 @@ def run_warm(
         pid = int(started.split()[1])
         ended = server.line(deadline, cmd[2])
         if ended is None:  # a hang: end its process group (ranks, loader workers), as run_command does
-            os.killpg(pid, 9)
+            with contextlib.suppress(ProcessLookupError):  # all gone since the deadline
+                os.killpg(pid, 9)
             if server.line(time.monotonic() + 60, cmd[2]) is None:
                 server.close()  # its processes outlived the kill of their group: start afresh next time
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
