@@ -21,7 +21,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_plugins.app.config import ConfigError, _choices, _one_line, _to_dict, resolve_precision
+from ddp_plugins.app.config import ConfigError, _choices, _one_line, resolve_precision
+from ddp_plugins.app.config import trainer_args as resolved_trainer_args
 from ddp_plugins.core.checks import ArgumentError
 from ddp_plugins.lightning.network import restore_env
 
@@ -223,7 +224,7 @@ def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
     """The run's ``Trainer`` without its logger or checkpoints: Lightning's own checks run, nothing starts."""
     from lightning.pytorch import Trainer
 
-    trainer_args = _to_dict(cfg.trainer, resolve=True)
+    trainer_args = resolved_trainer_args(cfg.trainer)
     accelerator = str(trainer_args.get("accelerator", "auto"))
     precision = resolve_precision(str(cfg.precision.name), accelerator)
     env_before = dict(os.environ)

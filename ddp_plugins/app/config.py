@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ __all__ = [
     "config_error",
     "group_options",
     "resolve_backend",
+    "resolve_devices",
     "resolve_precision",
+    "trainer_args",
     "run_dir",
 ]
 
@@ -288,6 +291,37 @@ def compose_config(
 
 def _cuda_in_use(accelerator: str) -> bool:
     return accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+CPU_PROCESSES = 2
+"""What ``trainer.devices: auto`` starts on a machine without CUDA: 2 processes over gloo."""
+
+
+def resolve_devices(devices: Any, accelerator: str = "auto") -> Any:
+    """``trainer.devices``: ``auto`` -> the launcher's processes per node under torchrun or an ``srun``
+    step, else one rank per GPU on CUDA, else :data:`CPU_PROCESSES`; other values unchanged.
+
+    Lightning's own ``auto`` means every GPU on CUDA but a single process on CPU; the app's ``auto``
+    keeps a DDP run on a laptop too, so ``make train`` works on any machine.
+
+    Example::
+
+        >>> resolve_devices("auto", "cpu"), resolve_devices(3, "cpu")
+        (2, 3)
+    """
+    if devices != "auto":
+        return devices
+    for key, step in (("LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"), ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_ID")):
+        if os.environ.get(key, "").isdigit() and step in os.environ:
+            return int(os.environ[key])
+    return torch.cuda.device_count() if _cuda_in_use(accelerator) else CPU_PROCESSES
+
+
+def trainer_args(trainer: Any) -> dict[str, Any]:
+    """The ``trainer`` config node as ``lightning.pytorch.Trainer`` arguments (``devices`` resolved)."""
+    args = dict(trainer) if isinstance(trainer, dict) else _to_dict(trainer, resolve=True)
+    args["devices"] = resolve_devices(args.get("devices", "auto"), str(args.get("accelerator", "auto")))
+    return args
 
 
 def resolve_backend(backend: str, accelerator: str = "auto") -> str:

@@ -34,6 +34,7 @@ from ddp_plugins.app.config import (
     config_error,
     group_options,
     resolve_precision,
+    trainer_args,
 )
 from ddp_plugins.core.checks import ArgumentError, ArgumentTypeError, ArgumentValueError, check_int
 from ddp_plugins.core.seeding import check_seed
@@ -276,7 +277,7 @@ def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, A
     env = (resolved.get("network") or {}).get("env") or {}
     if not isinstance(env, Mapping) or any(isinstance(v, (Mapping, list)) for v in env.values()):
         raise ConfigError("network.env", f"got {env!r}", "a mapping of environment variable names to values")
-    trainer = resolved.get("trainer") or {}
+    trainer = trainer_args(resolved.get("trainer") or {})
     accelerator = str(trainer.get("accelerator", "auto"))
     with as_config_error("backend", raw):
         check_backend(resolved["backend"]["name"], accelerator)

@@ -17,12 +17,12 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from ddp_plugins.app.config import CONFIG_MODULE, CONFIG_NAME, ConfigError, resolve_precision
+from ddp_plugins.app.config import CONFIG_MODULE, CONFIG_NAME, ConfigError, resolve_precision, trainer_args
 from ddp_plugins.app.precheck import load_checkpoint_safely, precheck, single_run_config
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
@@ -67,10 +67,8 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     # (save_last=True would follow the best one: rewritten only when the accuracy improves.)
     best = ModelCheckpoint(dirpath=folder, monitor=_accuracy_key(cfg), mode="max")
     latest = ModelCheckpoint(dirpath=folder, filename="last", monitor=None, enable_version_counter=False)
-    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
-    assert isinstance(trainer_args, dict)
     return pl.Trainer(
-        **cast("dict[str, Any]", trainer_args),
+        **trainer_args(cfg.trainer),
         strategy=strategy,
         precision=precision,
         callbacks=[*plugin_callbacks, best, latest, *(callbacks or [])],

@@ -38,7 +38,14 @@ from ddp_plugins.core.preemption import (
     stable_run_name,
 )
 from ddp_plugins.core.process import exit_process, run_main
-from ddp_plugins.core.ranks import get_rank, get_world_size, rank_zero_first, setup_rank_logging
+from ddp_plugins.core.ranks import (
+    collective_device,
+    for_collective,
+    get_rank,
+    get_world_size,
+    rank_zero_first,
+    setup_rank_logging,
+)
 from ddp_plugins.core.samplers import ResumableSampler, SequentialDistributedSampler
 from ddp_plugins.core.seeding import (
     collect_rng_states,
@@ -62,8 +69,8 @@ __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
     "ArgumentValueError",
-    "CollectiveCounts",
     "COMM_HOOKS",
+    "CollectiveCounts",
     "CountingCommHook",
     "EmptyShareCollate",
     "EvenSteps",
@@ -72,7 +79,6 @@ __all__ = [
     "PlanBatchSampler",
     "Preempted",
     "ResumableSampler",
-    "WorkerInit",
     "SequentialDistributedSampler",
     "SignalAgreement",
     "SignalFlag",
@@ -81,6 +87,7 @@ __all__ = [
     "SyncBatchNormReport",
     "TimedCommHook",
     "Timeline",
+    "WorkerInit",
     "agree_on_signal",
     "build_comm_hook",
     "check_bool",
@@ -89,6 +96,7 @@ __all__ = [
     "check_int",
     "check_number",
     "collect_rng_states",
+    "collective_device",
     "collective_kind",
     "convert_sync_batchnorm",
     "count_collectives",
@@ -96,6 +104,7 @@ __all__ = [
     "distributed_concat",
     "encode_rng_states",
     "exit_process",
+    "for_collective",
     "gather_per_rank",
     "get_rank",
     "get_world_size",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddp_plugins.core.checks import check_int, check_number
+from ddp_plugins.core.ranks import collective_device
 
 __all__ = ["concat_batches", "distributed_concat", "num_rows", "truncate_rows"]
 
@@ -205,15 +206,6 @@ def num_rows(data: Any, step: str) -> int:
 def truncate_rows(data: Any, n: int) -> Any:
     """The first ``n`` rows of every leaf of ``data``."""
     return _unflatten(data, iter([leaf[:n] for _, leaf in _flatten(data)[1]]))
-
-
-def _comm_device(group: Any, tensor: Tensor, backend: str | None = None) -> torch.device:
-    backend = backend or dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "gloo":
-        return torch.device("cpu")
-    return tensor.device
 
 
 def _concat(
@@ -446,7 +438,7 @@ def _gather_shapes_with_data(
             ]
         words, layout, dtype_shapes = repeat.words, repeat.layout, tuple((t.dtype, t.shape) for t in tensors)
     else:
-        rnd.prepare(_comm_device(group, tensors[0] if tensors else torch.empty(0), rnd.backend), world)
+        rnd.prepare(collective_device(group), world)
         words = [_FULL, 0, 0, len(tensors), 0, 0, 0, 0]
         layout = None
         if error is None and all(
@@ -574,7 +566,7 @@ def _gather_tensor(tensor: Tensor, shapes: list[tuple], pad_value: float | None,
     rows = [shape[0] for shape in shapes]
     if max(rows) == 0:
         return tensor.new_empty((0, *trailing))
-    device = _comm_device(group, tensor)
+    device = collective_device(group)
     local = _pad(tensor.to(device), (max(rows), *trailing), pad_value).contiguous()
     out = torch.empty((len(rows) * max(rows), *trailing), dtype=tensor.dtype, device=device)
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

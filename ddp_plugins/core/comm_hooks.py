@@ -121,10 +121,34 @@ def _powersgd_hook(state, bucket):
     """
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
+    if not bucket.buffer().is_cuda and torch.cuda.is_available():
+        _let_cuda_synchronize_skip_the_cpu()
     future = powerSGD_hook(state, bucket)
     if dist.get_backend(state.process_group) != "nccl":
         future.wait()
     return future
+
+
+def _let_cuda_synchronize_skip_the_cpu() -> None:
+    """Make ``torch.cuda.synchronize(<cpu device>)`` return at once (nothing to wait for) instead of raising.
+
+    torch's ``powerSGD_hook`` (checked on 2.11 and 2.13) calls ``torch.cuda.synchronize(device)`` with
+    the bucket's device whenever CUDA is available, so a CPU bucket (gloo, CPU model) on a machine
+    with a GPU fails with ``ValueError: Expected a cuda device, but got: cpu``, from a future callback
+    on gloo's thread. The wrapper changes only that call, which always raised; it is installed once
+    per process, process-wide, since the callback runs on another thread.
+    """
+    synchronize = torch.cuda.synchronize
+    if getattr(synchronize, "skips_the_cpu", False):
+        return
+
+    def cpu_tolerant_synchronize(device: Any = None) -> None:
+        if isinstance(device, (torch.device, str)) and torch.device(device).type == "cpu":
+            return
+        synchronize(device)
+
+    cpu_tolerant_synchronize.skips_the_cpu = True  # type: ignore[attr-defined]
+    torch.cuda.synchronize = cpu_tolerant_synchronize
 
 
 class CountingCommHook:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_int
+from ddp_plugins.core.ranks import collective_device
 
 __all__ = ["EmptyShareCollate", "EvenSteps", "GlobalPlan", "PlanBatchSampler", "PlanOrder", "even_split"]
 
@@ -301,7 +302,7 @@ class EvenSteps:
         batches: this rank's batches (a DataLoader of its shard).
         rows_of: the rows of a batch (the first tensor's length by default).
         group: the process group (the default one when ``None``).
-        device: where the counts are reduced (``cuda`` for nccl).
+        device: where the counts are reduced; ``None``: :func:`~ddp_plugins.core.ranks.collective_device`.
         length: the agreed number of batches (the longest rank's), or ``None`` when unsized.
         flag: this rank's flag (0 to 64) at each step, agreed across ranks with the counts.
         window: micro-batches per optimizer step (gradient accumulation), counted in one round;
@@ -321,7 +322,7 @@ class EvenSteps:
         batches: Iterable[Any],
         rows_of: Callable[[Any], int] | None = None,
         group: Any = None,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         length: int | None = None,
         flag: Callable[[], int] | None = None,
         window: int | Callable[[], int] = 1,
@@ -331,7 +332,7 @@ class EvenSteps:
         self.flag = flag
         self.rows_of = rows_of or _first_tensor_rows
         self.group = group
-        self.device = torch.device(device)
+        self.device = None if device is None else torch.device(device)
         self.length = length
         self.window = window if callable(window) else check_int("window", window, 1)
         self.start = check_int("start", start, 0)
@@ -372,7 +373,7 @@ class EvenSteps:
             counts[k + 1 + rank] = int(self._template is not None)
             counts[k + 1 + world + len(window)] = 1  # one-hot: the sum keeps the longest rank's count
             counts[k + 1 + world + k + 1 + (self.flag() if self.flag is not None else 0)] = 1
-            counts = counts.to(self.device).contiguous()
+            counts = counts.to(self.device or collective_device(self.group)).contiguous()
             dist.all_reduce(counts, group=self.group)
             counts = counts.cpu()
             micro_rows = [int(v) for v in counts[:k].tolist()]

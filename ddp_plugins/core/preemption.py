@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_int
+from ddp_plugins.core.ranks import collective_device
 
 __all__ = [
     "AUTO_CHECK_MAX_STEPS",
@@ -182,8 +183,10 @@ class SignalFlag:
             self.signum, self._at = signum, now
 
 
-def agree_on_signal(signum: int, device: torch.device | str = "cpu", group: Any = None) -> int:
+def agree_on_signal(signum: int, group: Any = None) -> int:
     """The largest signal number flagged on any rank (0 when none): one ``all_reduce(MAX)``.
+
+    The flag travels on :func:`~ddp_plugins.core.ranks.collective_device` (the rank's GPU on nccl).
 
     Every rank must call it at the same point (a step boundary). Without a process group it
     returns ``signum``.
@@ -195,7 +198,7 @@ def agree_on_signal(signum: int, device: torch.device | str = "cpu", group: Any 
     """
     if not (dist.is_available() and dist.is_initialized()):
         return int(signum)
-    flag = torch.tensor([int(signum)], dtype=torch.int32, device=device)
+    flag = torch.tensor([int(signum)], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item())
 
@@ -236,12 +239,11 @@ class SignalAgreement:
 
     def __init__(
         self,
-        device: torch.device | str = "cpu",
         group: Any = None,
         every: int | str = 1,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        self.device, self.group = device, group
+        self.group = group
         self.every = check_int("every", every, 1, also=("auto",))
         self._clock = clock or time.monotonic
         self._pending: tuple[torch.Tensor, Any] | None = None
@@ -256,7 +258,7 @@ class SignalAgreement:
             return int(signum) if start else 0
         agreed = self._read()
         if start and not agreed:
-            flag = torch.tensor([int(signum), int(pace_us)], dtype=torch.int64, device=self.device)
+            flag = torch.tensor([int(signum), int(pace_us)], dtype=torch.int64, device=collective_device(self.group))
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             self._pending = (flag, work)
         return agreed
@@ -287,7 +289,7 @@ class SignalAgreement:
         after it (an epoch's end: validation's time is not a step's)."""
         self._boundary += 1
         self._started, self._next = None, self._boundary + 1
-        return max(self._read(), agree_on_signal(signum, self.device, self.group))
+        return max(self._read(), agree_on_signal(signum, self.group))
 
     def cancel(self) -> None:
         self._pending = None

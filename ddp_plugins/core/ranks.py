@@ -2,7 +2,8 @@
 =============================
 
 The one rank lookup of the pack (:func:`get_rank`, before and after the process group starts),
-:func:`get_world_size`, :func:`rank_zero_first` and :func:`setup_rank_logging`. Plain torch.
+:func:`get_world_size`, :func:`rank_zero_first`, :func:`setup_rank_logging`, and the one rule for
+where a collective's tensors go (:func:`collective_device`, :func:`for_collective`). Plain torch.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import logging
 import os
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["get_rank", "get_world_size", "rank_zero_first", "setup_rank_logging"]
+__all__ = ["collective_device", "for_collective", "get_rank", "get_world_size", "rank_zero_first", "setup_rank_logging"]
 
 
 def get_rank() -> int:
@@ -51,6 +54,50 @@ def get_world_size() -> int:
         1
     """
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _backends(group: Any = None) -> str:
+    """The group's backend name: ``nccl``, ``gloo``, or a per-device spec such as ``cpu:gloo,cuda:nccl``."""
+    return str(dist.get_backend(group)).lower()
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device whose tensors the group's backend takes: the rank's CUDA device for nccl, else the CPU.
+
+    The one rule of the pack for where a tensor of its own making goes before a collective (stop
+    flags, plan counts, clock stamps, gathers). A group that has nccl (``nccl``, or a per-device
+    backend such as ``cpu:gloo,cuda:nccl``) runs on ``cuda:<current device>``; gloo, mpi and any
+    other backend on the CPU, which every backend takes. Without a process group: the CPU.
+
+    Example::
+
+        >>> collective_device()
+        device(type='cpu')
+    """
+    if dist.is_available() and dist.is_initialized() and "nccl" in _backends(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """``tensor`` where the group's backend takes it: unchanged when it already does, else moved.
+
+    nccl takes CUDA tensors only (moved to :func:`collective_device`); gloo takes CPU and CUDA
+    tensors (a caller's CUDA tensor stays put); other backends take CPU tensors. The caller moves the
+    result back with ``.to(tensor.device)`` where it hands it on: results come back where they were.
+
+    Example::
+
+        >>> for_collective(torch.ones(2)).device
+        device(type='cpu')
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    backends = _backends(group)
+    if tensor.is_cuda and ("nccl" in backends or "gloo" in backends):
+        return tensor
+    target = collective_device(group)
+    return tensor if tensor.device == target else tensor.to(target)
 
 
 @contextlib.contextmanager

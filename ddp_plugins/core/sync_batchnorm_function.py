@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ddp_plugins import _compat
+from ddp_plugins.core.ranks import for_collective
 
 __all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
 
@@ -72,7 +73,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
             payload[-1] = local
         else:
             payload = torch.zeros(2 * channels + 1, dtype=acc_dtype, device=input.device)
+        payload = for_collective(payload, process_group)
         dist.all_reduce(payload, group=process_group)
+        payload = payload.to(input.device)
         total = int(payload[-1])
         if total <= 1:
             raise ValueError(
@@ -130,7 +133,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
             grad_bias = sum_dy if param_dtype == stat_dtype else sum_dy.to(param_dtype)
         if need_input:
             payload = torch.cat([sum_dy, sum_dy_xhat])
+            payload = for_collective(payload, ctx.process_group)
             dist.all_reduce(payload, group=ctx.process_group)
+            payload = payload.to(grad_output.device)
             if input.numel() > 0:
                 # grad_input = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)) = scale*dy + coef_x*x + shift
                 # rows of terms: -scale * mean(dy), coef_x = -scale * invstd * mean(dy * x_hat)

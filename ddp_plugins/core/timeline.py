@@ -32,6 +32,7 @@ from ddp_plugins.core.checks import ArgumentTypeError, check_int, check_number
 from ddp_plugins.core.collectives import distributed_concat
 from ddp_plugins.core.comm_hooks import _nbytes, _sent_tensors
 from ddp_plugins.core.files import write_text_atomic
+from ddp_plugins.core.ranks import collective_device
 
 __all__ = ["PHASES", "CollectiveRecord", "TimedCommHook", "Timeline", "collective_kind"]
 
@@ -307,8 +308,7 @@ class Timeline:
         if not _distributed():
             return 0, 0
         world = dist.get_world_size(self.group)
-        nccl = dist.get_backend(self.group) == "nccl"  # collectives of CUDA tensors only
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        device = collective_device(self.group)
         estimates = []
         with _untimed():
             for _ in range(rounds):

@@ -58,7 +58,7 @@ def pin_gloo_to_loopback(main_address: str) -> str | None:
 
     A value the user set is kept. Returns the interface set, or ``None`` when nothing was set.
     """
-    if "GLOO_SOCKET_IFNAME" in os.environ or not _is_loopback(main_address):
+    if "GLOO_SOCKET_IFNAME" in os.environ or not is_loopback(main_address):
         return None
     loopback = _loopback_interface()
     if loopback is not None:
@@ -66,7 +66,7 @@ def pin_gloo_to_loopback(main_address: str) -> str | None:
     return loopback
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
     """Whether ``address`` (an IP or a host name) is a loopback address of this machine."""
     try:
         return ipaddress.ip_address(address).is_loopback

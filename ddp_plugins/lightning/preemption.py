@@ -112,7 +112,7 @@ class PreemptionCheckpoint(Callback):
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         self._trainer, self._rows_pending, self._stop, self._due = trainer, False, None, None
         self._flag.clear()
-        self._agreement = SignalAgreement(trainer.strategy.root_device, every=self.check_every_n_steps)
+        self._agreement = SignalAgreement(every=self.check_every_n_steps)
         if implements(trainer.strategy, StepAgreement):
             trainer.strategy.add_flag_source(self._signum)
         submitit = submitit_signal()

@@ -282,8 +282,10 @@ class SequentialEvaluation(Callback):
             key = f"{_PREFIX[stage]}/{name}{suffix}"
             values[key] = value
             if isinstance(value, Tensor) and value.numel() == 1:
-                # every rank holds the same value; "max" keeps it bit-exact while keeping ranks in step
-                pl_module.log(key, value.float(), sync_dist=True, reduce_fx="max", add_dataloader_idx=False)
+                # every rank holds the same value; "max" keeps it bit-exact while keeping ranks in step.
+                # Computed on the gathered CPU rows, logged where the module is (nccl reduces CUDA tensors only)
+                value = value.float().to(pl_module.device)
+                pl_module.log(key, value, sync_dist=True, reduce_fx="max", add_dataloader_idx=False)
         return values
 
     def __getstate__(self) -> dict[str, Any]:

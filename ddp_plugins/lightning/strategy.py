@@ -36,7 +36,7 @@ from ddp_plugins.core.checks import (
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
 from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.process import start_forkserver
-from ddp_plugins.core.ranks import get_rank, get_world_size
+from ddp_plugins.core.ranks import for_collective, get_rank, get_world_size
 from ddp_plugins.core.samplers import loader_seed
 from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
 from ddp_plugins.core.workers import WorkerInit
@@ -50,7 +50,7 @@ from ddp_plugins.lightning.data_plan import (
 )
 from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _failure_tag, _JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
-from ddp_plugins.lightning.network import pin_gloo_to_loopback
+from ddp_plugins.lightning.network import is_loopback, pin_gloo_to_loopback
 
 __all__ = ["BACKENDS", "DDPPluginsStrategy", "check_backend"]
 
@@ -309,6 +309,7 @@ class DDPPluginsStrategy(DDPStrategy):
         # Lightning calls this once accelerator and devices are known, before any process starts;
         # the world size first: the backend check reads the device at this process's local rank
         _check_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._check_one_gpu_per_nccl_rank()
         if self.accelerator is not None and self.parallel_devices:
             check_comm_hook(self._comm_hook, self._get_process_group_backend())
         if self._start_method == "popen":
@@ -317,6 +318,37 @@ class DDPPluginsStrategy(DDPStrategy):
             launcher = _CleanExitMultiprocessingLauncher(self, start_method=self._start_method)
         launcher.before_launch = self._check_before_launch
         self._launcher = launcher
+
+    def _ranks_per_gpu(self) -> int:
+        """How many of this host's ranks each GPU would carry (0 off CUDA): more than 1 where they share one.
+
+        This host runs ``devices`` ranks, or every rank when the main address is a loopback address
+        (all nodes are this machine: two torchrun launchers on 127.0.0.1)."""
+        if self.root_device.type != "cuda":
+            return 0
+        assert self.cluster_environment is not None
+        here = self.num_processes * (self.num_nodes if is_loopback(self.cluster_environment.main_address) else 1)
+        return math.ceil(here / max(torch.cuda.device_count(), 1))
+
+    def _check_one_gpu_per_nccl_rank(self) -> None:
+        """nccl cannot run two ranks on one GPU (NCCL's "invalid usage"): refused before any group is made."""
+        if self._backend == "nccl" and self._ranks_per_gpu() > 1:
+            raise ArgumentValueError(
+                "backend",
+                "'gloo' or 'auto' when ranks share a GPU",
+                problem=(
+                    f"got 'nccl' with {self._ranks_per_gpu()} ranks on each of this machine's"
+                    f" {torch.cuda.device_count()} GPU(s); nccl needs a GPU per rank"
+                ),
+                hint="Use backend=auto (gloo with CUDA tensors here), or as many ranks per machine as GPUs.",
+            )
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        backend = super()._get_process_group_backend()
+        if self._backend == "auto" and backend == "nccl" and self._ranks_per_gpu() > 1:
+            return "gloo"  # auto: nccl only when every rank has a GPU of its own; gloo takes CUDA tensors
+        return backend
 
     def _check_before_launch(self, trainer: Any) -> None:
         """What needs the Trainer's callbacks, checked in the launching process before any rank starts."""
@@ -499,12 +531,17 @@ class DDPPluginsStrategy(DDPStrategy):
             # Lightning's mean divides an integer tensor in place and truncates; epoch means divide
             # by the integer count of rows, so 127 rows on 2 ranks would count as 63 per rank
             tensor = tensor.double()
-        if not (rows is not None and self._in_training_step and weighted and isinstance(tensor, torch.Tensor)):
+        if not isinstance(tensor, torch.Tensor):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        # a tensor logged with sync_dist may sit where the backend cannot take it (a CPU metric on nccl):
+        # it is reduced on the group's device and comes back where it was
+        device, tensor = tensor.device, for_collective(tensor, group)
+        if not (rows is not None and self._in_training_step and weighted):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op).to(device)
         # `self.log(..., sync_dist=True)` in training_step: the mean over the micro-batch's rows (an
         # empty micro-batch's value, NaN for a mean loss, counts for nothing)
         local = tensor * rows.rank_rows if rows.rank_rows else torch.zeros_like(tensor)
-        return super().reduce(local, group=group, reduce_op="sum") / rows.micro_rows
+        return (super().reduce(local, group=group, reduce_op="sum") / rows.micro_rows).to(device)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

@@ -79,7 +79,7 @@ BAD_COMMAND_LINES = [
     ("-m model.lr=0.1,0.01,-3", "model.lr"),  # the third
     ("-m trainer.max_epochs=1 data.batch_size=8,0", "data.batch_size"),
     # a submitit sweep whose Slurm tasks are not the trainer's processes (checked before sbatch)
-    ("-m hydra/launcher=submitit_slurm model.lr=0.1,0.01", "hydra.launcher.tasks_per_node"),
+    ("-m hydra/launcher=submitit_slurm trainer.devices=2 model.lr=0.1,0.01", "hydra.launcher.tasks_per_node"),
     ("-m hydra/launcher=submitit_slurm hydra.launcher.tasks_per_node=two", "hydra.launcher.tasks_per_node"),
     ("-m hydra/launcher=submitit_slurm hydra.launcher.tasks_per_node=2 trainer.num_nodes=1,2", "hydra.launcher.nodes"),
 ]

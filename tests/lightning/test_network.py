@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_plugins.app.config import compose_config, group_options
-from ddp_plugins.lightning.network import _is_loopback, apply_network_env, pin_gloo_to_loopback, restore_env
+from ddp_plugins.lightning.network import apply_network_env, is_loopback, pin_gloo_to_loopback, restore_env
 from ddp_plugins.testing import free_port
 
 DOCUMENTED = {
@@ -68,7 +68,7 @@ def test_restore_env_removes_added_and_restores_changed_variables(monkeypatch):
 @pytest.mark.parametrize(("address", "loopback"), [("127.0.0.1", True), ("::1", True), ("localhost", True),
                                                    ("10.1.2.3", False), ("no-such-host.invalid", False)])  # fmt: skip
 def test_loopback_addresses_are_recognized(address, loopback):
-    assert _is_loopback(address) is loopback
+    assert is_loopback(address) is loopback
 
 
 def test_gloo_is_pinned_to_loopback_only_for_a_loopback_main_address_and_never_over_the_user(monkeypatch):
