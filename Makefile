@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train lint test matrix bench clean
+.PHONY: train lint test gpu-check gpu-tests matrix bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -35,6 +35,22 @@ XDIST := -n 2 --dist worksteal
 
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	@if $(HAS_CUDA); then $(MAKE) --no-print-directory gpu-tests PY=$(PY); else echo "make test: no CUDA GPU here, the gpu tests were skipped (make gpu-check runs them where one is)"; fi
+
+# The GPU proofs, on a machine with at least one CUDA GPU, in an existing environment (no install,
+# no network: `make gpu-check PY=python3`), in about 5 minutes: the tests marked `gpu` (CUDA shown,
+# one at a time: the ranks of a test share the GPUs), then the benchmarks on one GPU. Exits non-zero
+# on any failure, and when no GPU is there to check.
+HAS_CUDA := $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null
+
+gpu-tests:
+	DDP_PLUGINS_TEST_CUDA=1 $(PY) -m pytest -m gpu -p no:cacheprovider -rA tests $(PYTEST_ARGS)
+
+gpu-check:
+	@$(HAS_CUDA) || { echo "make gpu-check: torch sees no CUDA GPU here ($(PY))"; exit 1; }
+	$(MAKE) --no-print-directory gpu-tests PY=$(PY)
+	$(PY) benchmarks/bench_comm_timeline.py --gpu
+	$(PY) benchmarks/bench_sync_batchnorm.py --share-gpu
 
 # The version matrix: the pinned set is `make test`; `make matrix` runs the fast suite and the
 # Trainer-level seeding, evaluation and strategy tests on the oldest Lightning the pyproject allows,

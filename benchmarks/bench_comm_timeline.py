@@ -22,6 +22,7 @@ costs, less sensitive than wall time to the other processes sharing the machine'
 
     .venv/bin/python benchmarks/bench_comm_timeline.py
     .venv/bin/python benchmarks/bench_comm_timeline.py --pieces  # each piece of the pack alone, 12 rounds
+    python benchmarks/bench_comm_timeline.py --gpu  # 1 rank on nccl on one GPU, 6 rounds (make gpu-check)
 """
 
 import logging
@@ -76,21 +77,25 @@ class _StepClock(pl.Callback):
         self.ends.append((time.perf_counter(), time.process_time()))
 
 
+GPU = "--gpu" in sys.argv[1:]
+BACKEND = "nccl" if GPU else "gloo"
+
+
 def _fit(variant: str) -> tuple[float, float]:
     """Median wall and CPU seconds per step of one fit of ``variant``."""
     clock = _StepClock()
     root = tempfile.mkdtemp()
     callbacks: list[pl.Callback] = [clock]
-    strategy: DDPStrategy = DDPStrategy(process_group_backend="gloo")
+    strategy: DDPStrategy = DDPStrategy(process_group_backend=BACKEND)
     if variant in VARIANTS[2:]:
-        strategy = DDPPluginsStrategy(backend="gloo")
+        strategy = DDPPluginsStrategy(backend=BACKEND)
         callbacks += [AccumulationNoSync(1), AllReduceCounter(), RankAwareSeed(seed=0), PreemptionCheckpoint()]
     if variant == VARIANTS[3]:
         callbacks.append(CommTimeline(every_n_steps=50, trace_path=f"{root}/trace.json"))
     if variant == PIECES[5]:  # what Lightning's dispatch of every hook to a callback costs by itself
         callbacks += [pl.Callback() for _ in range(4)]
     elif variant in PIECES[1:]:
-        strategy = DDPPluginsStrategy(backend="gloo")
+        strategy = DDPPluginsStrategy(backend=BACKEND)
         callbacks += {
             PIECES[2]: [AllReduceCounter()],
             PIECES[3]: [PreemptionCheckpoint()],
@@ -98,7 +103,8 @@ def _fit(variant: str) -> tuple[float, float]:
         }.get(variant, [])
     torch.manual_seed(0)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, callbacks=callbacks, logger=False,
+        accelerator="cuda" if GPU else "cpu", devices=1 if GPU else 2,
+        strategy=strategy, max_steps=STEPS, callbacks=callbacks, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
         default_root_dir=root,
     )  # fmt: skip
@@ -113,7 +119,7 @@ def main() -> None:
     os.environ.update(LOOPBACK_ENV)
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    variants, repeats = (PIECES, 12) if "--pieces" in sys.argv[1:] else (VARIANTS, REPEATS)
+    variants, repeats = (PIECES, 12) if "--pieces" in sys.argv[1:] else (VARIANTS, 6 if GPU else REPEATS)
     rounds: list[dict[str, tuple[float, float]]] = []
     for index in range(repeats):
         # each round starts at another variant: no variant always runs first or after the same one
@@ -121,9 +127,9 @@ def main() -> None:
         rounds.append({name: _fit(name) for name in variants[shift:] + variants[:shift]})
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return
+    where = f"1 rank on {torch.cuda.get_device_name()} (nccl)" if GPU else "2 CPU ranks (gloo)"
     print(
-        "\nDigitsCNN (32 channels, plain BN), batch 32/rank, 2 CPU ranks (gloo), "
-        f"{repeats} rounds of {STEPS} steps per variant\n"
+        f"\nDigitsCNN (32 channels, plain BN), batch 32/rank, {where}, {repeats} rounds of {STEPS} steps per variant\n"
     )
     for index, what in enumerate(("wall", "CPU (rank 0, every thread)")):
         print(f"\n{what} time per step\n")

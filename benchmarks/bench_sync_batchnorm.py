@@ -19,6 +19,11 @@ plain BN would otherwise be timed on one rank only). The variants alternate in r
 :func:`ddp_plugins.core.count_collectives` during one step.
 
     .venv/bin/python benchmarks/bench_sync_batchnorm.py
+    python benchmarks/bench_sync_batchnorm.py --share-gpu  # both ranks on cuda:0 over gloo (make gpu-check)
+
+With ``--share-gpu`` the two ranks share one GPU over gloo (which takes CUDA tensors; nccl needs a GPU
+per rank), torch's ``nn.SyncBatchNorm`` (its CUDA kernels) runs on the same gloo group, each round
+starts at another variant, and "plain BN again" shows the noise (its ratio to plain BN).
 """
 
 from __future__ import annotations
@@ -125,18 +130,21 @@ def _slower_rank(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(row) for name, row in zip(names, table.tolist(), strict=True)}
 
 
-def _worker(rank: int, world_size: int) -> tuple:
+def _worker(rank: int, world_size: int, share_gpu: bool = False) -> tuple:
     """One rank (started by ``ddp_plugins.core.spawn``, gloo group ready): the timings of every variant."""
     torch.set_num_threads(THREADS)
     cuda = torch.cuda.device_count() >= world_size and dist.is_nccl_available()  # torch's SyncBN: a GPU per rank
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", 0 if share_gpu else rank) if cuda or share_gpu else torch.device("cpu")
     base = _net().to(device)
     variants = {"plain": base, "ours": convert_sync_batchnorm(copy.deepcopy(base))}
-    if not cuda:  # gloo all_reduces of CPU tensors
-        variants["synced plain"] = _with_sync_points(base)
-    if cuda:
+    if share_gpu:
+        variants["plain again"] = copy.deepcopy(base)
+        variants["torch"] = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base))  # the gloo group
+    elif cuda:
         group = dist.new_group(backend="nccl")
         variants["torch"] = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base), group)
+    else:  # gloo all_reduces of CPU tensors
+        variants["synced plain"] = _with_sync_points(base)
     layers = sum(isinstance(m, nn.BatchNorm2d) for m in base.modules())
     rows = []
     for batch in BATCHES:
@@ -146,9 +154,11 @@ def _worker(rank: int, world_size: int) -> tuple:
         for net in variants.values():  # warm up
             for _ in range(2):
                 _step(net, x)
-        for _ in range(ROUNDS):
-            for name, net in variants.items():
-                times[name] += [_step(net, x) for _ in range(STEPS_PER_ROUND)]
+        names = list(variants)
+        for index in range(ROUNDS):
+            shift = index % len(names)  # each round starts at another variant
+            for name in names[shift:] + names[:shift]:
+                times[name] += [_step(variants[name], x) for _ in range(STEPS_PER_ROUND)]
             times["floor"] += [_bare_all_reduces(2 * layers) for _ in range(STEPS_PER_ROUND)]
         per_layer = {name: _collectives_per_step(net, x) / layers for name, net in variants.items()}
         rows.append((batch, _slower_rank(times), per_layer))
@@ -156,7 +166,10 @@ def _worker(rank: int, world_size: int) -> tuple:
 
 
 def main() -> None:
-    rows, layers, device, threads = spawn(_worker, world_size=2, timeout=900, pg_timeout=120)[0]
+    share_gpu = "--share-gpu" in sys.argv[1:]
+    if share_gpu and not torch.cuda.is_available():
+        raise SystemExit("--share-gpu needs a CUDA GPU")
+    rows, layers, device, threads = spawn(_worker, share_gpu, world_size=2, timeout=900, pg_timeout=120)[0]
     has_torch = "torch" in rows[0][1]
     has_synced = "synced plain" in rows[0][1]
     print(
@@ -171,6 +184,9 @@ def main() -> None:
         header += " plain BN + the same all_reduces | in-step floor (that - plain) | extra / in-step floor |"
     if has_torch:
         header += " torch SyncBN | ratio (ours / torch) |"
+    has_noise = "plain again" in rows[0][1]
+    if has_noise:
+        header += " noise (plain again / plain) |"
     header += " collectives per layer per step (ours) |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -185,6 +201,8 @@ def main() -> None:
             line += f" {sec['synced plain'] * 1e3:.1f} ms | {in_step * 1e3:.1f} ms | {extra / in_step:.2f}x |"
         if has_torch:
             line += f" {sec['torch'] * 1e3:.1f} ms | {sec['ours'] / sec['torch']:.2f}x |"
+        if has_noise:
+            line += f" {sec['plain again'] / sec['plain']:.2f}x |"
         line += f" {per_layer['ours']:g} (plain: {per_layer['plain']:g}) |"
         print(line)
     print(

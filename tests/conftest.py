@@ -10,7 +10,29 @@ from tests.helpers.slurm import SlurmCluster, SlurmUnavailable
 # Every process these tests start talks gloo over loopback with one thread per rank, and imports
 # tests.* (test callbacks named on the app's command line, rank functions) from any folder.
 os.environ.update(LOOPBACK_ENV)
+# The CPU suite runs with CUDA hidden, in this process and every process it starts, so that it runs
+# and proves the same on a machine with GPUs as on one without (CPU ranks, gloo, the CPU defaults).
+# The tests marked `gpu` run with CUDA shown: `make gpu-check` (and `make test` where a GPU is) sets
+# DDP_PLUGINS_TEST_CUDA=1 and selects them with `-m gpu`.
+SHOW_CUDA = os.environ.get("DDP_PLUGINS_TEST_CUDA") == "1"
+if not SHOW_CUDA:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A `gpu` test is skipped, with the reason, where it cannot run: CUDA hidden or no GPU here."""
+    import torch
+
+    if not SHOW_CUDA:
+        reason = "CUDA is hidden from the CPU suite; `make gpu-check` runs the gpu tests on a machine with a GPU"
+    elif not torch.cuda.is_available():
+        reason = "needs a CUDA GPU: none on this machine"
+    else:
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

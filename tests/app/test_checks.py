@@ -176,3 +176,32 @@ def test_gpu_device_forms_are_checked_against_the_gpu_count(monkeypatch):
     ):
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
             _check_devices(bad, "gpu")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "env", "expected"),
+    [
+        (0, {}, 2),  # make train on a laptop: 2 processes over gloo
+        (1, {}, 1),  # one GPU: 1 rank on nccl
+        (4, {}, 4),  # k GPUs: k ranks
+        (4, {"LOCAL_WORLD_SIZE": "3", "TORCHELASTIC_RUN_ID": "r"}, 3),  # torchrun's processes per node
+        (0, {"SLURM_NTASKS_PER_NODE": "5", "SLURM_STEP_ID": "0"}, 5),  # an srun step's tasks per node
+        (0, {"SLURM_NTASKS_PER_NODE": "5"}, 2),  # a Slurm allocation, but not an srun step
+    ],
+)
+def test_devices_auto_runs_on_any_machine(monkeypatch, gpus, env, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for key in ("LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose_config([])
+    assert cfg.trainer.devices == "auto", "the default is auto"
+    assert config.trainer_args(cfg.trainer)["devices"] == expected
+    assert config.trainer_args(compose_config(["trainer.devices=3"]).trainer)["devices"] == 3, "a number is kept"
+    assert config.resolve_devices("auto", "cpu") == (
+        expected if env.get("SLURM_STEP_ID") or "LOCAL_WORLD_SIZE" in env else 2
+    )

@@ -3,9 +3,18 @@
 import io
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from ddp_plugins.core.ranks import get_rank, get_world_size, rank_zero_first, setup_rank_logging
+from ddp_plugins.core import ranks
+from ddp_plugins.core.ranks import (
+    collective_device,
+    for_collective,
+    get_rank,
+    get_world_size,
+    rank_zero_first,
+    setup_rank_logging,
+)
 
 _RANK_KEYS = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 
@@ -89,3 +98,47 @@ def test_rank_logging_uses_the_process_group_rank(dist_pool):
         "[rank 0] WARNING ddp_plugins.test_pool_logging: careful",
     ]
     assert rank1 == ["[rank 1] WARNING ddp_plugins.test_pool_logging: careful"]
+
+
+# ---------------------------------------------------------------- where a collective's tensors go
+
+# On this CPU machine CUDA's presence is mocked where the rule only branches on it: the backend's
+# name and the current CUDA device. A "meta" tensor stands for one on a device the backend cannot
+# take, so a move shows. What no CPU test catches: a collective that a real nccl group rejects for a
+# reason other than the device (a dtype, a stream), and a caller that bypasses this rule; the tests
+# marked `gpu` (tests/core/test_cuda.py) run the same paths on nccl and CUDA tensors.
+
+
+def _test_the_rule_on_a_gloo_group(rank, world_size):
+    return str(collective_device()), str(for_collective(torch.ones(1)).device)
+
+
+def test_gloo_groups_and_single_processes_collect_on_the_cpu(dist_pool):
+    assert collective_device() == torch.device("cpu") and for_collective(torch.ones(1)).device.type == "cpu"
+    assert dist_pool.run(_test_the_rule_on_a_gloo_group) == [("cpu", "cpu")] * 2
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3"), ("gloo", "cpu"), ("mpi", "cpu"), ("ucc", "cpu")],
+)
+def test_the_group_backend_decides_the_collective_device(monkeypatch, backend, expected):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device() == torch.device(expected)
+
+
+@pytest.mark.parametrize(
+    ("backend", "moved"), [("nccl", True), ("gloo", False), ("mpi", False)], ids=["nccl", "gloo", "mpi"]
+)
+def test_a_tensor_moves_only_where_the_backend_cannot_take_it(monkeypatch, backend, moved):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(
+        ranks, "collective_device", lambda group=None: torch.device("meta" if backend == "nccl" else "cpu")
+    )
+    cpu = torch.ones(2)
+    out = for_collective(cpu)
+    assert (out.device.type == "meta") is moved, f"{backend}: a CPU tensor went to {out.device}"
+    assert (out is cpu) is not moved, "a tensor the backend takes is handed on as it is, not copied"
