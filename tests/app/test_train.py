@@ -140,8 +140,12 @@ def test_child_ranks_use_the_config_the_user_chose(tmp_path):
     assert "channels: 8" in config and "max_epochs: 1" in config
 
 
-@pytest.mark.slow
-def test_two_torchrun_nodes_on_loopback(tmp_path):
+# On one GPU (`make gpu-check`) the two nodes are this machine's one GPU twice: backend=auto picks gloo
+# (with CUDA tensors), where nccl would fail with its "invalid usage".
+@pytest.mark.parametrize(
+    "gpu", [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.gpu)], ids=["cpu", "gpu"]
+)
+def test_two_torchrun_nodes_on_loopback(tmp_path, gpu):
     """2 nodes x 1 process, as on a cluster: one torchrun per node, Lightning's own path."""
     port = str(free_port())
     procs = []
@@ -169,6 +173,7 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     for node, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"node {node} exited {proc.returncode}:\n{out[-4000:]}"
     assert "MEMBER: 1/2" in outputs[0] and "MEMBER: 2/2" in outputs[1]
+    assert ("GPU available: True (cuda), used: True" in outputs[0]) is gpu, outputs[0][-4000:]
     assert ACCURACY.search(outputs[0]), "node 0 (global rank 0) prints the accuracy"
     assert not ACCURACY.search(outputs[1])
     _assert_run_outputs(tmp_path / "node0")
