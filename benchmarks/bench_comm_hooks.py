@@ -7,7 +7,7 @@
 timed steps, counted in all threads by :func:`ddp_plugins.core.count_collectives` (PowerSGD issues
 two of its three all-reduces from future callbacks, which the per-hook ``CountingCommHook`` does
 not see); the anchor uses torch's ``allreduce_hook``, the Python twin of DDP's built-in all-reduce,
-so it is counted too. Prints ratios against the anchor and a markdown table for the README.
+so it is counted too. Prints ratios against the anchor and a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 CPU-runnable behaviours that Lightning 2.6 checks for its DDP strategy are re-stated here (our own
 code, nothing vendored) against our class. Each test names the Lightning test it mirrors, under
 ``tests/tests_pytorch/`` of Lightning-AI/pytorch-lightning. Where we deliberately differ from
-Lightning's ``DDPStrategy`` (README "Compatibility", the ``strategy.py`` docstring) the test
+Lightning's ``DDPStrategy`` (docs/compatibility.md, the ``strategy.py`` docstring) the test
 asserts our behaviour and says so.
 
 Not repeated here (covered in ``test_strategy.py`` / ``test_strategy_dropin.py``): the registered

@@ -1,4 +1,4 @@
-"""A plain torch DDP loop on the core (what the README shows), started by torchrun or Fabric.
+"""A plain torch DDP loop on the core (what docs/plugins.md shows), started by torchrun or Fabric.
 
 ``python -m torch.distributed.run --nproc-per-node=2 tests/core/scripts/torch_ddp.py OUT [fabric]``
 trains a small BatchNorm net for 3 steps on a contiguous shard of a global batch of 16 rows, with
