@@ -58,7 +58,21 @@ def build_objects(cfg: DictConfig) -> dict[str, Any]:
         if check is not None:
             with as_config_error(key, raw):
                 check(objects["trainer"], objects["model"])
+    _check_global_batch_rows(objects["strategy"], objects["datamodule"])
     return objects
+
+
+def _check_global_batch_rows(strategy: Any, datamodule: Any) -> None:
+    """Refuse a global batch larger than the training data: every epoch would be one step of all rows
+    (it is not capped: the value asked for would silently not be the one trained with)."""
+    size = getattr(strategy, "global_batch_size", None)
+    rows = getattr(datamodule, "train_rows", None)  # the app's demo data know theirs without loading
+    if isinstance(size, int) and isinstance(rows, int) and size > rows:
+        raise ConfigError(
+            "global_batch_size",
+            f"got {size}, more than the {rows} training rows of the data (every epoch would be a single step)",
+            f"at most {rows}, or more rows (data.*)",
+        )
 
 
 def _build(key: str, node: Any, raw: Any) -> Any:

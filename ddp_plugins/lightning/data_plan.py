@@ -33,7 +33,9 @@ __all__ = [
     "check_global_batch",
     "check_resume",
     "data_record",
+    "plan_for",
     "planned_train_loader",
+    "resume_start",
     "run_accumulation",
 ]
 
@@ -77,11 +79,24 @@ def planned_train_loader(
 ) -> tuple[DataLoader, GlobalPlan, int]:  # fmt: skip
     """The training loader on the global plan, starting after ``batches_done`` of ``epoch``.
 
-    Returns the loader, its plan and the epoch its first iteration is in. ``batch_size``,
-    ``shuffle`` and ``sampler`` of the given loader are replaced (the shuffle flag and seed are
-    kept); workers, ``collate_fn``, ``pin_memory`` and the rest are kept. A ``DataLoader``
-    subclass, an iterable dataset or a custom batch sampler is refused with one line: their rows
-    cannot be planned globally.
+    Returns the loader, its plan and the epoch its first iteration is in (the next one when
+    ``batches_done`` is the whole epoch). ``batch_size``, ``shuffle`` and ``sampler`` of the given
+    loader are replaced (the shuffle flag and seed are kept); workers, ``collate_fn``,
+    ``pin_memory`` and the rest are kept. A ``DataLoader`` subclass, an iterable dataset or a
+    custom batch sampler is refused with one line: their rows cannot be planned globally.
+    """
+    plan = plan_for(dataloader, global_batch_size, drop_last, world_size, accumulate)
+    if batches_done >= plan.steps_per_epoch * accumulate:  # the whole epoch is done: the next one starts afresh
+        epoch, batches_done = epoch + 1, 0
+    return _plan_loader(dataloader, plan, rank, world_size, accumulate, epoch, batches_done), plan, epoch
+
+
+def plan_for(dataloader: Any, global_batch_size: int, drop_last: bool, world_size: int, accumulate: int) -> GlobalPlan:
+    """The global plan of a training loader's rows (its dataset's length, shuffle flag and seed).
+
+    Raises:
+        ArgumentValueError: a loader whose rows cannot be planned globally, or a global batch
+            too small for the ranks and accumulation.
     """
     what = "a torch.utils.data.DataLoader over a map-style dataset (with a length) and a plain sampler"
     if type(dataloader) is not DataLoader:
@@ -95,16 +110,20 @@ def planned_train_loader(
         raise ArgumentValueError("global_batch_size", f"used with {what}", problem="the DataLoader has a batch sampler")
     check_global_batch(global_batch_size, world_size, accumulate)
     shuffle, seed = _shuffle_and_seed(dataloader.sampler)
-    plan = GlobalPlan(len(dataset), global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
-    per_epoch = plan.steps_per_epoch * accumulate
-    if batches_done >= per_epoch:  # the checkpoint ended its epoch: the next one starts afresh
-        epoch, batches_done = epoch + 1, 0
-    if batches_done % accumulate:
+    return GlobalPlan(len(dataset), global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
+
+
+def _plan_loader(
+    dataloader: DataLoader, plan: GlobalPlan, rank: int, world_size: int, accumulate: int, epoch: int, start: int
+) -> DataLoader:
+    """``dataloader`` on this rank's batches of ``plan``, its first iteration ``start`` micro-batches into ``epoch``."""
+    if start % accumulate:
         raise ResumeMismatch(
-            f"resume: the checkpoint is {batches_done} micro-batches into epoch {epoch}, inside an accumulation"
+            f"resume: the checkpoint is {start} micro-batches into epoch {epoch}, inside an accumulation"
             f" window of {accumulate}; resume from a checkpoint taken at an optimizer step."
         )
-    sampler = PlanBatchSampler(plan, rank, world_size, accumulate, epoch=epoch, start_step=batches_done // accumulate)
+    sampler = PlanBatchSampler(plan, rank, world_size, accumulate, epoch=epoch, start_step=start // accumulate)
+    dataset = dataloader.dataset
     kwargs: dict[str, Any] = {
         "batch_sampler": sampler,
         "num_workers": dataloader.num_workers,
@@ -119,7 +138,7 @@ def planned_train_loader(
     }
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
-    return DataLoader(dataset, **kwargs), plan, epoch
+    return DataLoader(dataset, **kwargs)
 
 
 def check_global_batch(global_batch_size: int, world_size: int, accumulate: int) -> None:
@@ -164,12 +183,13 @@ def data_record(dataloader: Any, plan: GlobalPlan | None, world_size: int, accum
     return record
 
 
-def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: bool) -> None:
+def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: bool, where: str = "") -> None:
     """Refuse a resume that would train some of the epoch's rows twice or never.
 
     A planned run continues on any number of ranks when the plan is the same. A plain loader
     continues in the middle of an epoch only with the same world size, per-rank batch and seed
     (its order and its skipped rows depend on them); at an epoch boundary anything may change.
+    ``where`` (such as ``" (batch 38 of 45 of epoch 0)"``) follows "the middle of an epoch" in the message.
 
     Raises:
         ResumeMismatch: one line naming what changed and what is allowed.
@@ -198,7 +218,8 @@ def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: b
                 changes.append(f"accumulate_grad_batches {saved.get('accumulate')} -> {now.get('accumulate')}")
         if changes:
             raise ResumeMismatch(
-                "resume: the checkpoint stopped in the middle of an epoch and its data plan differs from this run's ("
+                f"resume: the checkpoint stopped in the middle of an epoch{where} and its data plan differs from this"
+                " run's ("
                 + "; ".join(changes)
                 + "): rows would be trained twice or never. Resume with the same global_batch_size, seed, dataset,"
                 " drop_last and accumulation (the number of ranks may change)."
@@ -208,11 +229,74 @@ def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: b
     changes = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if k in saved and saved.get(k) != now.get(k)]
     if changes:
         raise ResumeMismatch(
-            "resume: the checkpoint stopped in the middle of an epoch and this run splits the data differently ("
+            f"resume: the checkpoint stopped in the middle of an epoch{where} and this run splits the data"
+            " differently ("
             + "; ".join(changes)
             + "): its rows would be trained twice or never. Resume with the same ranks, batch size and seed, or"
             " train with a global batch (global_batch_size=G), which resumes on any number of ranks."
         )
+
+
+def resume_start(
+    saved: dict[str, Any] | None, now: dict[str, Any], epoch: int, done: int, last_batch: bool = False,
+    in_batch_end: bool = False,
+) -> tuple[int, int]:  # fmt: skip
+    """Where training starts after a checkpoint restored ``done`` micro-batches into ``epoch``:
+    ``(epoch, done)`` to finish that epoch, or ``(epoch + 1, 0)`` when the checkpoint had ended it.
+
+    Whether it had is the checkpoint's own record (its ``batches_per_epoch``), never this run's
+    loader: with fewer batches per epoch (more ranks, a larger batch or global batch) a stop late
+    in the old epoch is past the whole new one, and still in the middle of its own. A record from
+    before ddp_plugins kept that count gives it through its plan; without one, Lightning's
+    ``is_last_batch`` of the checkpoint (``last_batch``) decides. A checkpoint taken inside
+    ``on_train_batch_end`` of its epoch's last batch (``in_batch_end``; the pack's own callbacks
+    wait for the epoch's end there) is one Lightning finishes only at this run's own epoch length:
+    when ``now`` has more batches per epoch it counts as mid-epoch. In the middle of an epoch,
+    :func:`check_resume` decides whether this run may continue it.
+
+    Raises:
+        ResumeMismatch: the checkpoint stopped in the middle of its epoch and this run would split
+            the epoch's rows differently (one line naming what changed).
+
+    Example::
+
+        >>> saved = {"world_size": 1, "accumulate": 1, "batch_size": 32, "seed": 0, "batches_per_epoch": 45}
+        >>> resume_start(saved, dict(saved), epoch=0, done=38)  # the same split: the epoch goes on
+        (0, 38)
+        >>> on_two = dict(saved, world_size=2, batches_per_epoch=23)
+        >>> resume_start(saved, on_two, epoch=0, done=45)  # its epoch had ended: anything may change
+        (1, 0)
+        >>> resume_start(saved, on_two, epoch=0, done=38)  # 38 >= 23, and still mid-epoch
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.lightning.data_plan.ResumeMismatch: resume: the checkpoint stopped in the middle of an epoch ...
+    """
+    if done <= 0:
+        return epoch, 0
+    per_epoch = _saved_batches_per_epoch(saved)
+    ended = last_batch if per_epoch is None else done >= per_epoch
+    longer = now.get("batches_per_epoch")
+    if ended and in_batch_end and isinstance(longer, int) and done < longer:
+        ended = False  # Lightning would go on with this run's later batches of the same epoch
+    of = f" of {per_epoch}" if per_epoch is not None else ""
+    check_resume(saved, now, mid_epoch=not ended, where=f" (batch {done}{of} of epoch {epoch})")
+    return (epoch + 1, 0) if ended else (epoch, done)
+
+
+def _saved_batches_per_epoch(saved: dict[str, Any] | None) -> int | None:
+    """The micro-batches per epoch of the run that wrote a checkpoint record (``None``: not known)."""
+    if not saved:
+        return None
+    recorded = saved.get("batches_per_epoch")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    plan = saved.get("plan")
+    if isinstance(plan, dict):
+        try:
+            return GlobalPlan(**plan).steps_per_epoch * int(saved.get("accumulate", 1))
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 class TrainData:
@@ -238,45 +322,68 @@ class TrainData:
         self.accumulate = 1  # micro-batches per optimizer step of the plan
         self.rows: StepRows | None = None  # the current micro-batch's (planned or uneven training)
         self.record: dict[str, Any] | None = None  # the training data's layout, for checkpoints
-        self.resumed: dict[str, Any] | None = None  # the record in the checkpoint resumed from
+        self._resumed: dict[str, Any] | None = None
+        self._restored = False  # a checkpoint was loaded and the training loader not made since
         self._flag_sources: list[Callable[[], int]] = []
         self._agreed = 0  # the flag agreed with the current batch's counts (uneven data)
 
+    @property
+    def resumed(self) -> dict[str, Any] | None:
+        """The record in the checkpoint resumed from (``None``: none, or one without a record)."""
+        return self._resumed
+
+    @resumed.setter
+    def resumed(self, record: dict[str, Any] | None) -> None:
+        """Set when a checkpoint is loaded: the next training loader starts where it stopped."""
+        self._resumed, self._restored = record, True
+
     def train_loader(self, dataloader: Any, trainer: Any, rank: int, world_size: int, device: torch.device) -> Any:
-        """The training loader this run trains on (planned, in step across shards, or resumable)."""
+        """The training loader this run trains on (planned, in step across shards, or resumable).
+
+        The first one after a checkpoint was loaded starts where :func:`resume_start` says (the
+        checkpoint's own record tells whether it stopped in the middle of its epoch); one made again
+        at a later epoch's start (``reload_dataloaders_every_n_epochs``) starts that epoch.
+        """
         planned = self.global_batch_size is not None
         self.accumulate = run_accumulation(trainer) if planned else trainer.accumulate_grad_batches
         progress = trainer.fit_loop.epoch_loop.batch_progress
         done = progress.current.processed
         self.plan = self.even = None
         self.rows = None
+        uneven = not planned and self.uneven_data and world_size > 1 and _per_rank_shards(dataloader)
+        length: float | None
         if self.global_batch_size is not None:
-            dataloader, self.plan, epoch = planned_train_loader(
-                dataloader, self.global_batch_size, self.drop_last, rank, world_size, self.accumulate,
-                trainer.current_epoch, done,
-            )  # fmt: skip
-            mid_epoch = epoch == trainer.current_epoch and done > 0
-            _quiet_mid_epoch_resume_warning()
-        elif self.uneven_data and world_size > 1 and _per_rank_shards(dataloader):
+            self.plan = plan_for(dataloader, self.global_batch_size, self.drop_last, world_size, self.accumulate)
+            length = self.plan.steps_per_epoch * self.accumulate
+        elif uneven:
             length = _agreed_length(dataloader, device)
-            mid_epoch = done > 0 and not progress.is_last_batch and (length is None or done < length)
-            dataloader = self.even = EvenSteps(
+        else:
+            length = _length(dataloader)
+        self.record = data_record(dataloader, self.plan, world_size, self.accumulate)
+        if isinstance(length, int):
+            self.record["batches_per_epoch"] = _limited(length, getattr(trainer, "limit_train_batches", 1.0))
+        restored, self._restored = self._restored, False
+        epoch, start = trainer.current_epoch, 0  # counters of the epoch before are not reset yet at a reload
+        if restored:
+            epoch, start = resume_start(
+                self._resumed, self.record, epoch, done, last_batch=progress.is_last_batch,
+                in_batch_end=progress.current.completed < done,
+            )  # fmt: skip
+            _quiet_mid_epoch_resume_warning()
+        if self.plan is not None:
+            return _plan_loader(dataloader, self.plan, rank, world_size, self.accumulate, epoch, start)
+        if uneven:
+            self.even = EvenSteps(
                 dataloader,
                 rows_of=extract_batch_size,
                 device=device,
-                length=length,
+                length=cast("int | None", length),
                 flag=self._flag,
                 window=lambda: current_accumulation(trainer),
-                start=done if mid_epoch else 0,
+                start=start,
             )
-            if mid_epoch:
-                _quiet_mid_epoch_resume_warning()
-        else:
-            mid_epoch = 0 < done < _length(dataloader)
-            dataloader = _resumable_train_loader(dataloader, trainer)
-        self.record = data_record(dataloader, self.plan, world_size, self.accumulate)
-        check_resume(self.resumed, self.record, mid_epoch)
-        return dataloader
+            return self.even
+        return _resumable_train_loader(dataloader, trainer, epoch, start)
 
     def batch_start(self, trainer: Any, batch_idx: int, rank: int, world_size: int) -> None:
         """Set :attr:`rows` for the micro-batch about to be trained."""
@@ -296,19 +403,29 @@ class TrainData:
             self.rows = step_rows(self.plan, batch_idx, rank, world_size, self.accumulate)
 
     def checkpoint_record(self, module: Any) -> dict[str, Any] | None:
-        """What a checkpoint stores: the layout, and on a plan its epoch and the global rows done.
+        """What a checkpoint stores: the layout with the micro-batches of each of its epochs (what a
+        resume tells the middle of an epoch by), and on a plan its epoch and the global rows done.
 
         ``module`` is the LightningModule (``None`` or detached once a spawned fit has ended: the
         training position is then not needed, only the layout).
         """
         if self.record is None:
             return None
-        if self.plan is None or module is None:
+        try:
+            trainer = module.trainer if module is not None else None
+        except RuntimeError:  # detached
+            trainer = None
+        if trainer is None:
             return dict(self.record)
-        trainer = module.trainer
+        record = dict(self.record)
+        batches = trainer.num_training_batches  # the loader's, after limit_train_batches
+        if isinstance(batches, int):
+            record["batches_per_epoch"] = batches
+        if self.plan is None:
+            return record
         steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed // self.accumulate
         rows = sum(self.plan.step_size(step) for step in range(min(steps, self.plan.steps_per_epoch)))
-        return dict(self.record, epoch=trainer.current_epoch, rows_done=rows)
+        return dict(record, epoch=trainer.current_epoch, rows_done=rows)
 
     # The per-step agreement (contracts.StepAgreement), through the strategy
 
@@ -373,6 +490,13 @@ def _length(dataloader: Any) -> float:
         return float("inf")
 
 
+def _limited(length: int, limit: Any) -> int:
+    """The batches of an epoch Lightning trains under ``limit_train_batches`` (a count or a fraction)."""
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return min(length, limit)
+    return int(length * limit) if isinstance(limit, float) else length
+
+
 def _agreed_length(dataloader: Any, device: torch.device) -> int | None:
     """The longest rank's batch count (``None`` when a rank's loader has no length): one all_reduce."""
     local = _length(dataloader)
@@ -383,23 +507,18 @@ def _agreed_length(dataloader: Any, device: torch.device) -> int | None:
     return None if shortest < 0 else longest
 
 
-def _resumable_train_loader(dataloader: Any, trainer: Any) -> Any:
+def _resumable_train_loader(dataloader: Any, trainer: Any, epoch: int, done: int) -> Any:
     """The training DataLoader with its distributed sampler wrapped in a :class:`ResumableSampler`.
 
-    A run resumed in the middle of an epoch skips the batches it already trained (the epoch
-    loop's restored count of processed batches); every run draws the workers' base seed from the
-    sampler's own generator, not the global stream. Loaders without a ``DistributedSampler`` (or
+    Its first iteration is in ``epoch`` and skips the ``done`` batches already trained (a run
+    resumed in the middle of an epoch, see :func:`resume_start`); every run draws the workers'
+    base seed from the sampler's own generator, not the global stream. Loaders without a ``DistributedSampler`` (or
     with a custom batch sampler) are left as they are.
     """
     if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.sampler, DistributedSampler):
         return dataloader
     if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
         return dataloader
-    epoch = trainer.current_epoch
-    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    if done >= len(dataloader):  # the checkpoint ended its epoch: the next one starts afresh
-        epoch, done = epoch + 1, 0
-    _quiet_mid_epoch_resume_warning()
     seed = None if dataloader.generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
     sampler = ResumableSampler(dataloader.sampler, done * dataloader.batch_size, epoch, seed, trainer.global_rank)
     rebuilt = update_dataloader(dataloader, sampler)

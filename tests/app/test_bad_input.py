@@ -34,6 +34,7 @@ BAD_COMMAND_LINES = [
     ("data.batch_size=0", "data.batch_size"),
     ("data.val_fraction=1.5", "data.val_fraction"),
     ("global_batch_size=1", "global_batch_size"),  # fewer rows than 2 ranks
+    ("global_batch_size=5000", "global_batch_size"),  # more rows than the data's 1438
     ("data.num_workers=-1", "data.num_workers"),
     ("data=synthetic data.num_samples=0", "data.num_samples"),
     ("model.channels=0", "model.channels"),

@@ -117,6 +117,11 @@ BAD_INPUTS = [
     (["trainer.max_epochs=abc"], "trainer.max_epochs got 'abc', allowed: Optional[int]"),
     (["data.batch_size=0"], "data.batch_size got 0, allowed: an integer >= 1"),
     (["seed=-1"], "seed got -1, allowed: an integer in [0, 4294967295]"),
+    (
+        ["global_batch_size=5000"],
+        "global_batch_size got 5000, more than the 1438 training rows of the data (every epoch would be a single"
+        " step), allowed: at most 1438, or more rows (data.*)",
+    ),
     (["no_such_key=1"], "override was refused by Hydra: Could not override 'no_such_key'"),
 ]
 

@@ -49,9 +49,11 @@ def test_a_planned_run_stopped_on_two_ranks_resumes_on_one_and_a_changed_plan_is
     stopped = run_warm([*cmd, *STOP], timeout=300)
     assert stopped.returncode == 128 + 15, stopped.stderr[-4000:]
 
-    changed = run_warm([*cmd, "trainer.devices=1", "global_batch_size=32"], timeout=300)
+    # 10 micro-batches into epoch 0 (of 14), more than a whole epoch of G=96 (4 steps of 2): still mid-epoch
+    changed = run_warm([*cmd, "trainer.devices=1", "global_batch_size=96"], timeout=300)
     line = _one_line_failure(changed, 2)
-    assert "global_batch_size 48 -> 32" in line and "the number of ranks may change" in line, line
+    assert "global_batch_size 48 -> 96" in line and "the number of ranks may change" in line, line
+    assert "(batch 10 of 14 of epoch 0)" in line, line
 
     resumed = check_ok(run_warm([*cmd, "trainer.devices=1"], timeout=300))
     position = RESUMING.search(resumed.stderr + resumed.stdout)

@@ -50,6 +50,15 @@ class _TensorDataModule(pl.LightningDataModule):
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def _num_rows(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def train_rows(self) -> int:
+        """Rows of the training split, known without loading the data (what a global batch is checked against)."""
+        rows = self._num_rows()
+        return rows - int(round(rows * self.val_fraction))
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
@@ -95,11 +104,14 @@ class DigitsDataModule(_TensorDataModule):
 
         >>> dm = DigitsDataModule(batch_size=16)
         >>> dm.setup()
-        >>> len(dm.train_set), len(dm.val_set)
-        (1438, 359)
+        >>> len(dm.train_set), len(dm.val_set), dm.train_rows
+        (1438, 359, 1438)
     """
 
     num_classes = 10
+
+    def _num_rows(self) -> int:
+        return 1797  # load_digits()'s images
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         from sklearn.datasets import load_digits
@@ -116,8 +128,8 @@ class SyntheticDataModule(_TensorDataModule):
 
         >>> dm = SyntheticDataModule(num_samples=100, image_size=8)
         >>> dm.setup()
-        >>> tuple(dm.train_set[0][0].shape)
-        (1, 8, 8)
+        >>> tuple(dm.train_set[0][0].shape), len(dm.train_set) == dm.train_rows
+        ((1, 8, 8), True)
     """
 
     def __init__(
@@ -137,6 +149,9 @@ class SyntheticDataModule(_TensorDataModule):
         self.num_classes = num_classes
         self.image_size = image_size
         self.data_seed = data_seed
+
+    def _num_rows(self) -> int:
+        return self.num_samples
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.data_seed)
