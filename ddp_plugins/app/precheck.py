@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -246,11 +247,14 @@ def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
 
 def load_checkpoint_safely(path: str | os.PathLike) -> Any:
     """``torch.load(path, weights_only=True)``, memory-mapped on the CPU; a refusal is a one-line ``ValueError``."""
+    # mmap needs torch.save's zip format: any other file (a legacy pickle, a YAML file) is read whole,
+    # so that torch's message says why it does not load, not that it cannot be memory-mapped
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many kinds; the caller reports one line
         first = _one_line(err).split(". ")[0][:200]
-        raise ValueError(f"does not load with weights_only=True: {type(err).__name__}: {first}") from None
+        what = "" if zipfile.is_zipfile(path) else "not a zip archive written by torch.save, "
+        raise ValueError(f"does not load with weights_only=True: {what}{type(err).__name__}: {first}") from None
 
 
 def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, Any]) -> None:

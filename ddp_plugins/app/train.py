@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 from omegaconf import DictConfig
@@ -91,9 +91,6 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     setup_rank_logging()  # ddp_plugins loggers: INFO on rank 0, WARNING on the other ranks
     # Lightning 2.6's own call into torch 2.13's pytree, once per rank and fit: nothing the user can act on
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    network_env = apply_network_env(cfg.get("network", {}).get("env"))
-    if network_env:
-        log.info("network environment: %s", network_env)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -103,16 +100,28 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
         model = model.double()
     resume = str(cfg.get("resume", "auto"))
     _prepare_checkpoint_folder(Path(output_dir) / "checkpoints", resume)
-    trainer = build_trainer(cfg, output_dir)
+    # Everything the config and the checkpoint decide is decided here, before the Trainer (its banner)
+    # and before any other rank starts: a refusal is one line, a finished run says so.
     ckpt_path = resume_path(resume, output_dir)
-    if ckpt_path is not None:
+    point = _check_resume_checkpoint(ckpt_path, model, cfg) if ckpt_path is not None else None
+    if point is not None and point.finished:
+        if get_rank() != 0:
+            return None
+        accuracy = _final_accuracy(Path(str(ckpt_path)), point, _accuracy_key(cfg))
+        shown = "unknown" if accuracy is None else f"{accuracy:.4f}"
+        print(f"already finished at epoch {point.epoch} (accuracy {shown}; run folder: {output_dir})", flush=True)
+        return accuracy
+    network_env = apply_network_env(cfg.get("network", {}).get("env"))
+    if network_env:
+        log.info("network environment: %s", network_env)
+    trainer = build_trainer(cfg, output_dir)
+    if point is not None:
         # A resume writes into its own checkpoint folder by design: one "resuming from" line says it
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        epoch, step, was = _check_resume_checkpoint(ckpt_path, model, cfg)
         if get_rank() == 0:
-            n = trainer.world_size
+            n, was = trainer.world_size, point.world_size
             ranks = f" on {n} rank{'s' * (n != 1)}" + (f" (was {was})" if was and was != n else "")
-            print(f"resuming from {ckpt_path} (epoch {epoch}, step {step}){ranks}", flush=True)
+            print(f"resuming from {ckpt_path} (epoch {point.epoch}, step {point.step}){ranks}", flush=True)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     metrics, key = trainer.callback_metrics, _accuracy_key(cfg)
     if not trainer.is_global_zero or key not in metrics:
@@ -135,7 +144,7 @@ def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
         >>> resume_path("auto", tempfile.mkdtemp()) is None, resume_path("never", "outputs/x")
         (True, None)
     """
-    from ddp_plugins.core.checkpoints import NO_DIGEST, newest_valid_checkpoint
+    from ddp_plugins.core.checkpoints import newest_valid_checkpoint
 
     if resume == "never":
         return None
@@ -143,11 +152,12 @@ def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
         return resume
     folder = Path(output_dir) / "checkpoints"
     found, skipped = newest_valid_checkpoint(folder)
-    if found is None and any(reason.startswith(NO_DIGEST) for _, reason in skipped):
-        # Only files without a digest: starting over would silently lose them
+    if found is None and skipped:
+        # Every checkpoint is damaged or unverified: starting over would overwrite them without a word
+        names = "; ".join(f"{path.name}: {reason.split(':')[0]}" for path, reason in skipped)
         raise ConfigError(
             "resume",
-            f"got 'auto', but no checkpoint in {folder} has a digest (written before ddp_plugins 0.3.1?)",
+            f"got 'auto', but no checkpoint in {folder} verifies ({names})",
             "resume=<one of them> to continue from it unverified, or resume=never with a new hydra.run.dir",
         )
     if get_rank() == 0:
@@ -200,16 +210,28 @@ def _prepare_checkpoint_folder(folder: Path, resume: str) -> None:
 _SAME_MODEL = "a checkpoint of the same model.* settings, or resume=never with a new hydra.run.dir"
 
 
-def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[int, int, int | None]:
-    """(epoch, step, world size) of the checkpoint to resume from, after checking that it fits ``model``.
+class ResumePoint(NamedTuple):
+    """Where a checkpoint stands, as :func:`_check_resume_checkpoint` read it."""
+
+    epoch: int  # Lightning's epoch (0-based), as in the checkpoint's file name
+    step: int  # global step
+    world_size: int | None  # the ranks that wrote it (None: not recorded)
+    finished: bool  # it holds the end of the run this config asks for (max_epochs / max_steps reached)
+    accuracy: float | None  # the last validation accuracy it recorded (the app's accuracy key), if any
+
+
+def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> ResumePoint:
+    """Where the checkpoint to resume from stands, after checking that it fits ``model`` and the config.
 
     Loaded once, memory-mapped and with ``weights_only=True``. A parameter of another shape (another
     ``model.*`` setting) is one line naming the first such key and both shapes, on every rank,
-    before Lightning would print a size-mismatch traceback per rank. A restored cosine schedule that
-    ends before the new ``trainer.max_epochs`` is kept as it is, with one warning line.
+    before Lightning would print a size-mismatch traceback per rank. So is a file that is not a
+    Lightning checkpoint (a bare ``state_dict``, a YAML file) and a ``trainer.max_epochs`` below the
+    epochs it has trained. A restored cosine schedule that ends before the new ``trainer.max_epochs``
+    is kept as it is, with one warning line.
 
     Raises:
-        ConfigError: the checkpoint does not load safely or does not fit the model.
+        ConfigError: the checkpoint does not load safely or does not fit the model or the config.
     """
     from ddp_plugins.core.checkpoints import NO_DIGEST, digest_path
 
@@ -221,8 +243,11 @@ def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[in
     if get_rank() == 0 and not digest_path(path).is_file():
         log.warning("resume: %s is not verified (%s: %s missing)", path, NO_DIGEST, digest_path(path).name)
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
-    if not isinstance(state, dict):
-        raise ConfigError("resume", f"got {path!r} (not a Lightning checkpoint: no state_dict)", "a checkpoint file")
+    if not isinstance(state, dict) or not isinstance(checkpoint.get("loops"), dict):
+        found = "a bare state_dict" if isinstance(checkpoint, dict) and state is None else "no state_dict and loops"
+        raise ConfigError(
+            "resume", f"got {path!r} (not a Lightning checkpoint: {found})", "a checkpoint written by Trainer.fit"
+        )
     own = model.state_dict()
     for key, tensor in own.items():
         if key not in state:
@@ -249,7 +274,50 @@ def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> tuple[in
             )  # fmt: skip
     record = checkpoint.get(DATA_RECORD) or {}
     was = record.get("world_size") if isinstance(record, dict) else None
-    return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)), was
+    epoch, step = int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
+    epochs_done = _epochs_done(checkpoint)
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if isinstance(max_epochs, int) and max_epochs >= 0 and epochs_done > max_epochs:
+        raise ConfigError(
+            "trainer.max_epochs",
+            f"got {max_epochs}, fewer than the {epochs_done} epochs {path} has trained",
+            f"at least {epochs_done} to continue that run, or resume=never with a new hydra.run.dir",
+        )
+    finished = (isinstance(max_epochs, int) and max_epochs >= 0 and epochs_done >= max_epochs) or (
+        isinstance(max_steps, int) and max_steps > 0 and step >= max_steps
+    )
+    return ResumePoint(epoch, step, was, finished, _recorded_accuracy(checkpoint, _accuracy_key(cfg)))
+
+
+def _final_accuracy(path: Path, point: ResumePoint, key: str) -> float | None:
+    """The accuracy a finished run ended with: ``last.ckpt``'s record when it holds the same step as
+    ``path`` (a stop at the last step is written before the epoch's ``ModelCheckpoint`` updates its
+    score; ``last.ckpt`` is written after it), else ``path``'s own."""
+    from ddp_plugins.core.checkpoints import verify_checkpoint
+
+    last = path.with_name("last.ckpt")
+    if last != path and verify_checkpoint(last) is None:
+        with contextlib.suppress(ValueError, AttributeError):
+            checkpoint = load_checkpoint_safely(last)
+            if int(checkpoint.get("global_step", -1)) == point.step:
+                return _recorded_accuracy(checkpoint, key) or point.accuracy
+    return point.accuracy
+
+
+def _epochs_done(checkpoint: dict[str, Any]) -> int:
+    """The epochs a checkpoint's fit loop has processed (Lightning's progress record)."""
+    try:
+        return int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def _recorded_accuracy(checkpoint: dict[str, Any], key: str) -> float | None:
+    """The last value of ``key`` a ``ModelCheckpoint`` monitoring it recorded in ``checkpoint``."""
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, dict) and state.get("monitor") == key and state.get("current_score") is not None:
+            return float(state["current_score"])
+    return None
 
 
 _held_folders: dict[str, Any] = {}  # run folders this process locked for its whole life (real path -> handle)

@@ -153,6 +153,8 @@ def _newest_first(folder: str | os.PathLike) -> list[Path]:
 
 
 DIGEST_SUFFIX = ".sha256"
+# why a file that verifies is passed over: its digest was not written by this pack
+_UNNUMBERED = "its digest has no write number (made by hand?): its place among the checkpoints is unknown"
 NO_DIGEST = "no digest"  # how verify_checkpoint's reason begins for a file without a sidecar
 # The sidecar's second line: a comment to `sha256sum -c`, which still checks the file
 _WRITE_NUMBER = re.compile(r"^# write (\d+)$", re.MULTILINE)
@@ -238,10 +240,14 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     if not path.is_file():
         return "no such file"
     sidecar = digest_path(path)
+    if not sidecar.is_file():
+        return f"{NO_DIGEST} ({sidecar.name} missing): not a checkpoint written by ddp_plugins 0.3.1 or later"
     try:
         recorded = sidecar.read_text().split()[0]
     except (OSError, IndexError, UnicodeDecodeError):
-        return f"{NO_DIGEST} ({sidecar.name} missing or empty): not a checkpoint written by ddp_plugins 0.3.1 or later"
+        recorded = ""
+    if not re.fullmatch(r"[0-9a-f]{64}", recorded):
+        return f"{NO_DIGEST} ({sidecar.name} holds no SHA-256: garbled or empty)"
     try:
         actual = _sha256(path)
     except OSError as err:
@@ -251,8 +257,9 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
 
 def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest ``*.ckpt`` of ``folder`` that passes :func:`verify_checkpoint`, and the newer
-    ones it skipped, each with the reason (files without a digest count as skipped when they were
-    modified after the one found).
+    ones it skipped, each with the reason. A file whose sidecar carries no write number (none at
+    all, garbage, or one made by hand with ``sha256sum``) sorts before every numbered one: it counts
+    as skipped when it was modified after the one found, so that none is passed over unnamed.
 
     Example::
 
@@ -274,8 +281,8 @@ def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, lis
             after = path.stat().st_mtime_ns
             passed = {p for p, _ in skipped}
             for other in ordered:
-                if other not in passed and not digest_path(other).exists() and other.stat().st_mtime_ns > after:
-                    skipped.append((other, str(verify_checkpoint(other))))
+                if other not in passed and write_number(other) is None and other.stat().st_mtime_ns > after:
+                    skipped.append((other, verify_checkpoint(other) or _UNNUMBERED))
             return path, skipped
         skipped.append((path, reason))
     return None, skipped

@@ -213,6 +213,12 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._agreement.poll(0, start=False)  # the run is complete: a flag agreed only now changes nothing
+        if self._stop is not None:
+            # A stop agreed at the last step: training and its final validation are done, the
+            # checkpoint holds the end. Nothing is left to resume, so the run ends as a finished one.
+            stop, self._stop = self._stop, None
+            if trainer.is_global_zero:
+                log.warning("signal %d came at the last step: the run is complete (%s)", stop.signum, stop.checkpoint)
         self._after_step(trainer)
 
     def _after_step(self, trainer: pl.Trainer) -> None:

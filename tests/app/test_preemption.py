@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from ddp_plugins.testing import check_ok, free_port, loopback_env, run_command
+from tests.app.test_safety import _one_line_failure
 from tests.helpers import REPO_ROOT
+from tests.helpers.ledger import batches_of, rows_per_epoch
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
 from tests.helpers.shared import made_once
 from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
@@ -33,6 +35,7 @@ SMALL = [
     "checkpoint.every_n_train_steps=2", "checkpoint.keep=2",
 ]  # fmt: skip  # 512 training samples: 8 steps per epoch on 2 ranks
 RESUMING = re.compile(r"resuming from (\S+) \(epoch (\d+), step (\d+)\)")
+LEDGER = "+callbacks.ledger._target_=tests.helpers.ledger.RowLedger"  # rows-rank<R>.jsonl: the rows each epoch trained
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +45,7 @@ def reference(tmp_path_factory):
     # resume=never in a new folder: the run starts from scratch (what every resumed run is compared to).
     def make(shared):
         folder = shared / 'we"ird run'
-        run = check_ok(run_warm([*APP, *SMALL, f"hydra.run.dir='{folder}'", "resume=never"], timeout=300))
+        run = check_ok(run_warm([*APP, *SMALL, LEDGER, f"hydra.run.dir='{folder}'", "resume=never"], timeout=300))
         assert not RESUMING.search(run.stdout), "resume=never must start from scratch"
         assert "RuntimeWarning" not in run.stderr, f"a rank or loader worker warned:\n{run.stderr[-3000:]}"
         assert (folder / "checkpoints" / "last.ckpt").exists() and len(list(folder.parent.iterdir())) == 1
@@ -118,6 +121,44 @@ def _assert_resumed_from(run: subprocess.CompletedProcess, checkpoint: Path) -> 
 
 
 @pytest.mark.slow
+def test_a_stop_late_in_an_epoch_refuses_another_batch_size_and_at_the_epoch_end_any_layout_continues(
+    reference, tmp_path
+):
+    """Issue 35: a stop at batch 7 of 8 of 2 ranks, past the whole epoch of 4 batches of 64 rows. The
+    resume with ``data.batch_size=64`` is refused with one line (it trained the whole epoch again
+    after the 7 batches); the same layout continues from batch 8, and after a stop at the epoch's
+    end a run on 1 rank with batches of 16 trains the next epoch. By the row ledger of every run in
+    the folder, each epoch trained the reference's rows, each as often as the reference did."""
+    folder = tmp_path / "run"
+    late = _interrupt("train_batch_start", 5, 0, "SIGTERM", "self", name="late")  # the stop after step 7
+    end = _interrupt("train_batch_start", 7, 0, "SIGTERM", "self", name="end")  # at the last step: the epoch's end
+    cmd = [*APP, *SMALL, LEDGER, "callbacks.preemption.check_every_n_steps=1", f"hydra.run.dir={folder}", *late, *end]
+    stopped = run_warm(cmd, timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    (checkpoint,) = (folder / "checkpoints").glob("step-*-preempted.ckpt")
+    per_epoch = len(batches_of(reference, rank=0, epoch=0))
+    assert _step(checkpoint) == per_epoch - 1, f"not a stop at the epoch's last batch: {checkpoint.name}"
+
+    line = _one_line_failure(run_warm([*cmd, "data.batch_size=64"], timeout=300), 2)
+    assert f"(batch {per_epoch - 1} of {per_epoch} of epoch 0)" in line and "batch_size 32 -> 64" in line, line
+
+    stopped = run_warm(cmd, timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    _assert_resumed_from(stopped, checkpoint)
+    at_end = folder / "checkpoints" / f"step-{per_epoch}-preempted.ckpt"
+    resumed = check_ok(run_warm([*cmd, "trainer.devices=1", "data.batch_size=16"], timeout=300))
+    _assert_resumed_from(resumed, at_end)
+    assert RESUMING.search(resumed.stdout).group(0) + " on 1 rank (was 2)" in resumed.stdout, resumed.stdout[-2000:]
+    trained, expected = rows_per_epoch(folder), rows_per_epoch(reference)
+    assert sorted(trained) == sorted(expected), (sorted(trained), sorted(expected))
+    for epoch, rows in expected.items():
+        twice, never = trained[epoch] - rows, rows - trained[epoch]
+        assert not twice and not never, (
+            f"epoch {epoch}: {sum(twice.values())} rows too many, {sum(never.values())} missing"
+        )
+
+
+@pytest.mark.slow
 def test_resume_never_starts_over_and_a_path_resumes_from_it(reference, tmp_path):
     folder = tmp_path / "run"
     cmd = [*APP, *SMALL, f"hydra.run.dir={folder}"]
@@ -137,13 +178,26 @@ def test_resume_never_starts_over_and_a_path_resumes_from_it(reference, tmp_path
     ), refused.stderr[-3000:]
 
 
-def test_bad_resume_is_a_one_line_error(tmp_path):
-    result = run_warm([*APP, "resume=nowhere.ckpt"], timeout=60, cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
-        "error: resume got 'nowhere.ckpt' (no such file), allowed: 'auto', 'never' or the path of a checkpoint file"
-    ), result.stderr
-    assert not os.listdir(tmp_path)
+@pytest.mark.parametrize(
+    ("name", "content", "why"),
+    [
+        ("nowhere.ckpt", None, "no such file"),
+        ("config.yaml", b"trainer:\n  max_epochs: 3\n", "does not load with weights_only=True: not a zip archive"),
+        ("weights.ckpt", "state_dict", "not a Lightning checkpoint (no state_dict)"),
+    ],
+    ids=["missing", "a YAML file", "a bare state_dict"],
+)
+def test_bad_resume_is_a_one_line_error(tmp_path, name, content, why):
+    if content == "state_dict":
+        torch.save({"features.0.weight": torch.ones(2)}, tmp_path / name)
+    elif content is not None:
+        (tmp_path / name).write_bytes(content)
+    result = run_warm([*APP, f"resume={name}", "hydra.run.dir=run"], timeout=60, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().startswith(f"error: resume got '{name}' ({why}"), result.stderr
+    assert result.stderr.strip().endswith("allowed: 'auto', 'never' or the path of a checkpoint file"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists(), "a refused run writes no folder"
 
 
 @pytest.mark.slow
@@ -286,3 +340,19 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_sigterm_at_the_last_step_ends_as_a_finished_run_and_a_rerun_says_so(reference, tmp_path):
+    folder = tmp_path / "run"
+    exact = "callbacks.preemption.check_every_n_steps=1"
+    # sent as the last batch starts (global step 15 of 16): the stop is agreed at the last step
+    cmd = [*APP, *SMALL, exact, f"hydra.run.dir={folder}", *_interrupt("train_batch_start", 15, 1, "SIGTERM", "self")]
+    run = check_ok(run_warm(cmd, timeout=300))  # exit 0: training and its final validation were done
+    assert (folder / "interrupted").exists(), "the SIGTERM was not sent"
+    assert "came at the last step: the run is complete" in run.stderr, run.stderr[-3000:]
+    final = re.search(r"final validation accuracy: ([0-9.]+)", run.stdout)
+    assert final, run.stdout[-2000:]
+    assert_equal_states(final_state(reference), final_state(folder))
+    rerun = check_ok(run_warm(cmd, timeout=120))
+    assert f"already finished at epoch 1 (accuracy {final.group(1)}" in rerun.stdout, rerun.stdout[-2000:]

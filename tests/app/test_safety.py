@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddp_plugins.core.checkpoints import digest_path
 from ddp_plugins.testing import check_ok, free_port, loopback_env
@@ -233,5 +234,64 @@ def test_checkpoints_of_an_earlier_version_without_digests_are_not_dropped_silen
         sidecar.unlink()
     cmd = [*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"]
     refused = run_warm(cmd, timeout=120)  # auto would otherwise start over and lose the run
-    assert "no checkpoint in" in _one_line_failure(refused, 2) and "has a digest" in refused.stderr
+    line = _one_line_failure(refused, 2)
+    assert "no checkpoint in" in line and "verifies" in line and "last.ckpt: no digest" in line, line
     # resume=<one of them> continues unverified: the damaged-checkpoints test resumes so
+
+
+def _listing(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in (folder / "checkpoints").iterdir()}
+
+
+@pytest.mark.slow
+def test_a_finished_run_says_so_and_a_lower_max_epochs_is_one_line(one_epoch, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(one_epoch, folder)
+    before = _listing(folder)
+    rerun = check_ok(run_warm([*APP, *SMALL, *STEPS, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=120))
+    last = torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    accuracy = next(s["current_score"] for s in last["callbacks"].values() if s.get("monitor") == "val/exact_acc")
+    assert f"already finished at epoch 0 (accuracy {float(accuracy):.4f}" in rerun.stdout, rerun.stdout[-2000:]
+    assert "resuming from" not in rerun.stdout and "GPU available" not in rerun.stderr + rerun.stdout, "nothing starts"
+    assert _listing(folder) == before, "a finished run's rerun writes no checkpoint"
+    lower = run_warm([*APP, *SMALL, *STEPS, "trainer.max_epochs=0", f"hydra.run.dir={folder}"], timeout=120)
+    line = _one_line_failure(lower, 2)
+    assert line.startswith("error: trainer.max_epochs got 0, fewer than the 1 epochs"), line
+    assert len(lower.stderr.strip().splitlines()) == 1, f"the refusal comes before any banner:\n{lower.stderr}"
+
+
+def _sidecar_by_hand(checkpoint: Path) -> None:
+    """What `sha256sum last.ckpt > last.ckpt.sha256` writes: a true digest, no write number."""
+    digest = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    digest_path(checkpoint).write_text(f"{digest}  {checkpoint.name}\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sidecar", ["garbled", "by hand"])
+def test_a_checkpoint_passed_over_for_its_digest_is_named(one_epoch, tmp_path, sidecar):
+    folder = tmp_path / "run"
+    shutil.copytree(one_epoch, folder)
+    newest = folder / "checkpoints" / "last.ckpt"
+    if sidecar == "garbled":
+        digest_path(newest).write_bytes(os.urandom(64))
+    else:
+        _sidecar_by_hand(newest)
+    os.utime(newest)  # the newest file of the folder, whatever its sidecar says
+    run = check_ok(run_warm([*APP, *SMALL, *STEPS, "trainer.max_epochs=1", f"hydra.run.dir={folder}"], timeout=300))
+    named = [line for line in run.stderr.splitlines() if "resume: skipped" in line and str(newest) in line]
+    assert len(named) == 1, f"last.ckpt was passed over without a line:\n{run.stderr[-3000:]}"
+    assert ("holds no SHA-256" if sidecar == "garbled" else "no write number") in named[0], named[0]
+
+
+@pytest.mark.slow
+def test_when_every_checkpoint_is_damaged_the_run_refuses_and_overwrites_nothing(one_epoch, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(one_epoch, folder)
+    for checkpoint in (folder / "checkpoints").glob("*.ckpt"):
+        digest_path(checkpoint).write_text("0" * 64 + f"  {checkpoint.name}\n# write 1\n")
+    before = _listing(folder)
+    refused = run_warm([*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"], timeout=120)
+    line = _one_line_failure(refused, 2)
+    for name in ("epoch=0-step=8.ckpt", "last.ckpt", "step-6.ckpt", "step-8.ckpt"):
+        assert f"{name}: damaged" in line, line
+    assert _listing(folder) == before, "a refused run must leave every checkpoint as it was"
