@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import hydra
 from omegaconf import DictConfig
@@ -29,7 +29,7 @@ from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_ma
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.core.stalls import RendezvousError
 from ddp_plugins.lightning.data_plan import CHECKPOINT_KEY as DATA_RECORD
-from ddp_plugins.lightning.data_plan import ResumeMismatch
+from ddp_plugins.lightning.data_plan import ResumeMismatch, expected_record, resume_start
 from ddp_plugins.lightning.launchers import hydra_quote
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 
@@ -103,7 +103,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     # Everything the config and the checkpoint decide is decided here, before the Trainer (its banner)
     # and before any other rank starts: a refusal is one line, a finished run says so.
     ckpt_path = resume_path(resume, output_dir)
-    point = _check_resume_checkpoint(ckpt_path, model, cfg) if ckpt_path is not None else None
+    point = _check_resume_checkpoint(ckpt_path, model, datamodule, cfg) if ckpt_path is not None else None
     if point is not None and point.finished:
         if get_rank() != 0:
             return None
@@ -220,18 +220,21 @@ class ResumePoint(NamedTuple):
     accuracy: float | None  # the last validation accuracy it recorded (the app's accuracy key), if any
 
 
-def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> ResumePoint:
+def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictConfig) -> ResumePoint:
     """Where the checkpoint to resume from stands, after checking that it fits ``model`` and the config.
 
     Loaded once, memory-mapped and with ``weights_only=True``. A parameter of another shape (another
     ``model.*`` setting) is one line naming the first such key and both shapes, on every rank,
     before Lightning would print a size-mismatch traceback per rank. So is a file that is not a
-    Lightning checkpoint (a bare ``state_dict``, a YAML file) and a ``trainer.max_epochs`` below the
-    epochs it has trained. A restored cosine schedule that ends before the new ``trainer.max_epochs``
-    is kept as it is, with one warning line.
+    Lightning checkpoint (a bare ``state_dict``, a YAML file), a ``trainer.max_epochs`` below the
+    epochs it has trained, and a resume the ranks would refuse once started: a stop in the middle
+    of an epoch whose rows this run would split differently (:func:`resume_start`). A restored
+    cosine schedule that ends before the new ``trainer.max_epochs`` is kept as it is, with one
+    warning line.
 
     Raises:
         ConfigError: the checkpoint does not load safely or does not fit the model or the config.
+        ResumeMismatch: this run would train some of the stopped epoch's rows twice or never.
     """
     from ddp_plugins.core.checkpoints import NO_DIGEST, digest_path
 
@@ -286,7 +289,40 @@ def _check_resume_checkpoint(path: str, model: Any, cfg: DictConfig) -> ResumePo
     finished = (isinstance(max_epochs, int) and max_epochs >= 0 and epochs_done >= max_epochs) or (
         isinstance(max_steps, int) and max_steps > 0 and step >= max_steps
     )
+    now = _expected_record(cfg, datamodule) if isinstance(record, dict) and record and not finished else None
+    if now is not None:
+        # what the ranks would refuse once started (ResumeMismatch), decided here from the numbers alone
+        progress = (checkpoint["loops"].get("fit_loop") or {}).get("epoch_loop.batch_progress") or {}
+        current = progress.get("current") or {}
+        done = int(current.get("processed", 0))
+        resume_start(
+            record, now, epoch, done, last_batch=bool(progress.get("is_last_batch")),
+            in_batch_end=int(current.get("completed", done)) < done,
+        )  # fmt: skip
     return ResumePoint(epoch, step, was, finished, _recorded_accuracy(checkpoint, _accuracy_key(cfg)))
+
+
+def _expected_record(cfg: DictConfig, datamodule: Any) -> dict[str, Any] | None:
+    """The data record this run's ranks will write, from the config and the data's row count; None
+    where the config leaves it open (an accumulation schedule, data without a known row count,
+    GPU indices), and the ranks then decide after they start."""
+    rows = getattr(datamodule, "train_rows", None)
+    trainer = trainer_args(cfg.trainer)
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    accumulate = {trainer.get("accumulate_grad_batches", 1)}
+    no_sync = (cfg.get("callbacks") or {}).get("accumulation_no_sync") or {}
+    if no_sync.get("accumulate_grad_batches", 1) != 1:
+        accumulate.add(no_sync.get("accumulate_grad_batches"))
+        accumulate.discard(1)
+    batch_size, strategy = cfg.data.get("batch_size"), cfg.get("strategy") or {}
+    numbers = (rows, devices, nodes, batch_size, *accumulate)
+    if len(accumulate) != 1 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in numbers):
+        return None
+    return expected_record(
+        cast(int, rows), devices * nodes, accumulate.pop(), batch_size, int(cfg.seed),
+        global_batch_size=strategy.get("global_batch_size"), drop_last=bool(strategy.get("drop_last", False)),
+        limit_train_batches=trainer.get("limit_train_batches", 1.0),
+    )  # fmt: skip
 
 
 def _final_accuracy(path: Path, point: ResumePoint, key: str) -> float | None:

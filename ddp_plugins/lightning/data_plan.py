@@ -7,6 +7,7 @@ docs/design.md ("One global plan per epoch, and uneven data", "Checkpoints and r
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Sized
@@ -33,6 +34,7 @@ __all__ = [
     "check_global_batch",
     "check_resume",
     "data_record",
+    "expected_record",
     "plan_for",
     "planned_train_loader",
     "resume_start",
@@ -180,6 +182,33 @@ def data_record(dataloader: Any, plan: GlobalPlan | None, world_size: int, accum
     if isinstance(sampler, DistributedSampler):
         length = len(cast(Sized, sampler.dataset))
         record.update(seed=int(sampler.seed), shuffle=bool(sampler.shuffle), dataset_length=length)
+    return record
+
+
+def expected_record(
+    dataset_length: int, world_size: int, accumulate: int, batch_size: int, seed: int, *, shuffle: bool = True,
+    global_batch_size: int | None = None, drop_last: bool = False, limit_train_batches: Any = 1.0,
+) -> dict[str, Any]:  # fmt: skip
+    """The record :class:`TrainData` writes for a map-style dataset of ``dataset_length`` rows under
+    Lightning's ``DistributedSampler`` (or on a global plan), from the numbers alone.
+
+    What an app checks a checkpoint against before any rank starts (:func:`resume_start`), where
+    the real record exists only once the ranks have made their loaders.
+
+    Example::
+
+        >>> expected_record(1438, 2, 1, 32, 42)["batches_per_epoch"]  # ceil(ceil(1438 / 2) / 32)
+        23
+    """
+    record: dict[str, Any] = {"world_size": world_size, "accumulate": accumulate}
+    if global_batch_size is not None:
+        plan = GlobalPlan(dataset_length, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
+        record["plan"] = plan.state()
+        length = plan.steps_per_epoch * accumulate
+    else:
+        record.update(batch_size=batch_size, seed=seed, shuffle=shuffle, dataset_length=dataset_length)
+        length = math.ceil(math.ceil(dataset_length / world_size) / batch_size)
+    record["batches_per_epoch"] = _limited(length, limit_train_batches)
     return record
 
 

@@ -326,9 +326,11 @@ class DDPPluginsStrategy(DDPStrategy):
         (all nodes are this machine: two torchrun launchers on 127.0.0.1)."""
         if self.root_device.type != "cuda":
             return 0
-        assert self.cluster_environment is not None
-        here = self.num_processes * (self.num_nodes if is_loopback(self.cluster_environment.main_address) else 1)
-        return math.ceil(here / max(torch.cuda.device_count(), 1))
+        environment, gpus = self.cluster_environment, torch.cuda.device_count()
+        if gpus == 0:  # CUDA not visible to this process: nothing to tell
+            return 1
+        loopback = environment is not None and is_loopback(environment.main_address)
+        return math.ceil(self.num_processes * (self.num_nodes if loopback else 1) / gpus)
 
     def _check_one_gpu_per_nccl_rank(self) -> None:
         """nccl cannot run two ranks on one GPU (NCCL's "invalid usage"): refused before any group is made."""

@@ -139,8 +139,10 @@ def test_a_stop_late_in_an_epoch_refuses_another_batch_size_and_at_the_epoch_end
     per_epoch = len(batches_of(reference, rank=0, epoch=0))
     assert _step(checkpoint) == per_epoch - 1, f"not a stop at the epoch's last batch: {checkpoint.name}"
 
-    line = _one_line_failure(run_warm([*cmd, "data.batch_size=64"], timeout=300), 2)
+    refused = run_warm([*cmd, "data.batch_size=64"], timeout=300)
+    line = _one_line_failure(refused, 2)
     assert f"(batch {per_epoch - 1} of {per_epoch} of epoch 0)" in line and "batch_size 32 -> 64" in line, line
+    assert refused.stderr.strip() == line, f"decided before any rank or banner starts:\n{refused.stderr}"
 
     stopped = run_warm(cmd, timeout=300)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]

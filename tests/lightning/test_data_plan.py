@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_plugins.core.plan import GlobalPlan
-from ddp_plugins.lightning.data_plan import ResumeMismatch, TrainData, resume_start
+from ddp_plugins.lightning.data_plan import ResumeMismatch, TrainData, expected_record, resume_start
 
 ROWS, EPOCH = 53, 1  # epoch 1: the epoch a resume starts in is not 0 by chance
 
@@ -196,3 +196,17 @@ def test_a_loader_made_again_at_a_later_epoch_start_starts_that_epoch(monkeypatc
     ]
     rows = [sum(step, []) for step in zip(*(_batches(loader) for loader in reloaded), strict=True)]
     assert rows == _epoch(new, EPOCH + 2, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(1), Layout(2), Layout(3, batch_size=5), Layout(2, global_batch_size=12), Layout(3, global_batch_size=7)],
+    ids=str,
+)
+def test_the_record_an_app_predicts_before_any_rank_starts_is_the_one_the_ranks_write(layout, monkeypatch):
+    """The app refuses a resume before starting from :func:`expected_record`: it must be the real one."""
+    for data, _ in _start(layout, EPOCH, 0, None, monkeypatch):
+        predicted = expected_record(
+            ROWS, layout.world_size, 1, layout.batch_size, layout.seed, global_batch_size=layout.global_batch_size
+        )
+        assert predicted == data.record
