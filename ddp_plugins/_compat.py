@@ -91,6 +91,7 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", ("_start_method",)),
     ("lightning.pytorch.loggers.csv_logs", "CSVLogger", ("_experiment", "_fs")),
+    ("lightning.pytorch.loggers.tensorboard", "TensorBoardLogger", ("_experiment", "_kwargs")),
     ("lightning.pytorch.utilities.combined_loader", "CombinedLoader", ("_mode",)),
     ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", ("_data_source",)),
     ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop", ("_data_source",)),

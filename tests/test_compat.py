@@ -45,6 +45,7 @@ _INSTANCES = {
     "DDPStrategy": lambda cls, tmp_path: cls(),
     "_MultiProcessingLauncher": lambda cls, tmp_path: cls(_trainer().strategy, start_method="spawn"),
     "CSVLogger": lambda cls, tmp_path: cls(tmp_path),
+    "TensorBoardLogger": lambda cls, tmp_path: cls(tmp_path),
     "CombinedLoader": lambda cls, tmp_path: cls([[1, 2]], mode="sequential"),
     "_EvaluationLoop": lambda cls, tmp_path: _trainer().validate_loop,
     "_PredictionLoop": lambda cls, tmp_path: _trainer().predict_loop,

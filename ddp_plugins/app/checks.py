@@ -33,12 +33,12 @@ APP_TRAINER_ARGS = ("strategy", "precision", "callbacks", "logger", "default_roo
 
 
 def build_objects(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate the configured strategy, callbacks, model, datamodule and ``Trainer``; start nothing.
+    """Instantiate the configured strategy, callbacks, model, datamodule, logger and ``Trainer``; start nothing.
 
     Each object is built from its own config node, so an error names the key it came from.
 
     Returns:
-        ``{"strategy", "callbacks", "model", "datamodule", "trainer"}``.
+        ``{"strategy", "callbacks", "model", "datamodule", "logger", "trainer"}``.
 
     Raises:
         ConfigError: an object refused its configuration.
@@ -52,6 +52,7 @@ def build_objects(cfg: DictConfig) -> dict[str, Any]:
         if node is not None
     }
     objects["callbacks"] = list(named.values())
+    objects["logger"] = _build_logger(cfg.logger, raw)
     objects["trainer"] = _quiet_trainer(cfg, objects)
     for key, callback in named.items():  # the run-dependent checks their `setup` makes
         check = getattr(callback, "check_trainer", None)
@@ -75,8 +76,25 @@ def _check_global_batch_rows(strategy: Any, datamodule: Any) -> None:
         )
 
 
-def _build(key: str, node: Any, raw: Any) -> Any:
-    """``hydra.utils.instantiate(node)``, its argument errors restated with ``key``."""
+def _build_logger(node: Any, raw: Any) -> Any:
+    """The ``logger`` group's logger (its ``save_dir`` is the run folder: here a folder it never writes to,
+    as a logger writes at its first log); a TensorBoard logger without its writer package is one line."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from ddp_plugins.lightning.tensorboard_logger import writer_installed
+
+    cls = _import_target("logger", str(node.get("_target_", "")))
+    if issubclass(cls, TensorBoardLogger) and not writer_installed():
+        raise ConfigError(
+            "logger",
+            "got 'tensorboard', but tensorboardX (or tensorboard) is not installed",
+            "'csv', or 'tensorboard' after `pip install 'ddp_plugins[tensorboard]'`",
+        )
+    return _build("logger", node, raw, save_dir=os.curdir)
+
+
+def _build(key: str, node: Any, raw: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate(node, **kwargs)``, its argument errors restated with ``key``."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
@@ -89,7 +107,7 @@ def _build(key: str, node: Any, raw: Any) -> Any:
                 raise ConfigError(f"{key}.{name}", f"is not an argument of {cls.__name__}", _choices(sorted(params)))
     with as_config_error(key, raw):
         try:
-            return instantiate(node)
+            return instantiate(node, **kwargs)
         except InstantiationException as err:
             cause = err.__cause__ or err
             raise cause from None

@@ -88,7 +88,7 @@ class TrainConfig:
     """The types of the app's top-level keys; OmegaConf refuses an unknown key or a wrong type.
 
     The groups whose keys are a class's arguments (``strategy``, ``trainer``, ``data``, ``model``,
-    the callbacks) stay untyped here: their classes check them when the app builds them.
+    the callbacks, the ``logger``) stay untyped here: their classes check them when the app builds them.
     """
 
     backend: NameConfig = MISSING
@@ -99,6 +99,7 @@ class TrainConfig:
     model: Any = MISSING
     callbacks: dict[str, Any] | None = None
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    logger: Any = MISSING
     seed: int = 42
     deterministic: bool = False
     global_batch_size: int | None = None

@@ -43,6 +43,8 @@ log = logging.getLogger("ddp_plugins.train")  # not __name__: "__main__" under p
 def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: list[Any] | None = None) -> Any:
     """The Lightning ``Trainer`` a config describes, writing logs and checkpoints to ``output_dir``.
 
+    The ``logger`` group's logger is instantiated with ``save_dir=output_dir``.
+
     Example::
 
         >>> import tempfile
@@ -55,8 +57,6 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     import lightning.pytorch as pl
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from ddp_plugins.lightning.csv_logger import ResumableCSVLogger
 
     precision = resolve_precision(cfg.precision.name, str(cfg.trainer.get("accelerator", "auto")))
     strategy = instantiate(cfg.strategy)
@@ -72,7 +72,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
         strategy=strategy,
         precision=precision,
         callbacks=[*plugin_callbacks, best, latest, *(callbacks or [])],
-        logger=ResumableCSVLogger(save_dir=str(output_dir), name="metrics", version=""),
+        logger=instantiate(cfg.logger, save_dir=str(output_dir)),
         default_root_dir=str(output_dir),
     )
 

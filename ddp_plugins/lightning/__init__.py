@@ -24,6 +24,7 @@ from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from ddp_plugins.lightning.sync_batchnorm import SyncBatchNormCallback
+from ddp_plugins.lightning.tensorboard_logger import ResumableTensorBoardLogger
 
 __all__ = [
     "AccumulationNoSync",
@@ -34,6 +35,7 @@ __all__ = [
     "PreemptionCheckpoint",
     "RankAwareSeed",
     "ResumableCSVLogger",
+    "ResumableTensorBoardLogger",
     "SequentialEvaluation",
     "SyncBatchNormCallback",
     "SyncBatchNormPlugin",

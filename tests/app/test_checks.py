@@ -6,6 +6,7 @@ tests/app/test_train.py and tests/app/test_bad_input.py.
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
@@ -17,9 +18,10 @@ from ddp_plugins.app.checks import build_objects
 from ddp_plugins.app.config import ConfigError, compose_config
 from ddp_plugins.app.precheck import _check_devices, check_config, max_cpu_processes, precheck
 from ddp_plugins.app.train import build_trainer
+from ddp_plugins.lightning import tensorboard_logger
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 
-GROUPS = ["backend", "precision", "strategy", "trainer", "data", "model", "callbacks", "network"]
+GROUPS = ["backend", "precision", "strategy", "trainer", "data", "model", "callbacks", "network", "logger"]
 # Options that cannot run on a CPU-only machine with the pip torch, and the error each must give.
 CPU_ERRORS = {
     ("backend", "nccl"): "backend got 'nccl' without CUDA GPUs",
@@ -59,6 +61,8 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
     plugin_types = {type(cb).__name__ for cb in trainer.callbacks}
     for name in cfg.get("callbacks") or {}:
         assert type(instantiate(cfg.callbacks[name])).__name__ in plugin_types
+    assert type(trainer.logger) is type(objects["logger"]) and trainer.logger.save_dir == str(tmp_path)
+    assert Path(trainer.logger.log_dir).parent == tmp_path, "the logger writes into a fixed folder of the run"
 
 
 def test_auto_choices_on_cpu():
@@ -123,6 +127,7 @@ BAD_INPUTS = [
         " step), allowed: at most 1438, or more rows (data.*)",
     ),
     (["no_such_key=1"], "override was refused by Hydra: Could not override 'no_such_key'"),
+    (["logger=foo"], "logger got 'foo', allowed: one of 'csv', 'tensorboard'"),
 ]
 
 
@@ -149,6 +154,16 @@ def test_precheck_rejects_bad_input(argv, message):
     assert str(err.value).startswith(message), str(err.value)
     assert "\n" not in str(err.value), "the error must be one line"
     assert str(err.value) == f"{err.value.key} {err.value.problem}, allowed: {err.value.allowed}"
+
+
+def test_tensorboard_without_its_writer_package_is_one_line(monkeypatch):
+    monkeypatch.setattr(tensorboard_logger, "writer_installed", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        precheck(["logger=tensorboard"])
+    assert str(err.value) == (
+        "logger got 'tensorboard', but tensorboardX (or tensorboard) is not installed,"
+        " allowed: 'csv', or 'tensorboard' after `pip install 'ddp_plugins[tensorboard]'`"
+    )
 
 
 def test_the_composed_config_is_typed_by_the_schema():

@@ -27,6 +27,7 @@ from tests.helpers.ledger import batches_of, rows_per_epoch
 from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
 from tests.helpers.shared import made_once
 from tests.helpers.slurm import job_fields, release_when_requeued, submit_requeue_job
+from tests.helpers.tensorboard import event_files, read_event_file, scalar_series
 from tests.helpers.warm import APP, run_warm
 
 SMALL = [
@@ -358,3 +359,37 @@ def test_a_sigterm_at_the_last_step_ends_as_a_finished_run_and_a_rerun_says_so(r
     assert_equal_states(final_state(reference), final_state(folder))
     rerun = check_ok(run_warm(cmd, timeout=120))
     assert f"already finished at epoch 1 (accuracy {final.group(1)}" in rerun.stdout, rerun.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_tensorboard_run_killed_then_preempted_resumes_into_one_event_stream(tmp_path):
+    """Issue 35: ``logger=tensorboard`` resumes as the CSV does. A launch killed outright at step 7
+    (its last checkpoint: step 4), the same command resumed and stopped by a SIGTERM in epoch 1, and
+    resumed again to the end: TensorBoard shows the uninterrupted run's scalars (tag, step, value),
+    each once. The folder holds the three launches' event files; each starts with a restart marker
+    at the step it continued from, which drops what the killed launch logged after step-4.ckpt."""
+    # Step checkpoints every 4 steps: the killed launch logs steps 4 to 6 past its last one
+    # (tensorboardX writes from a thread, so the very last step may not reach the file before a kill)
+    config = [*SMALL, "checkpoint.every_n_train_steps=4", "callbacks.preemption.check_every_n_steps=1"]
+    reference = tmp_path / "reference"
+    check_ok(run_warm([*APP, *config, "logger=tensorboard", f"hydra.run.dir={reference}"], timeout=300))
+    folder = tmp_path / "run"
+    kill = _interrupt("train_batch_start", 7, 0, "SIGKILL", "group", name="kill")
+    stop = _interrupt("train_batch_start", 11, 0, "SIGTERM", "self", name="stop")
+    cmd = [*APP, *config, "logger=tensorboard", f"hydra.run.dir={folder}", *kill, *stop]
+    killed = run_warm(cmd, timeout=300)
+    assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-3000:]
+    (first,) = event_files(folder / "tensorboard")
+    assert max(s.step for s in read_event_file(first).scalars) >= 5, "nothing logged after the step-4 checkpoint"
+
+    stopped = run_warm(cmd, timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    _assert_resumed_from(stopped, folder / "checkpoints" / "step-4.ckpt")
+    (preempted,) = (folder / "checkpoints").glob("step-*-preempted.ckpt")
+    _assert_resumed_from(check_ok(run_warm(cmd, timeout=300)), preempted)
+
+    launches = [read_event_file(path) for path in event_files(folder / "tensorboard")]
+    assert [launch.starts for launch in launches] == [[0], [4], [_step(preempted)]], [f.path for f in launches]
+    assert all(launch.scalars for launch in launches), "a launch's events are missing"
+    expected = scalar_series(reference / "tensorboard")
+    assert expected and scalar_series(folder / "tensorboard") == expected
