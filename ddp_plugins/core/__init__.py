@@ -63,6 +63,7 @@ from ddp_plugins.core.sync_batchnorm import (
 )
 from ddp_plugins.core.sync_batchnorm_function import SyncBatchNormFunction, sync_batch_norm
 from ddp_plugins.core.timeline import TimedCommHook, Timeline, collective_kind
+from ddp_plugins.core.watchdog import Heartbeat, ProgressWatchdog, Stall, find_stall
 from ddp_plugins.core.workers import WorkerInit, seed_worker
 
 __all__ = [
@@ -76,12 +77,15 @@ __all__ = [
     "EvenSteps",
     "GlobalPlan",
     "HangWatch",
+    "Heartbeat",
     "PlanBatchSampler",
+    "ProgressWatchdog",
     "Preempted",
     "ResumableSampler",
     "SequentialDistributedSampler",
     "SignalAgreement",
     "SignalFlag",
+    "Stall",
     "SyncBatchNorm",
     "SyncBatchNormFunction",
     "SyncBatchNormReport",
@@ -104,6 +108,7 @@ __all__ = [
     "distributed_concat",
     "encode_rng_states",
     "exit_process",
+    "find_stall",
     "for_collective",
     "gather_per_rank",
     "get_rank",

@@ -39,6 +39,7 @@ from ddp_plugins.core.process import start_forkserver
 from ddp_plugins.core.ranks import for_collective, get_rank, get_world_size
 from ddp_plugins.core.samplers import loader_seed
 from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
+from ddp_plugins.core.watchdog import ProgressWatchdog
 from ddp_plugins.core.workers import WorkerInit
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.data_plan import (
@@ -169,6 +170,11 @@ class DDPPluginsStrategy(DDPStrategy):
             longest ends, an exhausted rank training zero-row batches (:class:`~ddp_plugins.core.plan.EvenSteps`);
             losses are weighted by rows. Loaders on Lightning's ``DistributedSampler`` or a global
             plan are even already and left alone.
+        stall_timeout: seconds after which a rank that stopped progressing (frozen, or stuck in a
+            loader or I/O while the others wait for it) is named with its last step and stack, and
+            the job ends with one line (:class:`~ddp_plugins.core.watchdog.ProgressWatchdog`), long
+            before the collective ``timeout``; ``None`` turns the watchdog off. Raise it where a rank
+            may legitimately pause longer between steps (a slow first batch from remote storage).
         **kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel``.
 
@@ -202,6 +208,7 @@ class DDPPluginsStrategy(DDPStrategy):
         global_batch_size: int | None = None,
         drop_last: bool = False,
         uneven_data: bool = True,
+        stall_timeout: float | None = 45.0,
         **kwargs: Any,
     ) -> None:
         process_group_backend = kwargs.pop("process_group_backend", None)
@@ -234,6 +241,7 @@ class DDPPluginsStrategy(DDPStrategy):
         check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
         check_int("global_batch_size", global_batch_size, 1, allow_none=True)
         check_bool("drop_last", drop_last)
+        check_number("stall_timeout", stall_timeout, 0, exclusive_minimum=True, what="seconds", allow_none=True)
         check_bool("uneven_data", uneven_data)
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ArgumentValueError(
@@ -257,6 +265,8 @@ class DDPPluginsStrategy(DDPStrategy):
             **kwargs,
         )
         self._backend = backend
+        self._stall_timeout = stall_timeout
+        self._watchdog: ProgressWatchdog | None = None
         self._timeout_s = float(timeout)
         self._rendezvous_s = float(timeout if rendezvous_timeout is None else rendezvous_timeout)
         self._env_set: list[str] = []
@@ -383,6 +393,22 @@ class DDPPluginsStrategy(DDPStrategy):
             raise rendezvous_error(err, env.main_address, env.main_port, self.world_size, self._rendezvous_s) from None
         if self._rendezvous_s != self._timeout_s:  # the ranks have met: collectives get their own timeout
             _compat.set_group_timeout(self._timeout_s)
+        if self._stall_timeout is not None and self.world_size > 1:
+            self._watchdog = ProgressWatchdog(
+                _compat.default_store(), self.global_rank, self.world_size, after_s=self._stall_timeout,
+                interval_s=min(5.0, self._stall_timeout / 4), dump_dir=self._run_folder,
+            ).start()  # fmt: skip
+
+    def _trainer(self) -> Any:
+        """The Trainer this strategy runs for (None before it is attached)."""
+        try:
+            return self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # not attached to a Trainer
+            return None
+
+    def _run_folder(self) -> str | None:
+        trainer = self._trainer()
+        return str(trainer.default_root_dir) if trainer is not None else None
 
     def _make_process_group(self) -> None:
         store = None if dist.is_initialized() else restart_scoped_store(timedelta(seconds=self._rendezvous_s))
@@ -499,8 +525,29 @@ class DDPPluginsStrategy(DDPStrategy):
         """
         return self._data.rows
 
+    def _beat(self, phase: str) -> None:
+        if self._watchdog is not None:
+            trainer = self._trainer()
+            self._watchdog.beat(f"{phase} (global step {trainer.global_step if trainer is not None else 0})")
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("a validation step")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("a test step")
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("a predict step")
+        return super().predict_step(*args, **kwargs)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("a training step")
         self._in_training_step = True  # `reduce` weights means by rows while the step logs
         rows, module = self._data.rows, self.lightning_module
         log = None
@@ -579,6 +626,9 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         super().teardown()
         if self._comm_hook == "powersgd":
             self._ddp_comm_state = None  # a fresh PowerSGD state for the next fit

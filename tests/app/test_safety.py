@@ -295,3 +295,24 @@ def test_when_every_checkpoint_is_damaged_the_run_refuses_and_overwrites_nothing
     for name in ("epoch=0-step=8.ckpt", "last.ckpt", "step-6.ckpt", "step-8.ckpt"):
         assert f"{name}: damaged" in line, line
     assert _listing(folder) == before, "a refused run must leave every checkpoint as it was"
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_within_a_minute_with_the_default_settings(tmp_path):
+    """SIGSTOP freezes rank 1 in the middle of an epoch: with the default strategy.timeout (30 minutes)
+    the job would wait silently; the progress watchdog names rank 1 and ends every rank."""
+    folder = tmp_path / "run"
+    stop = ["+callbacks.freeze._target_=tests.helpers.interrupt.SignalAt", "+callbacks.freeze.hook=train_batch_start",
+            "+callbacks.freeze.step=20", "+callbacks.freeze.rank=1", "+callbacks.freeze.sig=SIGSTOP"]  # fmt: skip
+    cmd = [*APP, *SMALL, "trainer.max_epochs=3", f"hydra.run.dir={folder}", *stop]
+    result = run_warm(cmd, timeout=240)  # returns once every process that held its output has ended
+    frozen_at = (folder / "interrupted").stat().st_mtime
+    took = time.time() - frozen_at
+    line = _one_line_failure(result, 1)
+    # its last known step: what it published last (about four times a second), at most the step it froze at
+    named = re.match(r"error: rank 1 \(PID \d+ on \S+\) after a training step \(global step (\d+)\): its process", line)
+    assert named and 1 <= int(named.group(1)) <= 20, f"not rank 1 at a step up to the one it froze at (20): {line}"
+    assert took < 75, f"the job ended {took:.0f} s after rank 1 froze: the watchdog should name it within a minute"
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) < 40, result.stderr[-3000:]
+    dump = (folder / "stall.txt").read_text()
+    assert "rank 1" in dump and "training step" in dump, dump
