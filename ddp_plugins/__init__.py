@@ -38,7 +38,7 @@ from ddp_plugins.core import (
     setup_rank_logging,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"
 
 # Adapter names, loaded (with Lightning) on first access.
 _ADAPTERS = {

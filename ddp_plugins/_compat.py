@@ -51,6 +51,7 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     ("torch.distributed", "_broadcast_coalesced"),
+    ("atexit", "_run_exitfuncs"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.update_main_process_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function"),
@@ -118,6 +119,14 @@ def __getattr__(name: str) -> Any:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def run_exit_functions() -> None:
+    """Run the ``atexit`` handlers now (``atexit._run_exitfuncs``, CPython's, as the interpreter does at
+    exit): a process that leaves with ``os._exit`` runs them first. Python has no public way to."""
+    import atexit
+
+    atexit._run_exitfuncs()
 
 
 def default_store() -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_plugins.app.config import ConfigError, _choices, _one_line, resolve_precision
+from ddp_plugins.app.config import ConfigError, one_line, quoted_choices, resolve_precision
 from ddp_plugins.app.config import trainer_args as resolved_trainer_args
 from ddp_plugins.core.checks import ArgumentError
 from ddp_plugins.lightning.network import restore_env
@@ -104,7 +104,8 @@ def _build(key: str, node: Any, raw: Any, **kwargs: Any) -> Any:
     if params is not None:
         for name in node:
             if name != "_target_" and not str(name).startswith("_") and name not in params:
-                raise ConfigError(f"{key}.{name}", f"is not an argument of {cls.__name__}", _choices(sorted(params)))
+                allowed = quoted_choices(sorted(params))
+                raise ConfigError(f"{key}.{name}", f"is not an argument of {cls.__name__}", allowed)
     with as_config_error(key, raw):
         try:
             return instantiate(node, **kwargs)
@@ -121,7 +122,7 @@ def _import_target(key: str, target: str) -> type:
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(
             f"{key}._target_",
-            f"got {target!r}, which cannot be imported ({_one_line(err)})",
+            f"got {target!r}, which cannot be imported ({one_line(err)})",
             "an importable class path",
         ) from None
     if not isinstance(cls, type):
@@ -160,7 +161,7 @@ def as_config_error(prefix: str, raw: Any) -> Iterator[None]:
         key = prefix if prefix.endswith(f".{err.argument}") or prefix == err.argument else f"{prefix}.{err.argument}"
         raise ConfigError(_source_key(key, raw), err.problem, err.allowed) from None
     except (TypeError, ValueError) as err:
-        raise ConfigError(prefix, f"was refused: {_one_line(err)}", "see the class's documentation") from None
+        raise ConfigError(prefix, f"was refused: {one_line(err)}", "see the class's documentation") from None
 
 
 def _source_key(key: str, raw: Any) -> str:
@@ -276,7 +277,7 @@ def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
         group = "trainer" if err.argument in trainer_args else "strategy"
         raise ConfigError(f"{group}.{err.argument}", err.problem, err.allowed) from None
     except Exception as err:  # noqa: BLE001 - Lightning raises several types; the message is what matters
-        message = _one_line(err)
+        message = one_line(err)
         key = next((k for k in trainer_args if k in message), None) or _culprit(trainer_args)
         where = f"trainer.{key}" if key else "trainer"
         got = f"got {trainer_args[key]!r}: " if key else ""

@@ -132,18 +132,18 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, problem: str, allowed: str) -> None:
         self.key, self.problem, self.allowed = key, problem, allowed
-        super().__init__(_one_line(f"{key} {problem}, allowed: {allowed}"))
+        super().__init__(one_line(f"{key} {problem}, allowed: {allowed}"))
 
 
-def _one_line(text: object) -> str:
+def one_line(text: object) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
-def _choices(values: Any) -> str:
+def quoted_choices(values: Any) -> str:
     return ", ".join(f"'{v}'" for v in values)
 
 
-def _to_dict(node: Any, *, resolve: bool) -> dict[str, Any]:
+def to_plain_dict(node: Any, *, resolve: bool) -> dict[str, Any]:
     """A config mapping node as a plain dict (the app's config keys are strings)."""
     container = OmegaConf.to_container(node, resolve=resolve)
     if not isinstance(container, dict):
@@ -199,7 +199,7 @@ def config_error(err: BaseException) -> ConfigError | None:
     key = str(getattr(seen, "full_key", "") or "")
     if not key:
         return None
-    allowed = _schema_allowed(key) or f"what the schema allows ({_one_line(seen.msg)})"
+    allowed = _schema_allowed(key) or f"what the schema allows ({one_line(seen.msg)})"
     return ConfigError(key, f"got {getattr(seen, 'value', None)!r}", allowed)
 
 
@@ -223,7 +223,7 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
-def _groups() -> list[str]:
+def config_groups() -> list[str]:
     return sorted(p.name for p in _conf_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
 
 
@@ -281,7 +281,7 @@ def compose_config(
         if typed is not None:
             raise typed from None
         raise ConfigError(
-            "override", f"was refused by Hydra: {_one_line(err)}", "keys of the config (`--cfg job` lists them)"
+            "override", f"was refused by Hydra: {one_line(err)}", "keys of the config (`--cfg job` lists them)"
         ) from None
     finally:
         GlobalHydra.instance().clear()
@@ -290,7 +290,7 @@ def compose_config(
 # --------------------------------------------------------------------------- this machine
 
 
-def _cuda_in_use(accelerator: str) -> bool:
+def cuda_in_use(accelerator: str) -> bool:
     return accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
 
 
@@ -315,12 +315,12 @@ def resolve_devices(devices: Any, accelerator: str = "auto") -> Any:
     for key, step in (("LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"), ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_ID")):
         if os.environ.get(key, "").isdigit() and step in os.environ:
             return int(os.environ[key])
-    return torch.cuda.device_count() if _cuda_in_use(accelerator) else CPU_PROCESSES
+    return torch.cuda.device_count() if cuda_in_use(accelerator) else CPU_PROCESSES
 
 
 def trainer_args(trainer: Any) -> dict[str, Any]:
     """The ``trainer`` config node as ``lightning.pytorch.Trainer`` arguments (``devices`` resolved)."""
-    args = dict(trainer) if isinstance(trainer, dict) else _to_dict(trainer, resolve=True)
+    args = dict(trainer) if isinstance(trainer, dict) else to_plain_dict(trainer, resolve=True)
     args["devices"] = resolve_devices(args.get("devices", "auto"), str(args.get("accelerator", "auto")))
     return args
 
@@ -337,7 +337,7 @@ def resolve_backend(backend: str, accelerator: str = "auto") -> str:
 
     check_backend(backend, accelerator)
     if backend == "auto":
-        return "nccl" if _cuda_in_use(accelerator) and dist.is_nccl_available() else "gloo"
+        return "nccl" if cuda_in_use(accelerator) and dist.is_nccl_available() else "gloo"
     return backend
 
 
@@ -353,8 +353,8 @@ def resolve_precision(precision: str, accelerator: str = "auto") -> Precision:
         '32-true'
     """
     if precision not in PRECISIONS:
-        raise ConfigError("precision", f"got {precision!r}", f"one of {_choices(PRECISIONS)}")
-    cuda = _cuda_in_use(accelerator)
+        raise ConfigError("precision", f"got {precision!r}", f"one of {quoted_choices(PRECISIONS)}")
+    cuda = cuda_in_use(accelerator)
     if precision == "auto":
         return "bf16-mixed" if cuda and torch.cuda.is_bf16_supported() else "32-true"
     if precision == "16-mixed" and not cuda:

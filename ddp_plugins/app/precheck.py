@@ -26,15 +26,15 @@ from ddp_plugins.app.config import (
     CheckpointConfig,
     ConfigError,
     TrainConfig,
-    _choices,
-    _cuda_in_use,
-    _groups,
-    _one_line,
-    _to_dict,
     compose_config,
     config_error,
+    config_groups,
+    cuda_in_use,
     group_options,
+    one_line,
+    quoted_choices,
     resolve_precision,
+    to_plain_dict,
     trainer_args,
 )
 from ddp_plugins.core.checks import ArgumentError, ArgumentTypeError, ArgumentValueError, check_int
@@ -102,7 +102,7 @@ def single_run_config(argv: list[str]) -> DictConfig | None:
     try:
         cfg.hydra.run.dir = str(cfg.hydra.run.dir)
     except Exception as err:  # noqa: BLE001 - an interpolation or resolver error, reported as one line
-        raise ConfigError("hydra.run.dir", f"cannot be resolved: {_one_line(err)}", "a folder path") from None
+        raise ConfigError("hydra.run.dir", f"cannot be resolved: {one_line(err)}", "a folder path") from None
     return cfg
 
 
@@ -146,7 +146,7 @@ def _check_slurm_tasks(cfg: DictConfig, tasks_per_node: int, nodes: int) -> None
 
 def _check_group_choices(overrides: list[str]) -> None:
     """``group=choice`` (sweeps and lists value by value) against the group's options."""
-    groups = set(_groups())
+    groups = set(config_groups())
     for arg in overrides:
         key, has_value, value = arg.partition("=")
         key = key.lstrip("+~")
@@ -157,7 +157,7 @@ def _check_group_choices(overrides: list[str]) -> None:
             if key == "callbacks" and choice in ("null", "none", ""):
                 continue
             if choice not in options:
-                raise ConfigError(key, f"got '{choice}'", f"one of {_choices(options)}")
+                raise ConfigError(key, f"got '{choice}'", f"one of {quoted_choices(options)}")
 
 
 def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
@@ -172,7 +172,7 @@ def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
         parsed = OverridesParser.create().parse_overrides(overrides)
         batches = _compat.hydra_sweep_batches(parsed)
     except HydraException as err:
-        raise ConfigError("override", f"cannot be parsed: {_one_line(err)}", "key=value, key=a,b (a sweep)") from None
+        raise ConfigError("override", f"cannot be parsed: {one_line(err)}", "key=value, key=a,b (a sweep)") from None
     return [job for batch in batches for job in batch]
 
 
@@ -185,14 +185,14 @@ def check_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: the first problem found, as one line naming the config key.
     """
-    raw = _to_dict(cfg, resolve=False)
+    raw = to_plain_dict(cfg, resolve=False)
     try:
-        resolved = _to_dict(cfg, resolve=True)
+        resolved = to_plain_dict(cfg, resolve=True)
     except Exception as err:  # noqa: BLE001 - an interpolation or resolver error, reported as one line
         typed = config_error(err)  # an interpolated value of the wrong type for the schema
         if typed is not None:
             raise typed from None
-        raise ConfigError("config", f"cannot be resolved: {_one_line(err)}", "valid ${...} interpolations") from None
+        raise ConfigError("config", f"cannot be resolved: {one_line(err)}", "valid ${...} interpolations") from None
     _check_top_level(cfg, resolved, raw)
     build_objects(cfg)
 
@@ -252,7 +252,7 @@ def load_checkpoint_safely(path: str | os.PathLike) -> Any:
     try:
         return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many kinds; the caller reports one line
-        first = _one_line(err).split(". ")[0][:200]
+        first = one_line(err).split(". ")[0][:200]
         what = "" if zipfile.is_zipfile(path) else "not a zip archive written by torch.save, "
         raise ValueError(f"does not load with weights_only=True: {what}{type(err).__name__}: {first}") from None
 
@@ -269,15 +269,15 @@ def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, A
     checkpoint_keys = [f.name for f in dataclasses.fields(CheckpointConfig)]
     for key in checkpoint:  # `+checkpoint.<key>=...` adds past the schema (Hydra opens the node)
         if key not in checkpoint_keys:
-            raise ConfigError(f"checkpoint.{key}", "is not a key of the app's config", _choices(checkpoint_keys))
+            raise ConfigError(f"checkpoint.{key}", "is not a key of the app's config", quoted_choices(checkpoint_keys))
     with as_config_error("checkpoint.every_n_train_steps", raw):
         check_int("every_n_train_steps", checkpoint.get("every_n_train_steps", 0), 0)
     with as_config_error("checkpoint.keep", raw):
         check_int("keep", checkpoint.get("keep", 2), 1)
-    known = set(_groups()) | {f.name for f in dataclasses.fields(TrainConfig)}
+    known = set(config_groups()) | {f.name for f in dataclasses.fields(TrainConfig)}
     for key in resolved:
         if key not in known and key != "hydra":
-            raise ConfigError(key, "is not a key of the app's config", _choices(sorted(known)))
+            raise ConfigError(key, "is not a key of the app's config", quoted_choices(sorted(known)))
     env = (resolved.get("network") or {}).get("env") or {}
     if not isinstance(env, Mapping) or any(isinstance(v, (Mapping, list)) for v in env.values()):
         raise ConfigError("network.env", f"got {env!r}", "a mapping of environment variable names to values")
@@ -314,7 +314,7 @@ def max_cpu_processes() -> int:
 def _check_devices(devices: Any, accelerator: str) -> None:
     if devices == "auto":
         return
-    if _cuda_in_use(accelerator):
+    if cuda_in_use(accelerator):
         available = torch.cuda.device_count()
         # Lightning also takes -1 (every GPU) and a list of GPU indices on CUDA.
         if isinstance(devices, (list, tuple)):
@@ -329,7 +329,7 @@ def _check_devices(devices: Any, accelerator: str) -> None:
             return
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ConfigError("trainer.devices", f"got {devices!r}", "a positive integer or 'auto'")
-    if _cuda_in_use(accelerator):
+    if cuda_in_use(accelerator):
         if devices > available:
             raise ConfigError(
                 "trainer.devices", f"got {devices}, more GPUs than this machine has ({available})", f"1 to {available}"

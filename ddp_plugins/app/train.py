@@ -26,7 +26,7 @@ from ddp_plugins.app.config import CONFIG_MODULE, CONFIG_NAME, ConfigError, reso
 from ddp_plugins.app.precheck import load_checkpoint_safely, precheck, single_run_config
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
-from ddp_plugins.core.ranks import get_rank, setup_rank_logging
+from ddp_plugins.core.ranks import get_rank, is_distributed, setup_rank_logging
 from ddp_plugins.core.stalls import RendezvousError
 from ddp_plugins.lightning.data_plan import CHECKPOINT_KEY as DATA_RECORD
 from ddp_plugins.lightning.data_plan import ResumeMismatch, expected_record, resume_start
@@ -432,7 +432,7 @@ def _reset_job_state(env_before: dict[str, str]) -> None:
 
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         # Free the job's DDP reducer first, while the process group is still registered: a
         # reducer that held the last reference would join the gloo threads with the GIL held.
         gc.collect()

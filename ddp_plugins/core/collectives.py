@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddp_plugins.core.checks import check_int, check_number
-from ddp_plugins.core.ranks import collective_device
+from ddp_plugins.core.ranks import collective_device, is_distributed
 
 __all__ = ["concat_batches", "distributed_concat", "num_rows", "truncate_rows"]
 
@@ -228,7 +228,7 @@ def _concat(
             spec, leaves = _flatten(data)
         except TypeError as exc:
             error = str(exc)
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size(group) if is_distributed() else 1
     if world == 1:
         if error is not None:
             raise ValueError(error)

@@ -199,7 +199,7 @@ class CountingCommHook:
         if self.hook is allreduce_hook:  # known to send the bucket once: counted without a patch
             future = self.hook(state, bucket)
             self.calls += 1
-            self.bytes += _nbytes([bucket.buffer()])
+            self.bytes += sent_nbytes([bucket.buffer()])
         else:
             with count_collectives(("all_reduce",), this_thread=True) as counts:
                 future = self.hook(state, bucket)
@@ -248,7 +248,7 @@ _SENT_ARGUMENT = {
 }
 
 
-def _sent_tensors(args: tuple, kwargs: dict, name: str = "") -> list[torch.Tensor]:
+def sent_tensors(args: tuple, kwargs: dict, name: str = "") -> list[torch.Tensor]:
     """The tensors a collective sends: its input (the first tensor argument, or list of tensors)."""
     if name in _SENT_ARGUMENT:
         index, key = _SENT_ARGUMENT[name]
@@ -261,7 +261,7 @@ def _sent_tensors(args: tuple, kwargs: dict, name: str = "") -> list[torch.Tenso
     return []
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
+def sent_nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -273,7 +273,7 @@ def _counting(name: str) -> Callable[..., Any]:
         for counts, names, only_thread in list(_active):
             if name in names and only_thread in (None, thread):
                 counts.calls[name] += 1
-                counts.bytes[name] += _nbytes(_sent_tensors(args, kwargs, name))
+                counts.bytes[name] += sent_nbytes(sent_tensors(args, kwargs, name))
         return original(*args, **kwargs)
 
     return counting

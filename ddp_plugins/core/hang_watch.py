@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ddp_plugins._compat import default_store
 from ddp_plugins.core.checks import check_number
 from ddp_plugins.core.files import write_text_atomic
-from ddp_plugins.core.timeline import Timeline, _site, _stack
+from ddp_plugins.core.timeline import Timeline, call_site, call_stack
 
 __all__ = ["HangWatch"]
 
@@ -112,9 +112,9 @@ class HangWatch:
         frame = sys._current_frames().get(self.timeline._main)
         if frame is None:
             return "?", "?"
-        stack = _stack(frame, 60)
+        stack = call_stack(frame, 60)
         inner = stack[0]
-        return _site(stack), f"{inner[0]}:{inner[1]} in {inner[2]}"
+        return call_site(stack), f"{inner[0]}:{inner[1]} in {inner[2]}"
 
     def _beat(self) -> None:
         site, innermost = self._where()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_int
-from ddp_plugins.core.ranks import collective_device
+from ddp_plugins.core.ranks import collective_device, is_distributed
 
 __all__ = [
     "AUTO_CHECK_MAX_STEPS",
@@ -196,7 +196,7 @@ def agree_on_signal(signum: int, group: Any = None) -> int:
         >>> agree_on_signal(0), agree_on_signal(15)
         (0, 15)
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (is_distributed()):
         return int(signum)
     flag = torch.tensor([int(signum)], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -254,7 +254,7 @@ class SignalAgreement:
     def poll(self, signum: int, start: bool = True, pace_us: int = 0) -> int:
         """The previous exchange's agreed flag (0 if none); then, unless it stops the run or ``start``
         is false, the exchange of ``signum`` (and ``pace_us``) starts."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (is_distributed()):
             return int(signum) if start else 0
         agreed = self._read()
         if start and not agreed:
@@ -268,7 +268,7 @@ class SignalAgreement:
         exchange starts if the schedule says so."""
         self._boundary += 1
         boundary = self._boundary
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (is_distributed()):
             return int(signum)
         if self.every != "auto":
             return self.poll(signum, start=boundary % int(self.every) == 0)

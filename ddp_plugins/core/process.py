@@ -18,6 +18,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ddp_plugins import _compat
+
 __all__ = [
     "STOP_SIGNALS",
     "exit_at_interpreter_exit",
@@ -52,7 +54,7 @@ def exit_process(code: int = 0) -> NoReturn:
     """
     try:
         _kill_daemonic_children()
-        atexit._run_exitfuncs()
+        _compat.run_exit_functions()
         logging.shutdown()
     except BaseException:  # noqa: BLE001 - a failing handler must not change a clean exit code silently
         traceback.print_exc()

@@ -18,7 +18,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "for_collective", "get_rank", "get_world_size", "rank_zero_first", "setup_rank_logging"]
+__all__ = [
+    "collective_device",
+    "for_collective",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "rank_zero_first",
+    "setup_rank_logging",
+]
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is up (torch built with distributed support, and initialized).
+
+    Example::
+
+        >>> is_distributed()
+        False
+    """
+    return dist.is_available() and dist.is_initialized()
 
 
 def get_rank() -> int:
@@ -34,7 +53,7 @@ def get_rank() -> int:
         >>> get_rank()
         0
     """
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         return dist.get_rank()
     for key in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         value = os.environ.get(key, "")
@@ -53,7 +72,7 @@ def get_world_size() -> int:
         >>> get_world_size()
         1
     """
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if is_distributed() else 1
 
 
 def _backends(group: Any = None) -> str:
@@ -74,7 +93,7 @@ def collective_device(group: Any = None) -> torch.device:
         >>> collective_device()
         device(type='cpu')
     """
-    if dist.is_available() and dist.is_initialized() and "nccl" in _backends(group):
+    if is_distributed() and "nccl" in _backends(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -91,7 +110,7 @@ def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
         >>> for_collective(torch.ones(2)).device
         device(type='cpu')
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (is_distributed()):
         return tensor
     backends = _backends(group)
     if tensor.is_cuda and ("nccl" in backends or "gloo" in backends):

@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from ddp_plugins._compat import default_store
+from ddp_plugins.core.ranks import is_distributed
 
 __all__ = [
     "COLLECTIVE_FAILURES",
@@ -134,7 +135,7 @@ def describe_collective_failure(
     if not is_collective_failure(error):
         return None
     if store is None or rank is None or world_size is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (is_distributed()):
             return None
         store = default_store() if store is None else store
         rank = dist.get_rank() if rank is None else rank

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from ddp_plugins._compat import BatchNormBase as _BatchNorm
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool, check_int
+from ddp_plugins.core.ranks import is_distributed
 from ddp_plugins.core.sync_batchnorm_function import sync_batch_norm
 
 __all__ = [
@@ -419,7 +420,7 @@ def check_group_divides(group_size: int | None, world_size: int) -> None:
 
 
 def _new_group_of_size(group_size: int) -> Any:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (is_distributed()):
         raise ValueError(f"`group_size` needs an initialized process group, got group_size={group_size} without one.")
     world_size = dist.get_world_size()
     check_group_divides(group_size, world_size)

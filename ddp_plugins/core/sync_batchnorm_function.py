@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ddp_plugins import _compat
-from ddp_plugins.core.ranks import for_collective
+from ddp_plugins.core.ranks import for_collective, is_distributed
 
 __all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
 
@@ -179,7 +179,7 @@ def sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
 
     group = getattr(layer, "process_group", None)
     world_size = 1
-    if bn_training and layer.training and dist.is_available() and dist.is_initialized():
+    if bn_training and layer.training and is_distributed():
         group = group if group is not None else dist.group.WORLD
         world_size = dist.get_world_size(group)
     if world_size == 1:  # eval mode, no process group or a group of one: plain batch norm

@@ -19,9 +19,10 @@ import sysconfig
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,9 +31,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, check_int, check_number
 from ddp_plugins.core.collectives import distributed_concat
-from ddp_plugins.core.comm_hooks import _nbytes, _sent_tensors
+from ddp_plugins.core.comm_hooks import sent_nbytes, sent_tensors
 from ddp_plugins.core.files import write_text_atomic
-from ddp_plugins.core.ranks import collective_device
+from ddp_plugins.core.ranks import collective_device, is_distributed
 
 __all__ = ["PHASES", "CollectiveRecord", "TimedCommHook", "Timeline", "collective_kind"]
 
@@ -70,22 +71,40 @@ _KIND_OF_MODULE = (
     ("torch.nn.modules._functions", "syncbn"),
     ("torch.distributed.algorithms.ddp_comm_hooks", "ddp_bucket"),
     ("torch.nn.parallel.distributed", "ddp_buffers"),
-    ("torchmetrics", "metric_sync"),
-    ("lightning.fabric.utilities.distributed", "metric_sync"),
-    ("ddp_plugins.lightning.data_plan", "agreement"),
-    ("ddp_plugins.lightning.preemption", "agreement"),
     ("ddp_plugins.core.preemption", "agreement"),
     ("ddp_plugins.core.plan", "agreement"),
     ("ddp_plugins.core.collectives", "gather"),
 )
 # Modules that are not "where the user's code stopped": their frames are skipped for the call site.
-_LIBRARIES = ("torch", "lightning", "torchmetrics", "ddp_plugins", "typing_extensions", "contextlib", "threading")
+# (Installed libraries, a trainer's included, are known by their folder: _LIBRARY_ROOTS.)
+_LIBRARIES = ("torch", "ddp_plugins", "typing_extensions", "contextlib", "threading")
 
 _LIBRARY_ROOTS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")})
 
 _active: Timeline | None = None
 _originals: dict[str, Callable[..., Any]] = {}
 _local = threading.local()  # depth: > 0 inside a timed call (nested calls are not timed again); label
+
+
+class _Window(NamedTuple):
+    """One :meth:`Timeline.collect`'s gathered records, kept on rank 0 for the trace."""
+
+    coll: list[list[float]]  # rank, step, seq, start, end, bytes
+    text: list[tuple[str, str, str]]  # kind, op, site
+    phase: list[list[float]]  # rank, step, phase index, start, end
+    last: dict[int, tuple[float, int]]  # seq: (start, rank) of the last arrival
+    score_points: list[tuple[int, float, float]]  # rank, time, score
+    blamed: dict[int, int]  # step: rank
+
+
+@dataclass
+class _Totals:
+    """The run so far, over every rank (what :meth:`Timeline.summary` reports)."""
+
+    steps: int = 0
+    step_ns: float = 0.0
+    kind_ns: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    blame: defaultdict[int, float] = field(default_factory=lambda: defaultdict(float))  # rank: ms of excess
 
 
 class CollectiveRecord:
@@ -102,7 +121,7 @@ class CollectiveRecord:
     @property
     def site(self) -> str:
         """``file:line in function`` of the innermost caller outside the libraries."""
-        return _site(self.stack)
+        return call_site(self.stack)
 
     def __repr__(self) -> str:
         took = f"{(self.end_ns - self.start_ns) / 1e6:.2f} ms" if self.end_ns else "in flight"
@@ -242,6 +261,9 @@ class Timeline:
         score_decay: weight of the newest step in the moving straggler score (0 < decay <= 1).
         max_trace_events: records kept for the trace, about (the oldest windows are dropped first).
         group: the process group; the default one when ``None``.
+        module_kinds: ``(module prefix, kind)`` pairs for the collectives of code above the core
+            (a metrics library, a trainer's own agreements), tried before the core's and torch's
+            own; code may also label its collectives with :func:`collective_kind`.
 
     Example::
 
@@ -263,12 +285,17 @@ class Timeline:
         score_decay: float = 0.1,
         max_trace_events: int = 200_000,
         group: Any = None,
+        module_kinds: Sequence[tuple[str, str]] = (),
     ) -> None:
         check_int("history", history, 1)
         check_number("blame_threshold_s", blame_threshold_s, 0.0)
         check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
         check_int("max_trace_events", max_trace_events, 0)
         self.group = group
+        # (module prefix, kind) for the collectives of modules above the core (metrics, a trainer's
+        # agreements), checked before the core's and torch's own; a caller may also label its
+        # collectives with `collective_kind`
+        self.module_kinds = tuple((str(prefix), str(kind)) for prefix, kind in module_kinds)
         self.blame_threshold_ns = int(blame_threshold_s * 1e9)
         self.score_decay = score_decay
         self.offset_ns = 0  # this rank's clock minus rank 0's
@@ -280,13 +307,12 @@ class Timeline:
         self.step = -1  # the step under way; -1 between steps
         self.scores: dict[int, float] = {}
         self.max_trace_events = max_trace_events
-        self._windows: deque[tuple[Any, ...]] = deque()  # rank 0: the gathered records, for the trace
+        self._windows: deque[_Window] = deque()  # rank 0: the gathered records, for the trace
         self._window_rows = 0
         self._pending: list[CollectiveRecord] = []
         self._phases: list[tuple[int, str, int, int]] = []
         self._step_start = self._phase_start = self._last_step_end = 0
-        self._totals: dict[str, Any] = {"steps": 0, "step_ns": 0, "kind_ns": defaultdict(float)}
-        self._totals["blame"] = defaultdict(float)  # rank: ms of excess
+        self._totals = _Totals()
         self._blamed: dict[int, int] = defaultdict(int)
         self._left_ns: dict[int, float] = {}  # rank: when it left its last collective collected
         self._gpu = _GpuClock()
@@ -481,13 +507,13 @@ class Timeline:
             if int(r) == rank:
                 per_step[name] += end - start
             if name == "step":
-                self._totals["step_ns"] += end - start
+                self._totals.step_ns += end - start
                 step_end[int(r), int(step)] = end
         comm: dict[str, float] = defaultdict(float)  # this rank's time per collective kind
         waited = 0.0
         for (r, step, seq, start, end, _), (kind, _, _) in zip(coll, text, strict=True):
             if step >= 0:
-                self._totals["kind_ns"][kind] += end - start
+                self._totals.kind_ns[kind] += end - start
                 if int(r) == rank:
                     comm[kind] += end - start
                     waited += last[int(seq)][0] - start
@@ -508,16 +534,16 @@ class Timeline:
                 self._blamed[top] += 1
             for r in range(world):
                 excess = net.get(r, 0.0) / 1e6
-                self._totals["blame"][r] += excess
+                self._totals.blame[r] += excess
                 self.scores[r] = self.scores.get(r, excess) + self.score_decay * (excess - self.scores.get(r, excess))
                 score_points.append((r, step_end.get((r, step), 0.0), self.scores[r]))
-        self._totals["steps"] += len(steps)
+        self._totals.steps += len(steps)
         if rank == 0:  # the trace is built when written: here every rank does the same work
-            self._windows.append((coll, text, phase, last, score_points, blamed))
+            self._windows.append(_Window(coll, text, phase, last, score_points, blamed))
             self._window_rows += len(coll) + len(phase)
             while self._window_rows > self.max_trace_events and len(self._windows) > 1:
                 dropped = self._windows.popleft()
-                self._window_rows -= len(dropped[0]) + len(dropped[2])
+                self._window_rows -= len(dropped.coll) + len(dropped.phase)
         n = max(len(steps), 1)
         return {
             "steps": len(steps),
@@ -538,16 +564,16 @@ class Timeline:
         ``comm_share`` ``{kind: time in that kind / step time}``, summed over ranks.
         """
         totals = self._totals
-        steps = max(totals["steps"], 1)
-        blame = {r: ns for r, ns in totals["blame"].items() if ns > 0}
+        steps = max(totals.steps, 1)
+        blame = {r: ns for r, ns in totals.blame.items() if ns > 0}
         slowest = max(blame, key=blame.get) if blame else None  # type: ignore[arg-type]
-        step_ns = max(totals["step_ns"], 1)
+        step_ns = max(totals.step_ns, 1)
         return {
-            "steps": totals["steps"],
+            "steps": totals.steps,
             "slowest_rank": slowest,
             "excess_ms_per_step": round(blame.get(slowest, 0.0) / steps, 3) if slowest is not None else 0.0,
             "blamed_steps": dict(self._blamed),
-            "comm_share": {kind: round(ns / step_ns, 4) for kind, ns in sorted(totals["kind_ns"].items())},
+            "comm_share": {kind: round(ns / step_ns, 4) for kind, ns in sorted(totals.kind_ns.items())},
             "clock_residual_us": round(self.clock_residual_ns / 1e3, 1),
         }
 
@@ -635,7 +661,7 @@ class Timeline:
         frame = sys._current_frames().get(self._main)
         if frame is not None:
             lines.append(f"rank {rank}: the training thread is at")
-            lines += [f"  {file}:{line} in {func}" for file, line, func in _stack(frame, 40)]
+            lines += [f"  {file}:{line} in {func}" for file, line, func in call_stack(frame, 40)]
         return "\n".join(lines)
 
 
@@ -645,7 +671,7 @@ def _depth() -> int:
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return is_distributed()
 
 
 def _group_rank_zero(group: Any) -> int:
@@ -663,7 +689,7 @@ def _untimed() -> Iterator[None]:
         _local.depth -= 1
 
 
-def _stack(frame: Any, limit: int = 12) -> tuple[tuple[str, int, str], ...]:
+def call_stack(frame: Any, limit: int = 12) -> tuple[tuple[str, int, str], ...]:
     """``(file, line, function)`` of ``frame`` and its callers, innermost first."""
     out: list[tuple[str, int, str]] = []
     while frame is not None and len(out) < limit:
@@ -683,7 +709,7 @@ def _is_library(filename: str) -> bool:
     return top in _LIBRARIES or any(root.startswith(path.rstrip("/") + "/") for path in _LIBRARY_ROOTS)
 
 
-def _site(stack: tuple[tuple[str, int, str], ...]) -> str:
+def call_site(stack: tuple[tuple[str, int, str], ...]) -> str:
     """``file:line in function`` of the innermost frame outside the libraries (else the innermost)."""
     if not stack:
         return "?"
@@ -692,17 +718,17 @@ def _site(stack: tuple[tuple[str, int, str], ...]) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _kind_of_module(module: str) -> str | None:
-    return next((kind for prefix, kind in _KIND_OF_MODULE if module.startswith(prefix)), None)
+def _kind_of_module(module: str, extra: Sequence[tuple[str, str]]) -> str | None:
+    return next((kind for prefix, kind in (*extra, *_KIND_OF_MODULE) if module.startswith(prefix)), None)
 
 
-def _kind(name: str, frame: Any) -> str:
+def _kind(name: str, frame: Any, extra: Sequence[tuple[str, str]] = ()) -> str:
     if "barrier" in name:
         return "barrier"
     for _ in range(8):
         if frame is None:
             break
-        kind = _kind_of_module(frame.f_globals.get("__name__", ""))
+        kind = _kind_of_module(frame.f_globals.get("__name__", ""), extra)
         if kind is not None:
             return kind
         frame = frame.f_back
@@ -715,9 +741,10 @@ def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if timeline is None or _depth():
             return original(*args, **kwargs)
         caller = sys._getframe(1)
-        sent = _sent_tensors(args, kwargs, name)
+        sent = sent_tensors(args, kwargs, name)
         cuda = bool(sent) and sent[0].is_cuda  # an nccl collective: timed by CUDA events
-        record = timeline._start(_kind(name, caller), name, _nbytes(sent), _stack(caller), cuda)
+        kind = _kind(name, caller, timeline.module_kinds)
+        record = timeline._start(kind, name, sent_nbytes(sent), call_stack(caller), cuda)
         _local.depth = _depth() + 1
         try:
             out = original(*args, **kwargs)

@@ -19,7 +19,6 @@ import torch
 
 __all__ = ["WorkerInit", "seed_worker"]
 
-_LIGHTNING_SEED_FN = ("lightning.fabric.utilities.seed", "pl_worker_init_function")
 _MASK64 = (1 << 64) - 1
 
 
@@ -77,8 +76,11 @@ class WorkerInit:
     ``PL_SEED_WORKERS`` with no function of the user's) is replaced by :func:`seed_worker`.
 
     Args:
-        user_fn: the loader's ``worker_init_fn`` (None, the user's, or Lightning's).
+        user_fn: the loader's ``worker_init_fn`` (None, the user's, or a trainer's seeding function).
         rank: this rank's global rank.
+        restates: tells whether a function (the ``func`` of a ``functools.partial`` with a ``rank``
+            keyword) is a seeding function that :func:`seed_worker` restates, such as Lightning's
+            ``pl_worker_init_function``; the Lightning adapter passes it, the core names no trainer.
 
     Example::
 
@@ -90,11 +92,13 @@ class WorkerInit:
     seed: bool
     user_fn: Callable[[int], Any] | None
 
-    def __init__(self, user_fn: Callable[[int], Any] | None, rank: int) -> None:
+    def __init__(
+        self, user_fn: Callable[[int], Any] | None, rank: int, restates: Callable[[Any], bool] | None = None
+    ) -> None:
         seed = False
         if isinstance(user_fn, WorkerInit):  # wrapped again (a loader set up twice): one set-up
             seed, user_fn = user_fn.seed, user_fn.user_fn
-        if isinstance(user_fn, functools.partial) and _is_lightning_seeding(user_fn.func):
+        if isinstance(user_fn, functools.partial) and restates is not None and restates(user_fn.func):
             seed, rank, user_fn = True, user_fn.keywords.get("rank", rank), None
         # as Lightning's own loader set-up: PL_SEED_WORKERS seeds the workers of a loader with no function
         self.seed = seed or (user_fn is None and bool(int(os.environ.get("PL_SEED_WORKERS", 0))))
@@ -111,10 +115,6 @@ class WorkerInit:
             seed_worker(worker_id, self.rank)
         if self.user_fn is not None:
             self.user_fn(worker_id)
-
-
-def _is_lightning_seeding(fn: Any) -> bool:
-    return (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) == _LIGHTNING_SEED_FN
 
 
 def _leave_when_gone(pid: int) -> None:

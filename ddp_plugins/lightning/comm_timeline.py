@@ -16,7 +16,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -26,6 +25,7 @@ from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, check_bool, check_int, check_number
 from ddp_plugins.core.files import write_text_atomic
 from ddp_plugins.core.hang_watch import HangWatch
+from ddp_plugins.core.ranks import is_distributed
 from ddp_plugins.core.stalls import is_collective_failure
 from ddp_plugins.core.timeline import TimedCommHook, Timeline
 from ddp_plugins.lightning._loggers import log_to_loggers
@@ -34,6 +34,14 @@ from ddp_plugins.lightning.comm_hook_chain import register_on_model, unwrap_comm
 __all__ = ["CommTimeline"]
 
 _MAX_PER_RANK_SCORES = 16  # straggler/score_rank<r> is logged for worlds up to this size
+
+
+# The collectives of the layers above the core, by the module that issues them
+_MODULE_KINDS = (
+    ("torchmetrics", "metric_sync"),
+    ("lightning.fabric.utilities.distributed", "metric_sync"),
+    ("ddp_plugins.lightning.data_plan", "agreement"),
+)
 
 
 class CommTimeline(Callback):
@@ -131,7 +139,10 @@ class CommTimeline(Callback):
         if stage != "fit":
             return
         self.timeline = Timeline(
-            history=self.history, blame_threshold_s=self.blame_threshold_ms / 1e3, score_decay=self.score_decay
+            history=self.history,
+            blame_threshold_s=self.blame_threshold_ms / 1e3,
+            score_decay=self.score_decay,
+            module_kinds=_MODULE_KINDS,
         )
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy):
@@ -148,7 +159,7 @@ class CommTimeline(Callback):
         self.timeline.sync_clocks()
         if self._strategy is not None:
             register_on_model(self._strategy)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+        if is_distributed() and trainer.world_size > 1:
             timeout = _compat.strategy_timeout(trainer.strategy)
             stall = self.stall_after_s or min(300.0, timeout / 2 if timeout else 300.0)
             folder = self.trace_path.parent if self.trace_path is not None else None

@@ -23,6 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_plugins._compat import update_dataloader
 from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
+from ddp_plugins.core.ranks import collective_device
 from ddp_plugins.core.samplers import ResumableSampler
 from ddp_plugins.lightning.accumulation import current_accumulation
 from ddp_plugins.lightning.contracts import AccumulationSchedule, of_kind
@@ -366,7 +367,7 @@ class TrainData:
         """Set when a checkpoint is loaded: the next training loader starts where it stopped."""
         self._resumed, self._restored = record, True
 
-    def train_loader(self, dataloader: Any, trainer: Any, rank: int, world_size: int, device: torch.device) -> Any:
+    def train_loader(self, dataloader: Any, trainer: Any, rank: int, world_size: int) -> Any:
         """The training loader this run trains on (planned, in step across shards, or resumable).
 
         The first one after a checkpoint was loaded starts where :func:`resume_start` says (the
@@ -385,7 +386,7 @@ class TrainData:
             self.plan = plan_for(dataloader, self.global_batch_size, self.drop_last, world_size, self.accumulate)
             length = self.plan.steps_per_epoch * self.accumulate
         elif uneven:
-            length = _agreed_length(dataloader, device)
+            length = _agreed_length(dataloader)
         else:
             length = _length(dataloader)
         self.record = data_record(dataloader, self.plan, world_size, self.accumulate)
@@ -405,7 +406,6 @@ class TrainData:
             self.even = EvenSteps(
                 dataloader,
                 rows_of=extract_batch_size,
-                device=device,
                 length=cast("int | None", length),
                 flag=self._flag,
                 window=lambda: current_accumulation(trainer),
@@ -526,11 +526,11 @@ def _limited(length: int, limit: Any) -> int:
     return int(length * limit) if isinstance(limit, float) else length
 
 
-def _agreed_length(dataloader: Any, device: torch.device) -> int | None:
+def _agreed_length(dataloader: Any) -> int | None:
     """The longest rank's batch count (``None`` when a rank's loader has no length): one all_reduce."""
     local = _length(dataloader)
     local = -1 if local == float("inf") else int(local)
-    both = torch.tensor([local, -local], dtype=torch.int64, device=device)
+    both = torch.tensor([local, -local], dtype=torch.int64, device=collective_device())
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     longest, shortest = int(both[0]), -int(both[1])
     return None if shortest < 0 else longest

@@ -22,6 +22,7 @@ from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_process, parent_death_signal
 from ddp_plugins.core.stalls import describe_collective_failure
 from ddp_plugins.lightning.contracts import CarriesSpawnResults, of_kind
+from ddp_plugins.lightning.data_plan import ResumeMismatch
 
 __all__ = ["hydra_quote", "split_config_flags"]
 
@@ -97,9 +98,19 @@ def _job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
     return command, get_original_cwd()
 
 
+REFUSAL_EXIT = 2
+"""The exit code of a rank that refused its job with one line (a config or a resume it cannot run):
+every rank decides alike and rank 0 prints the line, so it is no crash to report."""
+
+
 def _preempted_code(code: int | None) -> bool:
     """An exit code of :class:`Preempted` (128 + a signal number): a child that stopped on agreement."""
     return code is not None and 128 < code < 128 + signal.NSIG
+
+
+def _agreed_code(code: int | None) -> bool:
+    """An exit every rank reaches alike (a preemption stop or a refusal): rank 0 ends the same way."""
+    return _preempted_code(code) or code == REFUSAL_EXIT
 
 
 class _RankWatcher(threading.Thread):
@@ -128,12 +139,12 @@ class _RankWatcher(threading.Thread):
             codes = [proc.poll() for proc in self.procs]
             if all(code == 0 for code in codes):
                 return
-            if all(code == 0 or _preempted_code(code) for code in codes):
-                return  # every child stopped for a preemption signal: rank 0 stops at the same step
+            if all(code == 0 or _agreed_code(code) for code in codes):
+                return  # every child stopped for a preemption signal or refused: rank 0 does the same
             failed = [
                 (rank, proc, code)
                 for rank, (proc, code) in enumerate(zip(self.procs, codes, strict=True), 1)
-                if code and not _preempted_code(code)
+                if code and not _agreed_code(code)
             ]
             if failed and not self._halt.is_set():
                 rank, proc, code = failed[0]
@@ -148,7 +159,7 @@ class _RankWatcher(threading.Thread):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
+class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
     """Lightning's subprocess launcher: job-scoped child commands, a rank watcher, no orphans.
 
     ``_call_children_scripts`` is Lightning's body with the command from
@@ -162,7 +173,10 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
 
     _startup: _StartupSignals | None = None
     _halt: threading.Event | None = None
-    before_launch: Callable[[Any], None] | None = None  # the strategy's checks of the Trainer, before any child starts
+
+    def __init__(self, *args: Any, before_launch: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -179,8 +193,9 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 watcher.start()
             _compat.set_num_threads_if_needed(self.num_processes)
             return function(*args, **kwargs)
-        except Preempted:
-            # every rank agreed to stop at this step and wrote its part: let the children finish
+        except (Preempted, ResumeMismatch):
+            # every rank agreed to stop at this step and wrote its part, or refuses the same resume
+            # with rank 0's one line: let the children finish
             if watcher is not None:
                 watcher.stop()
                 watcher = None
@@ -192,7 +207,7 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 watcher = None
                 # which rank stopped, asked before the children are stopped (then they cannot answer)
                 module = trainer.lightning_module if trainer is not None else None
-                self._stop_children(describe_collective_failure(error, tag=_failure_tag(module)))
+                self._stop_children(describe_collective_failure(error, tag=failure_tag(module)))
             raise
         finally:
             self.startup_done()  # a start-up that failed gives the handlers back all the same
@@ -267,7 +282,7 @@ class _JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         failed_first = [
             f"rank {rank} (PID {proc.pid}) {_describe_exit(proc.returncode)}"
             for rank, proc in enumerate(self.procs, 1)
-            if proc not in running and proc.returncode
+            if proc not in running and proc.returncode and proc.returncode != REFUSAL_EXIT
         ]
         cause = f"{'; '.join(failed_first)} first, then rank 0 failed" if failed_first else "rank 0 failed"
         if stalled and not failed_first:
@@ -379,7 +394,7 @@ def _startup_handler(signum: int, frame: Any) -> None:
     """SIGTERM/SIGINT while the ranks start: :class:`_StartupSignals`' thread acts on it."""
 
 
-class _CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
+class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
     """Spawned children leave through :func:`exit_process` once their results are queued.
 
     A ``spawn``/``forkserver`` child is a fresh interpreter that would otherwise finalize and risk
@@ -388,7 +403,9 @@ class _CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
     torch's ``ProcessContext.join``: it stops the others and raises with the child's traceback.
     """
 
-    before_launch: Callable[[Any], None] | None = None  # the strategy's checks of the Trainer, before any child starts
+    def __init__(self, *args: Any, before_launch: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -421,7 +438,7 @@ class _CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
                 cb.import_results(payload[cb.spawn_results_key])
 
 
-def _failure_tag(module: Any) -> str:
+def failure_tag(module: Any) -> str:
     """The tag under which the ranks whose collective failed record themselves: the global step,
     the same on every rank in one collective (a fit that failed earlier left other tags)."""
     return str(getattr(module, "global_step", ""))

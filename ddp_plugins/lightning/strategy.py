@@ -16,6 +16,7 @@ from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -49,7 +50,7 @@ from ddp_plugins.lightning.data_plan import (
     check_global_batch,
     run_accumulation,
 )
-from ddp_plugins.lightning.launchers import _CleanExitMultiprocessingLauncher, _failure_tag, _JobSubprocessLauncher
+from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher, failure_tag
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import is_loopback, pin_gloo_to_loopback
 
@@ -322,12 +323,14 @@ class DDPPluginsStrategy(DDPStrategy):
         self._check_one_gpu_per_nccl_rank()
         if self.accelerator is not None and self.parallel_devices:
             check_comm_hook(self._comm_hook, self._get_process_group_backend())
+        check = self._check_before_launch
         if self._start_method == "popen":
-            launcher: Any = _JobSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            env, processes, nodes = self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = JobSubprocessLauncher(env, processes, nodes, before_launch=check)
         else:
-            launcher = _CleanExitMultiprocessingLauncher(self, start_method=self._start_method)
-        launcher.before_launch = self._check_before_launch
-        self._launcher = launcher
+            self._launcher = CleanExitMultiprocessingLauncher(
+                self, start_method=self._start_method, before_launch=check
+            )
 
     def _ranks_per_gpu(self) -> int:
         """How many of this host's ranks each GPU would carry (0 off CUDA): more than 1 where they share one.
@@ -439,7 +442,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         # The ranks have met and the model is in sync: signals are the run's from here on
-        if isinstance(self._launcher, _JobSubprocessLauncher):
+        if isinstance(self._launcher, JobSubprocessLauncher):
             self._launcher.startup_done()
 
     @override
@@ -475,13 +478,15 @@ class DDPPluginsStrategy(DDPStrategy):
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
             dataloader.generator = torch.Generator().manual_seed(loader_seed(seed, trainer.global_rank, _EVAL_LOADER))
         if isinstance(dataloader, DataLoader) and dataloader.num_workers > 0:
-            dataloader.worker_init_fn = WorkerInit(dataloader.worker_init_fn, trainer.global_rank)
+            dataloader.worker_init_fn = WorkerInit(
+                dataloader.worker_init_fn, trainer.global_rank, restates=_is_lightning_seeding
+            )
             if _start_method(dataloader) == "forkserver":
                 start_forkserver()  # now, deaf to the job's stop signals, not at the first batch
         return dataloader
 
     def _train_loader(self, dataloader: Any, trainer: Any) -> Any:
-        return self._data.train_loader(dataloader, trainer, self.global_rank, self.world_size, self.root_device)
+        return self._data.train_loader(dataloader, trainer, self.global_rank, self.world_size)
 
     # The per-step agreement (contracts.StepAgreement)
 
@@ -615,7 +620,7 @@ class DDPPluginsStrategy(DDPStrategy):
             return
         rank = get_rank()
         # the ranks whose collective failed record themselves in the store; the others stopped
-        stalled = describe_collective_failure(exception, tag=_failure_tag(self._lightning_module))
+        stalled = describe_collective_failure(exception, tag=failure_tag(self._lightning_module))
         note = f"\n[ddp_plugins] rank {rank}: a collective failed because another rank stopped: " + (
             stalled or "it raised, was killed, or waits elsewhere; that rank's own error, printed by it, is the cause."
         )
@@ -651,6 +656,11 @@ class DDPPluginsStrategy(DDPStrategy):
                 start_method=start_method,
                 override=True,
             )
+
+
+def _is_lightning_seeding(fn: Any) -> bool:
+    """Lightning's worker seeding (``seed_everything(workers=True)``), which :class:`WorkerInit` restates."""
+    return fn is pl_worker_init_function
 
 
 class _EmptyBatchLog:

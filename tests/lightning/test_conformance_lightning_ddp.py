@@ -334,10 +334,10 @@ def test_launcher_validates_slurm_settings(monkeypatch):
 
 # Mirrors strategies/launchers/test_subprocess_script.py::test_validate_cluster_environment_user_settings
 def test_launcher_calls_validate_settings():
-    from ddp_plugins.lightning.launchers import _JobSubprocessLauncher
+    from ddp_plugins.lightning.launchers import JobSubprocessLauncher
 
     cluster_env = Mock(validate_settings=Mock(side_effect=RuntimeError("test")), creates_processes_externally=True)
-    launcher = _JobSubprocessLauncher(cluster_env, num_processes=2, num_nodes=1)
+    launcher = JobSubprocessLauncher(cluster_env, num_processes=2, num_nodes=1)
     with pytest.raises(RuntimeError, match="test"):
         launcher.launch(Mock())
     cluster_env.validate_settings.assert_called_once_with(num_devices=2, num_nodes=1)

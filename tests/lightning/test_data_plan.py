@@ -64,7 +64,7 @@ def _start(layout: Layout, epoch: int, done: int, resumed: dict | None, monkeypa
     for rank in range(layout.world_size):
         data = TrainData(layout.global_batch_size, drop_last=False, uneven_data=False)
         data.resumed = resumed
-        loader = data.train_loader(_loader(layout, rank), _trainer(epoch, done, rank), rank, layout.world_size, None)
+        loader = data.train_loader(_loader(layout, rank), _trainer(epoch, done, rank), rank, layout.world_size)
         ranks.append((data, loader))
     return ranks
 
@@ -191,7 +191,7 @@ def test_a_loader_made_again_at_a_later_epoch_start_starts_that_epoch(monkeypatc
     _, record = _stop(old, 14, monkeypatch)
     ranks = _start(new, EPOCH, 14, record, monkeypatch)  # the resume: the next epoch
     reloaded = [
-        data.train_loader(_loader(new, rank), _trainer(EPOCH + 2, 7, rank), rank, new.world_size, None)
+        data.train_loader(_loader(new, rank), _trainer(EPOCH + 2, 7, rank), rank, new.world_size)
         for rank, (data, _) in enumerate(ranks)
     ]
     rows = [sum(step, []) for step in zip(*(_batches(loader) for loader in reloaded), strict=True)]

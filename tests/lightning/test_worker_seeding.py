@@ -10,6 +10,7 @@ import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
 
 from ddp_plugins.core.workers import WorkerInit, seed_worker
+from ddp_plugins.lightning.strategy import _is_lightning_seeding
 
 
 def _states_after(fn, base_seed, worker_id, rank):
@@ -28,7 +29,7 @@ def test_seed_worker_leaves_the_states_lightning_s_worker_seeding_leaves(isolate
 
 
 def test_worker_init_takes_the_place_of_lightning_s_seeding_function():
-    replaced = WorkerInit(functools.partial(pl_worker_init_function, rank=3), rank=0)
+    replaced = WorkerInit(functools.partial(pl_worker_init_function, rank=3), rank=0, restates=_is_lightning_seeding)
     assert replaced.seed and replaced.user_fn is None and replaced.rank == 3
     again = WorkerInit(replaced, rank=3)
     assert again.seed and again.user_fn is None, "wrapped twice: still seeded once, no function left"
