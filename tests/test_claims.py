@@ -110,3 +110,18 @@ def test_every_private_third_party_name_read_is_listed_in_compat():
     listed |= {attribute for _, _, attributes in _compat.CHECKED_ATTRIBUTES for attribute in attributes}
     unlisted = {name: where for name, where in read.items() if name not in defined | listed | ALLOWED_PRIVATE}
     assert unlisted == {}, f"private names read outside _compat and not listed there: {unlisted}"
+
+
+def test_the_callbacks_know_the_strategy_only_through_the_contracts():
+    """contracts.py's claim: no adapter but the strategy (and the package's own re-exports) imports
+    the strategy's or the launchers' module."""
+    owners = {"strategy.py", "__init__.py"}
+    offences = [
+        f"{path.relative_to(REPO_ROOT)}:{node.lineno}: {node.module}"
+        for path, tree in _modules(PACKAGE / "lightning")
+        if path.name not in owners
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module in ("ddp_plugins.lightning.strategy", "ddp_plugins.lightning.launchers")
+    ]
+    assert offences == [], offences

@@ -1,8 +1,8 @@
 """Contracts between the Lightning adapters, checked with ``isinstance``.
 
-The strategy, the callbacks and the launchers find each other only through these protocols, the
-way torch's ``Joinable`` / ``JoinHook`` and Lightning's ``LayerSync`` do; rationale in
-docs/design.md ("Contracts between the adapters").
+The strategy and the callbacks find each other only through these protocols (no callback imports the
+strategy's module), the way torch's ``Joinable`` / ``JoinHook`` and Lightning's ``LayerSync`` do; the
+launchers are the strategy's own parts. Rationale in docs/design.md ("Contracts between the adapters").
 """
 
 from __future__ import annotations
