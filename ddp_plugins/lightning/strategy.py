@@ -271,13 +271,12 @@ class DDPPluginsStrategy(DDPStrategy):
         self._timeout_s = float(timeout)
         self._rendezvous_s = float(timeout if rendezvous_timeout is None else rendezvous_timeout)
         self._env_set: list[str] = []
+        self._env_rewritten: dict[str, str] = {}  # what this strategy changed in the environment: the user's values
         self.last_checkpoint_path: str | None = None  # the file the last save_checkpoint wrote (rank 0)
         self._comm_hook = comm_hook
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
         self.global_batch_size = global_batch_size
-        self.drop_last = drop_last
-        self.uneven_data = uneven_data
         self._data = TrainData(global_batch_size, drop_last, uneven_data)  # plan, rows, flags, resume record
         self._in_training_step = False
         if comm_hook != "none":
@@ -382,6 +381,7 @@ class DDPPluginsStrategy(DDPStrategy):
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DistributedDataParallel on gloo with this torch"
                 f" ({torch.__version__}, a segfault while DDP is built); using INFO instead."
             )
+            self._env_rewritten.setdefault("TORCH_DISTRIBUTED_DEBUG", os.environ["TORCH_DISTRIBUTED_DEBUG"])
             os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO"
             dist.set_debug_level(dist.DebugLevel.INFO)
         if backend == "gloo":
@@ -640,6 +640,8 @@ class DDPPluginsStrategy(DDPStrategy):
         for key in self._env_set:  # what this strategy put into the environment does not outlive fit
             os.environ.pop(key, None)
         self._env_set = []
+        os.environ.update(self._env_rewritten)  # and what it rewrote gets the user's value back
+        self._env_rewritten = {}
 
     @classmethod
     @override

@@ -5,8 +5,10 @@ precision runs three times through a fresh ``python -m ddp_plugins.train``: an u
 must reach 0.95; the same run stopped by a SIGTERM in the middle of an epoch, which must exit 143
 with a checkpoint; and the same command again, which must resume and end bit-identical to the
 uninterrupted run (parameters, BatchNorm buffers, optimizer and scaler state, metrics rows).
-``deterministic=true``: bit-identical resumes on CUDA need deterministic kernels. Each run prints
-one summary line (pytest's ``-rA`` shows them).
+``trainer.deterministic=warn``: bit-identical resumes on CUDA need deterministic kernels (cuDNN's
+included); "warn" rather than the app's strict ``deterministic=true``, because the demo CNN's global
+average pooling has no CUDA backward that torch calls deterministic (each input gets one gradient
+there, so it is in fact). Each run prints one summary line (pytest's ``-rA`` shows them).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tests.helpers.runs import assert_equal_states, final_state, metrics_rows
 
 pytestmark = pytest.mark.gpu
 ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
-RUN = [sys.executable, "-m", "ddp_plugins.train", "trainer.enable_progress_bar=false", "deterministic=true",
+RUN = [sys.executable, "-m", "ddp_plugins.train", "trainer.enable_progress_bar=false", "+trainer.deterministic=warn",
        "trainer.max_epochs=3"]  # fmt: skip  # 45 steps per epoch on 1 rank; 2 epochs reached 0.9889 on an H100
 
 

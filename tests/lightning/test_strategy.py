@@ -132,12 +132,14 @@ class _Probe(pl.Callback):
             "find_unused_parameters": ddp.find_unused_parameters,
             "sync_bn": isinstance(pl_module.net[1], SyncBatchNorm),
             "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "debug": os.environ.get("TORCH_DISTRIBUTED_DEBUG"),
             "timeout": trainer.strategy._timeout,
         }
 
 
 def _fit_each_hook(out_dir):
     os.environ.pop("GLOO_SOCKET_IFNAME", None)  # the strategy pins gloo to loopback itself
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # DDP on gloo segfaults with it: INFO during fit
     results = {}
     for name in ("none", "fp16", "powersgd"):
         pl.seed_everything(0, verbose=False)
@@ -170,6 +172,7 @@ def _fit_each_hook(out_dir):
             "history": counter.history,
             "numel": numel,
             "gloo_ifname_after_fit": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "debug_after_fit": os.environ.get("TORCH_DISTRIBUTED_DEBUG"),
             "finite": all(torch.isfinite(p).all().item() for p in model.parameters()),
         }
     return results
@@ -190,6 +193,7 @@ def test_each_hook_trains_through_the_trainer_and_fp16_halves_the_bytes():
             assert result["find_unused_parameters"]
             assert result["gloo_ifname"] == "lo", "gloo not pinned to loopback on a single node"
             assert result["gloo_ifname_after_fit"] is None, "the strategy left GLOO_SOCKET_IFNAME set after fit"
+            assert (result["debug"], result["debug_after_fit"]) == ("INFO", "DETAIL"), "the user's debug level back"
             assert result["timeout"] == datetime.timedelta(seconds=45)
         # every optimizer step sends every parameter once: 4 bytes each without a hook, 2 with fp16
         assert [b for _, b, _ in none["history"]] == [4 * none["numel"]] * 6, none["history"]
