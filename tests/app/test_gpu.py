@@ -42,7 +42,8 @@ def test_one_gpu_reaches_095_and_a_sigterm_resumes_bit_identical(precision, tmp_
     assert accuracy >= 0.95, f"{precision} on 1 GPU reached {accuracy:.4f}:\n{run.stdout[-2000:]}"
 
     folder = tmp_path / "interrupted"
-    stopped_args = [*args, f"hydra.run.dir={folder}", *_interrupt("train_batch_end", 60, 0, "SIGTERM", "self")]
+    stop = [*_interrupt("train_batch_end", 60, 0, "SIGTERM", "self"), "callbacks.preemption.check_every_n_steps=1"]
+    stopped_args = [*args, f"hydra.run.dir={folder}", *stop]  # the stop at step 61, whatever the GPU's speed
     stopped = run_command(stopped_args, timeout=600, env=env)
     assert stopped.returncode == 143, f"exit {stopped.returncode}, expected 143:\n{stopped.stderr[-3000:]}"
     assert list((folder / "checkpoints").glob("step-*-preempted.ckpt")), "the SIGTERM left no checkpoint"
