@@ -12,11 +12,11 @@ import functools
 import hashlib
 import itertools
 import math
-import struct
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -237,7 +237,7 @@ def _concat(
         outs = [list(leaf) if _is_rows(leaf) else leaf for _, leaf in leaves]
     else:
         # None for Python rows, a local error or ranks that disagree: then every rank's full metadata
-        tensors_only = _gather_shapes_with_data(spec, leaves, error, pad_value, group, world)
+        tensors_only = _gather_tensors(spec, leaves, error, pad_value, group, world)
         outs = (
             tensors_only if tensors_only is not None else _gather_with_metadata(spec, leaves, error, pad_value, group)
         )
@@ -269,257 +269,148 @@ def _gather_with_metadata(
     return outs
 
 
-# The first round of every distributed call: each rank sends a buffer of the size its group agreed
-# on: a header of _HEADER_WORDS int64 words, its leaves' shapes, then its leaves' bytes if they fit.
-_HEADER_WORDS = 8  # status, fingerprint (2 words), leaves, shape words, bytes needed, 2 unused
-_FITS, _SHAPES, _FULL = 0, 1, 2  # status: data inline; shapes only; full metadata exchange needed
+# The tensor round: every distributed call opens with one all-gather of equal-size byte buffers, one per rank:
+#
+#     [ _Header: status, fingerprint, needed ][ every leaf's shape ][ every leaf's bytes, if status is _FITS ]
+#       int64 words                             int64 words           each from a multiple of _ALIGN
+#
+# - fingerprint: of the structure, dtypes and numbers of dims. Ranks whose fingerprints agree differ at most
+#   in their shapes, so each reads the others' shapes with its own numbers of dims.
+# - status: _FITS, the bytes follow; _SHAPES, they did not fit, one gather per tensor follows;
+#   _FULL (Python rows, an error, a sparse or quantized tensor) or disagreeing fingerprints: the caller
+#   falls back to _gather_with_metadata.
+# - The one buffer rule: a group's buffer is the largest ``needed`` of its previous call rounded up to a
+#   power of two, from _MIN_BYTES to _MAX_BYTES; _MIN_BYTES after a call that needed more (its data went
+#   in a second round). Every rank reads the same headers, so every rank picks the same size.
+_FITS, _SHAPES, _FULL = 0, 1, 2
 _ALIGN = 16  # every leaf starts at a multiple of this byte, so its bytes view as any dtype
-_FIRST_ROUND_BYTES = 4096  # the buffer size of a group's first call, and the smallest
-_INLINE_MAX_BYTES = 1 << 20  # larger data goes in a second round, gathered in place without copies
+_MIN_BYTES, _MAX_BYTES = 4096, 1 << 20
 
 
-class _Round:
-    """One group's agreed first-round size, and its send and receive buffers (kept for the next call)."""
+class _Header(NamedTuple):
+    """The int64 words that open every rank's buffer, before its leaves' shapes."""
 
-    def __init__(self, size: int, backend: str) -> None:
-        self.size = size
-        self.backend = backend  # the group's, read once
-        self.device: torch.device | None = None
-        self.send_bytes: bytearray | None = None  # CPU buffers are Python bytearrays: struct writes the header
-        self.recv_bytes: bytearray | None = None
-        self.send = self.recv = torch.empty(0, dtype=torch.uint8)
-        self.cached: dict[tuple, tuple[list[Tensor], list[tuple[Tensor, ...]]]] = {}  # views per layout, by views()
-        self.repeats: dict[tuple, _Repeat] = {}  # calls that took the common path on gloo, by signature
+    status: int  # _FITS, _SHAPES or _FULL
+    fingerprint: int = 0  # blake2b of the structure, dtypes and numbers of dims
+    needed: int = 0  # the bytes of header, shapes and data, for the next call's buffer size
 
-    def prepare(self, device: torch.device, world: int) -> None:
-        if self.device == device and self.recv.numel() == world * self.size:
-            return
-        self.device = device
-        self.cached.clear()
-        self.repeats.clear()
-        if device.type == "cpu":
-            self.send_bytes, self.recv_bytes = bytearray(self.size), bytearray(world * self.size)
-            self.send = torch.frombuffer(self.send_bytes, dtype=torch.uint8)
-            self.recv = torch.frombuffer(self.recv_bytes, dtype=torch.uint8)
-        else:
-            self.send_bytes = self.recv_bytes = None
-            self.send = torch.empty(self.size, dtype=torch.uint8, device=device)
-            self.recv = torch.empty(world * self.size, dtype=torch.uint8, device=device)
 
-    def views(self, dtype_shapes: tuple, offsets: list[int]) -> tuple[list[Tensor], list[tuple[Tensor, ...]]]:
-        """Each leaf's place in the send buffer, and its place in every rank's part of the receive buffer."""
-        found = self.cached.get(dtype_shapes)
+class _GroupBuffers(NamedTuple):
+    """A process group's buffers, and views of its leaves in them, kept between calls."""
+
+    send: Tensor
+    recv: Tensor  # [rank, byte]: every rank's send buffer
+    views: dict[tuple, tuple[list[Tensor], list[tuple[Tensor, ...]]]]  # by leaf_views' arguments
+
+    def leaf_views(self, shapes: tuple, dtypes: tuple) -> tuple[list[Tensor], list[tuple[Tensor, ...]]]:
+        """Each leaf's place in ``send``, and its places in ``recv`` when every rank sent these shapes and dtypes."""
+        found = self.views.get((shapes, dtypes))
         if found is None:
-            if len(self.cached) > 16:
-                self.cached.clear()
-            recv = self.recv.view(-1, self.size)
-            found = self.cached[dtype_shapes] = (
+            if len(self.views) >= 16:
+                self.views.clear()
+            bounds = _bounds(shapes, dtypes)
+            found = self.views[(shapes, dtypes)] = (
+                list(map(functools.partial(_view, self.send), bounds, dtypes, shapes)),
                 [
-                    self.send[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
-                    for (dtype, shape), offset in zip(dtype_shapes, offsets, strict=True)
-                ],
-                [
-                    recv[:, offset : offset + dtype.itemsize * math.prod(shape)]
-                    .view(dtype)
-                    .view(len(recv), *shape)
-                    .unbind()
-                    for (dtype, shape), offset in zip(dtype_shapes, offsets, strict=True)
+                    tuple(_view(row, start, dtype, shape) for row in self.recv)
+                    for start, dtype, shape in zip(bounds, dtypes, shapes, strict=False)
                 ],
             )
         return found
 
-    def write(self, words: list[int]) -> None:
-        if self.send_bytes is not None:
-            struct.pack_into(f"={len(words)}q", self.send_bytes, 0, *words)
-        else:
-            self.send[: 8 * len(words)].copy_(torch.tensor(words, dtype=torch.int64).view(torch.uint8))
 
-    def headers_are(self, header: bytes) -> bool:
-        """Whether every rank's part of the CPU receive buffer starts with ``header``."""
-        assert self.recv_bytes is not None
-        received, n = memoryview(self.recv_bytes), len(header)
-        return all(received[start : start + n] == header for start in range(0, len(received), self.size))
-
-    def read(self, count: int) -> list[tuple[int, ...]]:
-        """The first ``count`` words of every rank's buffer."""
-        if self.recv_bytes is not None:
-            words = _words(count)
-            return [words.unpack_from(self.recv_bytes, start) for start in range(0, len(self.recv_bytes), self.size)]
-        return [tuple(row) for row in self.recv.view(-1, self.size)[:, : 8 * count].view(torch.int64).tolist()]
+_buffers: weakref.WeakKeyDictionary[Any, _GroupBuffers] = weakref.WeakKeyDictionary()  # per process group
 
 
-@functools.lru_cache(maxsize=64)
-def _words(count: int) -> struct.Struct:
-    return struct.Struct(f"={count}q")
+def _gather_tensors(
+    spec: Any, leaves: list[tuple[str, Any]], error: str | None, pad_value: float | None, group: Any, world: int
+) -> list[Any] | None:
+    """The tensor round above, then the data if it did not fit; ``None`` sends the caller to
+    :func:`_gather_with_metadata`, whose errors name every rank's shapes."""
+    tensors: list[Tensor] = [leaf for _, leaf in leaves]
+    key, device = dist.group.WORLD if group is None else group, collective_device(group)
+    buffers = _buffers.get(key)
+    if buffers is None or buffers.send.device != device:
+        buffers = _buffers[key] = _new_buffers(_MIN_BYTES, device, world)
+    header, shapes = _pack(buffers, spec, tensors) if error is None else (_Header(_FULL), ())
+    words = [*header, *itertools.chain.from_iterable(shapes)]
+    if buffers.send.is_cpu:  # numpy writes a few words into a CPU tensor faster than torch does
+        buffers.send.numpy().view(np.int64)[: len(words)] = words
+    else:
+        buffers.send[: 8 * len(words)].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather_single(buffers.recv.view(-1), buffers.send, group=group)
+    read = buffers.recv[:, : 8 * len(words)].cpu().numpy().view(np.int64).tolist()
+    headers = [_Header(*row[: len(header)]) for row in read]
+    most = max(h.needed for h in headers)  # the same on every rank, and so is the next size
+    size = _MIN_BYTES if most > _MAX_BYTES else max(_MIN_BYTES, 1 << (most - 1).bit_length())
+    if size != buffers.send.numel():
+        _buffers[key] = _new_buffers(size, device, world)
+    if any(h.status == _FULL for h in headers) or len({h.fingerprint for h in headers}) > 1:
+        return None
+    dims, dtypes = [len(shape) for shape in shapes], tuple(t.dtype for t in tensors)
+    if header.status == _FITS and all(dims) and read.count(read[0]) == world:  # every rank sent this rank's words
+        parts = buffers.leaf_views(shapes, dtypes)[1]
+        return [torch.cat(part).to(t.device) for t, part in zip(tensors, parts, strict=True)]
+    starts = list(itertools.accumulate(dims, initial=len(header)))
+    all_shapes = [[tuple(row[i : i + n]) for i, n in zip(starts, dims, strict=False)] for row in read]  # [rank][leaf]
+    names = [str(dtype).replace("torch.", "") for dtype in dtypes]
+    all_meta = [
+        _RankMeta(spec, [_LeafMeta("tensor", *leaf) for leaf in zip(names, rank, strict=True)], [])
+        for rank in all_shapes
+    ]
+    _check_consistent(all_meta, [name for name, _ in leaves], pad_value)  # the same errors as the full exchange
+    if any(h.status == _SHAPES for h in headers):
+        return [_gather_tensor(t, [rank[j] for rank in all_shapes], pad_value, group) for j, t in enumerate(tensors)]
+    pieces = [  # [rank][leaf]
+        list(map(functools.partial(_view, recv), _bounds(rank, dtypes), dtypes, rank))
+        for recv, rank in zip(buffers.recv, all_shapes, strict=True)
+    ]
+    return [_cat_pieces(t, [rank[j] for rank in pieces], pad_value) for j, t in enumerate(tensors)]
 
 
-_rounds: weakref.WeakKeyDictionary[Any, _Round] = weakref.WeakKeyDictionary()  # per process group
+def _pack(buffers: _GroupBuffers, spec: Any, tensors: list[Any]) -> tuple[_Header, tuple[torch.Size, ...]]:
+    """This rank's header and shapes, and its bytes written into the send buffer when they fit."""
+    if not all(isinstance(t, Tensor) and t.layout == torch.strided and not t.is_quantized for t in tensors):
+        return _Header(_FULL), ()
+    shapes, dtypes = tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
+    bounds, size = _bounds(shapes, dtypes), buffers.send.numel()
+    status = _FITS if bounds[-1] <= size else _SHAPES if bounds[0] <= size else _FULL
+    try:
+        for t, view in zip(tensors, buffers.leaf_views(shapes, dtypes)[0] if status == _FITS else [], strict=False):
+            view.copy_(t.detach())
+    except (RuntimeError, TypeError, ValueError):  # bytes that cannot be copied as they are: the full exchange
+        status = _FULL
+    if status == _FULL:
+        return _Header(_FULL), ()
+    return _Header(status, _fingerprint(spec, tuple(zip(dtypes, map(len, shapes), strict=True))), bounds[-1]), shapes
+
+
+def _bounds(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]) -> list[int]:
+    """Where each leaf's bytes start in a rank's buffer, after its header and shapes, then where they end."""
+    bounds = [_aligned(8 * (len(_Header._fields) + sum(map(len, shapes))))]
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        bounds.append(_aligned(bounds[-1] + dtype.itemsize * math.prod(shape)))
+    return bounds
+
+
+def _view(buffer: Tensor, start: int, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    return buffer[start : start + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-class _Layout(NamedTuple):
-    """Where one rank's leaves sit in its first-round buffer."""
-
-    words: list[int]  # the header after its status word, then every leaf's shape
-    offsets: list[int]  # the byte where each leaf starts
-    needed: int  # the bytes of header, shapes and leaves
-
-
-class _Repeat(NamedTuple):
-    """A call that took the common path on gloo: a later call with the same signature skips the
-    planning and, when every rank sent the same header again, the reading of the headers."""
-
-    signature: tuple  # (spec, ((dtype, shape, layout), ...))
-    words: list[int]  # the header it wrote (still in the send buffer)
-    layout: _Layout
-    header: bytes  # those words as bytes, to compare with every rank's
-    sends: list[Tensor]  # each leaf's place in the send buffer
-    parts: list[tuple[Tensor, ...]]  # each leaf's place in every rank's part of the receive buffer
-
-
-def _signature(spec: Any, tensors: list[Any]) -> tuple | None:
-    try:
-        return spec, tuple((t.dtype, t.shape, t.layout) for t in tensors)
-    except AttributeError:  # Python rows
-        return None
-
-
 @functools.lru_cache(maxsize=64)
-def _layout(spec: Any, dtype_shapes: tuple[tuple[torch.dtype, torch.Size], ...]) -> _Layout:
-    """The layout of leaves of these dtypes and shapes; its fingerprint agrees across ranks when the
-    structure, dtypes and numbers of dims all agree."""
-    text = repr((spec, [(dtype, len(shape)) for dtype, shape in dtype_shapes])).encode()
-    digest = hashlib.blake2b(text, digest_size=16).digest()
-    shapes = [n for _, shape in dtype_shapes for n in shape]
-    offsets, needed = [], _aligned(8 * (_HEADER_WORDS + len(shapes)))
-    for dtype, shape in dtype_shapes:
-        offsets.append(needed)
-        needed = _aligned(needed + dtype.itemsize * math.prod(shape))
-    fingerprint = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
-    return _Layout([*fingerprint, len(dtype_shapes), len(shapes), needed, 0, 0, *shapes], offsets, needed)
+def _fingerprint(spec: Any, dtype_dims: tuple[tuple[torch.dtype, int], ...]) -> int:
+    digest = hashlib.blake2b(repr((spec, dtype_dims)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
-def _gather_shapes_with_data(
-    spec: Any, leaves: list[tuple[str, Any]], error: str | None, pad_value: float | None, group: Any, world: int
-) -> list[Any] | None:
-    """Gather tensor-only data whose structure and dtypes agree on every rank, ``None`` when it does not.
-
-    One collective when every rank's data fits the buffer size its group agreed on in the previous
-    call (the shapes travel with the data); otherwise that round carries the shapes and the data
-    follows in one in-place gather per tensor. Every rank reads the same headers, so every rank
-    takes the same path and agrees on the buffer size of the next call. ``None`` (after that one
-    round) sends the caller to :func:`_gather_with_metadata`, whose errors name every rank's shapes.
-    """
-    tensors: list[Tensor] = [leaf for _, leaf in leaves]
-    key = dist.group.WORLD if group is None else group
-    rnd = _rounds.get(key)
-    if rnd is None:
-        rnd = _rounds[key] = _Round(_FIRST_ROUND_BYTES, dist.get_backend(group))
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    signature = _signature(spec, tensors) if rnd.repeats and error is None else None
-    repeat = rnd.repeats.get(signature) if signature is not None else None
-    if repeat is not None and rnd.send_bytes is not None:
-        try:
-            for t, view in zip(tensors, repeat.sends, strict=True):
-                view.copy_(t.detach() if t.requires_grad else t)
-        except (RuntimeError, TypeError, ValueError):  # bytes that cannot be copied as they are: plan afresh
-            repeat = None
-    if repeat is not None and rnd.send_bytes is not None:
-        # an earlier call's plan and header, in buffers that stay on the CPU (gloo only)
-        rnd.send_bytes[: len(repeat.header)] = repeat.header
-        all_gather_single(rnd.recv, rnd.send, group=group)
-        if rnd.headers_are(repeat.header):
-            return [
-                torch.cat(parts) if t.is_cpu else torch.cat(parts).to(t.device)
-                for t, parts in zip(tensors, repeat.parts, strict=True)
-            ]
-        words, layout, dtype_shapes = repeat.words, repeat.layout, tuple((t.dtype, t.shape) for t in tensors)
-    else:
-        rnd.prepare(collective_device(group), world)
-        words = [_FULL, 0, 0, len(tensors), 0, 0, 0, 0]
-        layout = None
-        if error is None and all(
-            isinstance(t, Tensor) and t.layout == torch.strided and not t.is_quantized for t in tensors
-        ):
-            dtype_shapes = tuple((t.dtype, t.shape) for t in tensors)
-            layout = _layout(spec, dtype_shapes)
-            needed, shapes_only = layout.needed, 8 * len(layout.words) + 8
-            status = _FITS if needed <= rnd.size else _SHAPES if shapes_only <= rnd.size else _FULL
-            try:
-                if status == _FITS:
-                    for t, view in zip(tensors, rnd.views(dtype_shapes, layout.offsets)[0], strict=True):
-                        view.copy_(t.detach() if t.requires_grad else t)
-            except (RuntimeError, TypeError, ValueError):  # bytes that cannot be copied as they are: the full exchange
-                status = _FULL
-            if status != _FULL:
-                words = [status, *layout.words]
-        rnd.write(words)
-        all_gather_single(rnd.recv, rnd.send, group=group)
-    read = rnd.read(len(words))
-    agreed = all(row[0] != _FULL for row in read) and len({row[1:5] for row in read}) == 1
-    most = max(row[5] for row in read)
-    if not agreed or most > _INLINE_MAX_BYTES:
-        size = _FIRST_ROUND_BYTES
-    elif most > rnd.size or 4 * most < rnd.size:  # grow to fit, or shrink after a much smaller call
-        size = max(most, _FIRST_ROUND_BYTES)
-    else:
-        size = rnd.size
-    if size != rnd.size:
-        _rounds[key] = _Round(size, rnd.backend)  # every rank read the same headers, so every rank agrees on it
-    if layout is not None and words[0] == _FITS and read.count(read[0]) == world and all(t.dim() for t in tensors):
-        # the common case: every rank sent the same header (structure, dtypes, shapes) and its data
-        # fits, so each leaf is one concatenation of views
-        sends, parts = rnd.views(dtype_shapes, layout.offsets)
-        cached = rnd.backend == "gloo" and _rounds.get(key) is rnd and all(t.numel() for t in tensors)
-        if cached and rnd.send_bytes is not None:
-            if len(rnd.repeats) >= 8:
-                rnd.repeats.clear()
-            header = bytes(rnd.send_bytes[: 8 * len(words)])
-            signature = signature or _signature(spec, tensors)
-            if signature is not None:
-                rnd.repeats[signature] = _Repeat(signature, words, layout, header, sends, parts)
-        return [
-            _on(torch.cat(part), t.device) if t.numel() else t.new_empty((world * t.shape[0], *t.shape[1:]))
-            for t, part in zip(tensors, parts, strict=True)
-        ]
-    if not agreed or layout is None:
-        return None
-    dims = [t.dim() for t in tensors]
-    all_shapes = [  # [rank][leaf]
-        [
-            tuple(row[start : start + dim])
-            for start, dim in zip(itertools.accumulate(dims, initial=_HEADER_WORDS), dims, strict=False)
-        ]
-        for row in read
-    ]
-    dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
-    all_meta = [
-        _RankMeta(spec, [_LeafMeta("tensor", dtype, shape) for dtype, shape in zip(dtypes, shapes, strict=True)], [])
-        for shapes in all_shapes
-    ]
-    _check_consistent(all_meta, [name for name, _ in leaves], pad_value)  # the same errors as the full exchange
-    if any(row[0] != _FITS for row in read):
-        return [
-            _gather_tensor(t, [shapes[j] for shapes in all_shapes], pad_value, group) for j, t in enumerate(tensors)
-        ]
-    recv = rnd.recv.view(world, rnd.size)
-    outs = []
-    starts = [_aligned(8 * len(words))] * world
-    for j, t in enumerate(tensors):
-        pieces = []
-        for rank in range(world):
-            nbytes = t.element_size() * math.prod(all_shapes[rank][j])
-            pieces.append(recv[rank, starts[rank] : starts[rank] + nbytes].view(t.dtype).view(all_shapes[rank][j]))
-            starts[rank] = _aligned(starts[rank] + nbytes)
-        outs.append(_cat_pieces(t, pieces, pad_value))
-    return outs
-
-
-def _on(tensor: Tensor, device: torch.device) -> Tensor:
-    return tensor if tensor.device == device else tensor.to(device)
+def _new_buffers(size: int, device: torch.device, world: int) -> _GroupBuffers:
+    empty = functools.partial(torch.empty, dtype=torch.uint8, device=device)
+    return _GroupBuffers(empty(size), empty(world, size), {})
 
 
 def _cat_pieces(tensor: Tensor, pieces: list[Tensor], pad_value: float | None) -> Tensor:
