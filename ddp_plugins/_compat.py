@@ -11,7 +11,7 @@ use of inherited private names. Why each is needed: ``docs/design.md``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
@@ -52,6 +52,7 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     ("torch.distributed", "_broadcast_coalesced"),
     ("atexit", "_run_exitfuncs"),
+    ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.dump_checkpoint"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.update_main_process_results"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function"),
@@ -97,6 +98,7 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", ("_data_source",)),
     ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop", ("_data_source",)),
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop", ("_batches_that_stepped",)),
+    ("lightning.pytorch.trainer.trainer", "Trainer", ("_checkpoint_connector",)),
 )
 
 #: The ``torch.distributed`` function DDP broadcasts its buffers with before each forward (and its
@@ -119,6 +121,13 @@ def __getattr__(name: str) -> Any:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The checkpoint dict ``Trainer.save_checkpoint`` would write, without writing it or gathering
+    anything across ranks (``trainer._checkpoint_connector.dump_checkpoint``): Lightning has no public
+    way to build it alone."""
+    return cast("dict[str, Any]", trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
 
 
 def run_exit_functions() -> None:

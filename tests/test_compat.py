@@ -50,6 +50,7 @@ _INSTANCES = {
     "_EvaluationLoop": lambda cls, tmp_path: _trainer().validate_loop,
     "_PredictionLoop": lambda cls, tmp_path: _trainer().predict_loop,
     "_TrainingEpochLoop": lambda cls, tmp_path: _trainer().fit_loop.epoch_loop,
+    "Trainer": lambda cls, tmp_path: _trainer(),
 }
 
 

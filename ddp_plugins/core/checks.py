@@ -110,13 +110,13 @@ def check_int(
     maximum: int | None = None,
     *,
     allow_none: bool = False,
-    also: tuple[str, ...] = (),
+    allowed_words: tuple[str, ...] = (),
 ) -> Any:
     """``value`` as an ``int`` when it is an integer in ``[minimum, maximum]`` (``bool`` is not an integer),
-    or one of the words ``also`` allows (such as ``"auto"``) as it is.
+    or one of ``allowed_words`` (such as ``"auto"``) as it is.
 
     Raises:
-        ArgumentTypeError: not an integer (nor ``None`` when ``allow_none``, nor a word of ``also``).
+        ArgumentTypeError: not an integer (nor ``None`` when ``allow_none``, nor one of ``allowed_words``).
         ArgumentValueError: outside the bounds.
 
     Example::
@@ -128,12 +128,12 @@ def check_int(
         ...
         ddp_plugins.core.checks.ArgumentValueError: `devices` should be an integer >= 1, got 0.
     """
-    allowed = " or ".join([*map(repr, also), f"an integer{_bounds(minimum, maximum)}"]) + (
+    allowed = " or ".join([*map(repr, allowed_words), f"an integer{_bounds(minimum, maximum)}"]) + (
         " or None" if allow_none else ""
     )
     if value is None and allow_none:
         return None
-    if isinstance(value, str) and value in also:
+    if isinstance(value, str) and value in allowed_words:
         return value
     if not _is_int(value):
         raise ArgumentTypeError(name, allowed, value)

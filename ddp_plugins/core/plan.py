@@ -61,7 +61,7 @@ class GlobalPlan:
     Example::
 
         >>> plan = GlobalPlan(dataset_length=10, global_batch_size=4, shuffle=False)
-        >>> plan.steps_per_epoch, plan.step_rows(0, 2), plan.counts(2, world_size=3)
+        >>> plan.steps_per_epoch, plan.step_indices(0, 2), plan.counts(2, world_size=3)
         (3, [8, 9], [[1], [1], [0]])
         >>> [list(PlanBatchSampler(plan, rank=r, world_size=3)) for r in range(3)]
         [[[0, 1], [4, 5], [8]], [[2], [6], [9]], [[3], [7], []]]
@@ -98,8 +98,8 @@ class GlobalPlan:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.dataset_length, generator=generator).tolist()
 
-    def step_rows(self, epoch: int, step: int, order: Sequence[int] | None = None) -> list[int]:
-        """The rows of optimizer step ``step`` of ``epoch`` (the last one may be short)."""
+    def step_indices(self, epoch: int, step: int, order: Sequence[int] | None = None) -> list[int]:
+        """The row indices of optimizer step ``step`` of ``epoch`` (the last one may be short)."""
         order = self.order(epoch) if order is None else order
         return list(order[step * self.global_batch_size : (step + 1) * self.global_batch_size])
 
@@ -124,7 +124,7 @@ class GlobalPlan:
 
     def micro_batches(self, epoch: int, step: int, rank: int, world_size: int, accumulate: int = 1, order=None):
         """The ``accumulate`` micro-batches (lists of rows, maybe empty) of ``rank`` in a step."""
-        rows = self.step_rows(epoch, step, order)
+        rows = self.step_indices(epoch, step, order)
         counts = self.counts(step, world_size, accumulate)
         out = []
         for m, (a, _) in enumerate(_bounds(even_split(len(rows), accumulate))):
@@ -292,7 +292,7 @@ class EvenSteps:
     of the step. torch's ``Join`` counts ranks, not rows, and does not cover SyncBN or other
     collectives in the forward; Accelerate's ``even_batches`` repeats rows.
 
-    :attr:`steps` gets ``(this rank's rows, all ranks' rows in the micro-batch, all ranks' rows in
+    :attr:`batch_counts` gets ``(this rank's rows, all ranks' rows in the micro-batch, all ranks' rows in
     the step, agreed flag)`` for each batch yielded, in order, for a consumer (the strategy's loss
     weighting) to take from the left. ``flag`` (a preemption signal number, 0 for none) rides
     along in the same round: the agreed flag is the largest any rank raised, so a per-step stop
@@ -313,7 +313,7 @@ class EvenSteps:
     Example (one process; the counts are reduced over the default group when one is set up)::
 
         >>> steps = EvenSteps([[1, 2]], length=1)
-        >>> len(steps), steps.steps
+        >>> len(steps), steps.batch_counts
         (1, deque([]))
     """
 
@@ -336,7 +336,7 @@ class EvenSteps:
         self.length = length
         self.window = window if callable(window) else check_int("window", window, 1)
         self.start = check_int("start", start, 0)
-        self.steps: deque[tuple[int, int, int, int]] = deque()
+        self.batch_counts: deque[tuple[int, int, int, int]] = deque()
         self._template: Any = None
 
     def __len__(self) -> int:
@@ -350,7 +350,7 @@ class EvenSteps:
         return getattr(self.batches, name)
 
     def __iter__(self) -> Iterator[Any]:
-        self.steps.clear()
+        self.batch_counts.clear()
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         k = check_int("window", self.window() if callable(self.window) else self.window, 1)
         it: Iterator[Any] | None = iter(self.batches)
@@ -391,7 +391,7 @@ class EvenSteps:
                     self._template = box[0]
             step_rows = sum(micro_rows)
             for micro in range(present):
-                self.steps.append((mine[micro], micro_rows[micro], step_rows, agreed))
+                self.batch_counts.append((mine[micro], micro_rows[micro], step_rows, agreed))
                 yield window[micro] if micro < len(window) else self._template
 
     def _fetch(self, it: Iterator[Any]) -> tuple[Iterator[Any] | None, Any, bool]:

@@ -244,7 +244,7 @@ class SignalAgreement:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.group = group
-        self.every = check_int("every", every, 1, also=("auto",))
+        self.every = check_int("every", every, 1, allowed_words=("auto",))
         self._clock = clock or time.monotonic
         self._pending: tuple[torch.Tensor, Any] | None = None
         self._boundary = 0

@@ -126,6 +126,9 @@ class ProgressWatchdog:
         after_s: seconds without progress before the verdict.
         interval_s: seconds between heartbeats.
         dump_dir: where ``stall.txt`` goes (a callable is asked at the verdict); ``None``: stderr only.
+        rescue: called on the reporting rank before the job ends, while its training thread waits
+            in a collective; it returns what it saved (a checkpoint's path) or ``None``. The
+            Lightning strategy writes the last completed step's checkpoint there.
         exit: how a rank ends the job (``os._exit`` by default; a test passes its own).
 
     Example::
@@ -145,19 +148,21 @@ class ProgressWatchdog:
         after_s: float = 45.0,
         interval_s: float = 5.0,
         dump_dir: str | os.PathLike | Callable[[], str | os.PathLike | None] | None = None,
+        rescue: Callable[[], str | None] | None = None,
         exit: Callable[[int], Any] = os._exit,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.after_s = check_number("after_s", after_s, 0, exclusive_minimum=True)
         self.interval_s = check_number("interval_s", interval_s, 0, exclusive_minimum=True)
         self.dump_dir = dump_dir
+        self.rescue = rescue
         self._exit = exit
         self.beats, self.phase = 0, "starting"
         self.stall: Stall | None = None
         self._main = threading.main_thread().ident
         self._halt = threading.Event()
         self._wake = threading.Event()
-        self._published = 0.0
+        self._published = self._beat_at = 0.0
         self._thread: threading.Thread | None = None
         self._seq = 0
 
@@ -168,7 +173,8 @@ class ProgressWatchdog:
         is known by about its last step; the training thread itself never waits on the store."""
         self.beats += 1
         self.phase = phase
-        if time.monotonic() - self._published >= _MIN_GAP_S:
+        self._beat_at = time.monotonic()
+        if self._beat_at - self._published >= _MIN_GAP_S:
             self._wake.set()
 
     def start(self) -> ProgressWatchdog:
@@ -242,12 +248,19 @@ class ProgressWatchdog:
             stopped = [beats[rank] for rank in stall.ranks]
             folder = self.dump_dir() if callable(self.dump_dir) else self.dump_dir
             dump = _dump(stopped, stall, folder)
+            saved = None
+            if self.rescue is not None and time.monotonic() - self._beat_at > self.interval_s:
+                try:  # this rank's training thread has waited a while: the state is the last step's
+                    saved = self.rescue()
+                except Exception as error:  # noqa: BLE001 - the job ends all the same; say why nothing was saved
+                    saved = f"none written ({type(error).__name__}: {error})"
             who = ", ".join(f"rank {b.rank} (PID {b.pid} on {b.host}) after {b.phase}" for b in stopped)
             how = "its process stopped" if stall.frozen else "it stopped progressing"
+            resume = f"checkpoint of the last completed step: {saved}" if saved else "the run resumes from its newest"
             print(
                 f"error: {who}: {how} {stall.seconds:.0f} s ago, and the job waited for it;"
-                f" ending every rank{f' (its stack: {dump})' if dump else ''}. The run resumes from its newest"
-                " checkpoint; a rank that may legitimately pause longer needs strategy.stall_timeout raised.",
+                f" ending every rank{f' (its stack: {dump})' if dump else ''}. {resume[0].upper()}{resume[1:]};"
+                " a rank that may legitimately pause longer needs strategy.stall_timeout raised.",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,7 +1,9 @@
 """Exact epochs for Lightning: the training data's plan, per-step rows and resume wiring.
 
-:class:`TrainData` is held by :class:`~ddp_plugins.lightning.DDPPluginsStrategy`, which delegates
-its training-loader, batch-start, checkpoint and per-step agreement work to it. Rationale in
+:class:`~ddp_plugins.lightning.DDPPluginsStrategy` holds three parts, and :func:`train_loader` makes
+its training loader with them: :class:`PlannedLoader` (a global plan and each micro-batch's rows),
+:class:`UnevenShards` (uneven shards stepped together, a flag agreed in their round) and
+:class:`ResumeRecord` (the layout a checkpoint keeps, and where a resume starts). Rationale in
 docs/design.md ("One global plan per epoch, and uneven data", "Checkpoints and resume").
 """
 
@@ -29,17 +31,19 @@ from ddp_plugins.lightning.accumulation import current_accumulation
 from ddp_plugins.lightning.contracts import AccumulationSchedule, of_kind
 
 __all__ = [
+    "BatchRows",
+    "PlannedLoader",
     "ResumeMismatch",
-    "StepRows",
-    "TrainData",
+    "ResumeRecord",
+    "UnevenShards",
     "check_global_batch",
     "check_resume",
     "data_record",
     "expected_record",
     "plan_for",
-    "planned_train_loader",
     "resume_start",
     "run_accumulation",
+    "train_loader",
 ]
 
 CHECKPOINT_KEY = "ddp_plugins_data"
@@ -50,7 +54,7 @@ class ResumeMismatch(ValueError):
 
 
 @dataclass(frozen=True)
-class StepRows:
+class BatchRows:
     """Rows of the current micro-batch: this rank's, all ranks', and the optimizer step's."""
 
     rank_rows: int
@@ -76,24 +80,6 @@ def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
     )
 
 
-def planned_train_loader(
-    dataloader: Any, global_batch_size: int, drop_last: bool, rank: int, world_size: int, accumulate: int,
-    epoch: int, batches_done: int,
-) -> tuple[DataLoader, GlobalPlan, int]:  # fmt: skip
-    """The training loader on the global plan, starting after ``batches_done`` of ``epoch``.
-
-    Returns the loader, its plan and the epoch its first iteration is in (the next one when
-    ``batches_done`` is the whole epoch). ``batch_size``, ``shuffle`` and ``sampler`` of the given
-    loader are replaced (the shuffle flag and seed are kept); workers, ``collate_fn``,
-    ``pin_memory`` and the rest are kept. A ``DataLoader`` subclass, an iterable dataset or a
-    custom batch sampler is refused with one line: their rows cannot be planned globally.
-    """
-    plan = plan_for(dataloader, global_batch_size, drop_last, world_size, accumulate)
-    if batches_done >= plan.steps_per_epoch * accumulate:  # the whole epoch is done: the next one starts afresh
-        epoch, batches_done = epoch + 1, 0
-    return _plan_loader(dataloader, plan, rank, world_size, accumulate, epoch, batches_done), plan, epoch
-
-
 def plan_for(dataloader: Any, global_batch_size: int, drop_last: bool, world_size: int, accumulate: int) -> GlobalPlan:
     """The global plan of a training loader's rows (its dataset's length, shuffle flag and seed).
 
@@ -116,32 +102,26 @@ def plan_for(dataloader: Any, global_batch_size: int, drop_last: bool, world_siz
     return GlobalPlan(len(dataset), global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
 
 
+_KEPT_LOADER_ARGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                     "generator", "persistent_workers", "pin_memory_device")  # fmt: skip
+
+
 def _plan_loader(
     dataloader: DataLoader, plan: GlobalPlan, rank: int, world_size: int, accumulate: int, epoch: int, start: int
 ) -> DataLoader:
-    """``dataloader`` on this rank's batches of ``plan``, its first iteration ``start`` micro-batches into ``epoch``."""
+    """``dataloader`` on this rank's batches of ``plan``, its first iteration ``start`` micro-batches into ``epoch``
+    (its ``batch_size``, ``shuffle`` and ``sampler`` replaced; workers, ``collate_fn`` and the rest kept)."""
     if start % accumulate:
         raise ResumeMismatch(
             f"resume: the checkpoint is {start} micro-batches into epoch {epoch}, inside an accumulation"
             f" window of {accumulate}; resume from a checkpoint taken at an optimizer step."
         )
     sampler = PlanBatchSampler(plan, rank, world_size, accumulate, epoch=epoch, start_step=start // accumulate)
-    dataset = dataloader.dataset
-    kwargs: dict[str, Any] = {
-        "batch_sampler": sampler,
-        "num_workers": dataloader.num_workers,
-        "collate_fn": EmptyShareCollate(dataloader.collate_fn, dataset[0]),
-        "pin_memory": dataloader.pin_memory,
-        "timeout": dataloader.timeout,
-        "worker_init_fn": dataloader.worker_init_fn,
-        "multiprocessing_context": dataloader.multiprocessing_context,
-        "generator": dataloader.generator,
-        "persistent_workers": dataloader.persistent_workers,
-        "pin_memory_device": dataloader.pin_memory_device,
-    }
+    kwargs = {name: getattr(dataloader, name) for name in _KEPT_LOADER_ARGS}
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
-    return DataLoader(dataset, **kwargs)
+    collate = EmptyShareCollate(dataloader.collate_fn, dataloader.dataset[0])
+    return DataLoader(dataloader.dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
 
 
 def check_global_batch(global_batch_size: int, world_size: int, accumulate: int) -> None:
@@ -157,18 +137,6 @@ def check_global_batch(global_batch_size: int, world_size: int, accumulate: int)
             global_batch_size,
             hint="Smaller global batches would leave part of every step without rows.",
         )
-
-
-def step_rows(plan: GlobalPlan, batch_idx: int, rank: int, world_size: int, accumulate: int) -> StepRows:
-    """The rows of micro-batch ``batch_idx`` of an epoch on the plan (no communication)."""
-    step, micro = divmod(batch_idx, accumulate)
-    counts = plan.counts(step, world_size, accumulate)
-    return StepRows(
-        rank_rows=counts[rank][micro],
-        micro_rows=sum(c[micro] for c in counts),
-        step_rows=plan.step_size(step),
-        loss_weight=plan.loss_weight(step, micro, rank, world_size, accumulate),
-    )
 
 
 def data_record(dataloader: Any, plan: GlobalPlan | None, world_size: int, accumulate: int) -> dict[str, Any]:
@@ -190,7 +158,7 @@ def expected_record(
     dataset_length: int, world_size: int, accumulate: int, batch_size: int, seed: int, *, shuffle: bool = True,
     global_batch_size: int | None = None, drop_last: bool = False, limit_train_batches: Any = 1.0,
 ) -> dict[str, Any]:  # fmt: skip
-    """The record :class:`TrainData` writes for a map-style dataset of ``dataset_length`` rows under
+    """The record :class:`ResumeRecord` keeps for a map-style dataset of ``dataset_length`` rows under
     Lightning's ``DistributedSampler`` (or on a global plan), from the numbers alone.
 
     What an app checks a checkpoint against before any rank starts (:func:`resume_start`), where
@@ -329,109 +297,170 @@ def _saved_batches_per_epoch(saved: dict[str, Any] | None) -> int | None:
     return None
 
 
-class TrainData:
-    """The training data of one strategy's fits: its plan or uneven-shard agreement, the rows of the
-    current micro-batch, the per-step flags, and what checkpoints record and resumes check.
+def train_loader(
+    dataloader: Any, trainer: Any, rank: int, world_size: int, planned: PlannedLoader, uneven: UnevenShards,
+    resume: ResumeRecord,
+) -> Any:  # fmt: skip
+    """The training loader this run trains on (planned, in step across uneven shards, or resumable).
+
+    The first one after a checkpoint was loaded starts where :func:`resume_start` says (the
+    checkpoint's own record tells whether it stopped in the middle of its epoch); one made again
+    at a later epoch's start (``reload_dataloaders_every_n_epochs``) starts that epoch.
+    """
+    uneven.loader = None
+    plan = planned.make_plan(dataloader, trainer, world_size)
+    accumulate = planned.accumulate if plan is not None else trainer.accumulate_grad_batches
+    in_step = plan is None and uneven.enabled and world_size > 1 and _per_rank_shards(dataloader)
+    length: float | None
+    if plan is not None:
+        length = plan.steps_per_epoch * accumulate
+    elif in_step:
+        length = _agreed_length(dataloader)
+    else:
+        length = _length(dataloader)
+    epoch, start = resume.start(data_record(dataloader, plan, world_size, accumulate), length, trainer)
+    if plan is not None:
+        return _plan_loader(dataloader, plan, rank, world_size, accumulate, epoch, start)
+    if in_step:
+        return uneven.step_together(dataloader, trainer, cast("int | None", length), start)
+    return _resumable_train_loader(dataloader, trainer, epoch, start)
+
+
+class PlannedLoader:
+    """A global plan of the training loader's rows, and the rows of each of its micro-batches.
 
     Written by hand because Lightning trains every rank on ``DistributedSampler``'s padded,
     world-size-dependent split and has no notion of rows per step (issue 3325 and its kin).
 
     Args:
         global_batch_size: rows per optimizer step over all ranks and micro-batches (a global
-            plan), or ``None`` for per-rank batches.
+            plan), or ``None`` for per-rank batches (no plan).
         drop_last: drop the plan's short last step.
-        uneven_data: step ranks together over loaders that may yield different numbers of batches.
     """
 
-    def __init__(self, global_batch_size: int | None, drop_last: bool, uneven_data: bool) -> None:
+    def __init__(self, global_batch_size: int | None, drop_last: bool) -> None:
         self.global_batch_size = global_batch_size
         self.drop_last = drop_last
-        self.uneven_data = uneven_data
-        self.plan: GlobalPlan | None = None
-        self.even: EvenSteps | None = None
+        self.plan: GlobalPlan | None = None  # the current training loader's
         self.accumulate = 1  # micro-batches per optimizer step of the plan
-        self.rows: StepRows | None = None  # the current micro-batch's (planned or uneven training)
-        self.record: dict[str, Any] | None = None  # the training data's layout, for checkpoints
-        self._resumed: dict[str, Any] | None = None
-        self._restored = False  # a checkpoint was loaded and the training loader not made since
-        self._flag_sources: list[Callable[[], int]] = []
-        self._agreed = 0  # the flag agreed with the current batch's counts (uneven data)
+
+    def make_plan(self, dataloader: Any, trainer: Any, world_size: int) -> GlobalPlan | None:
+        """The plan of a new training loader (``None`` without ``global_batch_size``)."""
+        self.plan = None
+        if self.global_batch_size is not None:
+            self.accumulate = run_accumulation(trainer)
+            self.plan = plan_for(dataloader, self.global_batch_size, self.drop_last, world_size, self.accumulate)
+        return self.plan
+
+    def batch_rows(self, trainer: Any, batch_idx: int, rank: int, world_size: int) -> BatchRows | None:
+        """The rows of micro-batch ``batch_idx`` of the epoch (``None`` without a plan; no communication).
+
+        Raises:
+            ArgumentValueError: ``accumulate_grad_batches`` differs from the plan's.
+        """
+        if self.plan is None:
+            return None
+        if trainer.accumulate_grad_batches != self.accumulate:
+            raise ArgumentValueError(
+                "accumulate_grad_batches",
+                f"the {self.accumulate} the global plan was made with, for the whole run",
+                trainer.accumulate_grad_batches,
+                hint="A schedule that changes it needs global_batch_size unset.",
+            )
+        step, micro = divmod(batch_idx, self.accumulate)
+        counts = self.plan.counts(step, world_size, self.accumulate)
+        return BatchRows(
+            rank_rows=counts[rank][micro],
+            micro_rows=sum(c[micro] for c in counts),
+            step_rows=self.plan.step_size(step),
+            loss_weight=self.plan.loss_weight(step, micro, rank, world_size, self.accumulate),
+        )
+
+    def position(self, trainer: Any) -> dict[str, int]:
+        """On a plan, the epoch and the global rows trained in it (what a checkpoint adds); else nothing."""
+        if self.plan is None:
+            return {}
+        steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed // self.accumulate
+        rows = sum(self.plan.step_size(step) for step in range(min(steps, self.plan.steps_per_epoch)))
+        return {"epoch": trainer.current_epoch, "rows_done": rows}
+
+
+class UnevenShards:
+    """Training loaders whose ranks may yield different numbers of batches, stepped together by
+    :class:`~ddp_plugins.core.plan.EvenSteps`: each micro-batch's rows, and a flag agreed in the same round.
+
+    Args:
+        enabled: the strategy's ``uneven_data``.
+        flag: this rank's flag (0 to 64) at each step (contracts.StepAgreement's sources).
+    """
+
+    def __init__(self, enabled: bool, flag: Callable[[], int]) -> None:
+        self.enabled = enabled
+        self.flag = flag
+        self.loader: EvenSteps | None = None  # the current training loader, when it steps shards together
+        self._agreed = 0  # the flag agreed with the current batch's counts
+
+    def step_together(self, dataloader: Any, trainer: Any, length: int | None, start: int) -> EvenSteps:
+        """``dataloader`` in step with the other ranks' (``length``: the agreed batches), ``start`` batches in."""
+        self.loader = EvenSteps(
+            dataloader,
+            rows_of=extract_batch_size,
+            length=length,
+            flag=self.flag,
+            window=lambda: current_accumulation(trainer),
+            start=start,
+        )
+        return self.loader
+
+    def batch_rows(self, trainer: Any, world_size: int) -> BatchRows | None:
+        """The rows of the micro-batch about to be trained, counted and agreed when it was fetched."""
+        if self.loader is None or not self.loader.batch_counts:
+            return None
+        mine, micro, step, self._agreed = self.loader.batch_counts.popleft()
+        k = current_accumulation(trainer)
+        weight = world_size * k * mine / step if step else 0.0
+        return BatchRows(rank_rows=mine, micro_rows=micro, step_rows=step, loss_weight=weight)
 
     @property
-    def resumed(self) -> dict[str, Any] | None:
-        """The record in the checkpoint resumed from (``None``: none, or one without a record)."""
-        return self._resumed
+    def agreed_flag(self) -> int | None:
+        """The largest flag any rank raised, agreed with the current batch's counts (``None``: no round)."""
+        return self._agreed if self.loader is not None else None
 
-    @resumed.setter
-    def resumed(self, record: dict[str, Any] | None) -> None:
-        """Set when a checkpoint is loaded: the next training loader starts where it stopped."""
+
+class ResumeRecord:
+    """The training data's layout a checkpoint records, and where a run resumed from one starts."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, Any] | None = None  # the current training loader's layout
+        self._resumed: dict[str, Any] | None = None  # the record of the checkpoint loaded last
+        self._restored = False  # a checkpoint was loaded and the training loader not made since
+
+    def checkpoint_loaded(self, record: dict[str, Any] | None) -> None:
+        """A checkpoint was loaded (``record``: its data record, if any): the next training loader starts there."""
         self._resumed, self._restored = record, True
 
-    def train_loader(self, dataloader: Any, trainer: Any, rank: int, world_size: int) -> Any:
-        """The training loader this run trains on (planned, in step across shards, or resumable).
-
-        The first one after a checkpoint was loaded starts where :func:`resume_start` says (the
-        checkpoint's own record tells whether it stopped in the middle of its epoch); one made again
-        at a later epoch's start (``reload_dataloaders_every_n_epochs``) starts that epoch.
+    def start(self, record: dict[str, Any], length: float | None, trainer: Any) -> tuple[int, int]:
+        """Keep a new training loader's ``record`` (``length``: its micro-batches per epoch, when
+        known) and return the epoch and micro-batch it starts at: where the checkpoint loaded last
+        stopped (:func:`resume_start`), else the start of the current epoch.
         """
-        planned = self.global_batch_size is not None
-        self.accumulate = run_accumulation(trainer) if planned else trainer.accumulate_grad_batches
+        if isinstance(length, int):
+            record["batches_per_epoch"] = _limited(length, getattr(trainer, "limit_train_batches", 1.0))
+        self.record = record
+        restored, self._restored = self._restored, False
+        epoch = trainer.current_epoch  # counters of the epoch before are not reset yet at a reload
+        if not restored:
+            return epoch, 0
         progress = trainer.fit_loop.epoch_loop.batch_progress
         done = progress.current.processed
-        self.plan = self.even = None
-        self.rows = None
-        uneven = not planned and self.uneven_data and world_size > 1 and _per_rank_shards(dataloader)
-        length: float | None
-        if self.global_batch_size is not None:
-            self.plan = plan_for(dataloader, self.global_batch_size, self.drop_last, world_size, self.accumulate)
-            length = self.plan.steps_per_epoch * self.accumulate
-        elif uneven:
-            length = _agreed_length(dataloader)
-        else:
-            length = _length(dataloader)
-        self.record = data_record(dataloader, self.plan, world_size, self.accumulate)
-        if isinstance(length, int):
-            self.record["batches_per_epoch"] = _limited(length, getattr(trainer, "limit_train_batches", 1.0))
-        restored, self._restored = self._restored, False
-        epoch, start = trainer.current_epoch, 0  # counters of the epoch before are not reset yet at a reload
-        if restored:
-            epoch, start = resume_start(
-                self._resumed, self.record, epoch, done, last_batch=progress.is_last_batch,
-                in_batch_end=progress.current.completed < done,
-            )  # fmt: skip
-            _quiet_mid_epoch_resume_warning()
-        if self.plan is not None:
-            return _plan_loader(dataloader, self.plan, rank, world_size, self.accumulate, epoch, start)
-        if uneven:
-            self.even = EvenSteps(
-                dataloader,
-                rows_of=extract_batch_size,
-                length=cast("int | None", length),
-                flag=self._flag,
-                window=lambda: current_accumulation(trainer),
-                start=start,
-            )
-            return self.even
-        return _resumable_train_loader(dataloader, trainer, epoch, start)
+        epoch, start = resume_start(
+            self._resumed, record, epoch, done, last_batch=progress.is_last_batch,
+            in_batch_end=progress.current.completed < done,
+        )  # fmt: skip
+        _quiet_mid_epoch_resume_warning()
+        return epoch, start
 
-    def batch_start(self, trainer: Any, batch_idx: int, rank: int, world_size: int) -> None:
-        """Set :attr:`rows` for the micro-batch about to be trained."""
-        if self.even is not None and self.even.steps:
-            mine, micro, step, self._agreed = self.even.steps.popleft()  # counted and agreed when fetched
-            k = current_accumulation(trainer)
-            weight = world_size * k * mine / step if step else 0.0
-            self.rows = StepRows(rank_rows=mine, micro_rows=micro, step_rows=step, loss_weight=weight)
-        if self.plan is not None:
-            if trainer.accumulate_grad_batches != self.accumulate:
-                raise ArgumentValueError(
-                    "accumulate_grad_batches",
-                    f"the {self.accumulate} the global plan was made with, for the whole run",
-                    trainer.accumulate_grad_batches,
-                    hint="A schedule that changes it needs global_batch_size unset.",
-                )
-            self.rows = step_rows(self.plan, batch_idx, rank, world_size, self.accumulate)
-
-    def checkpoint_record(self, module: Any) -> dict[str, Any] | None:
+    def checkpoint_record(self, module: Any, planned: PlannedLoader) -> dict[str, Any] | None:
         """What a checkpoint stores: the layout with the micro-batches of each of its epochs (what a
         resume tells the middle of an epoch by), and on a plan its epoch and the global rows done.
 
@@ -444,33 +473,13 @@ class TrainData:
             trainer = module.trainer if module is not None else None
         except RuntimeError:  # detached
             trainer = None
-        if trainer is None:
-            return dict(self.record)
         record = dict(self.record)
+        if trainer is None:
+            return record
         batches = trainer.num_training_batches  # the loader's, after limit_train_batches
         if isinstance(batches, int):
             record["batches_per_epoch"] = batches
-        if self.plan is None:
-            return record
-        steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed // self.accumulate
-        rows = sum(self.plan.step_size(step) for step in range(min(steps, self.plan.steps_per_epoch)))
-        return dict(record, epoch=trainer.current_epoch, rows_done=rows)
-
-    # The per-step agreement (contracts.StepAgreement), through the strategy
-
-    def add_flag_source(self, source: Callable[[], int]) -> None:
-        if source not in self._flag_sources:
-            self._flag_sources.append(source)
-
-    def remove_flag_source(self, source: Callable[[], int]) -> None:
-        if source in self._flag_sources:
-            self._flag_sources.remove(source)
-
-    def agreed_flag(self) -> int | None:
-        return self._agreed if self.even is not None else None
-
-    def _flag(self) -> int:
-        return max((int(source()) for source in self._flag_sources), default=0)
+        return dict(record, **planned.position(trainer))
 
 
 def run_accumulation(trainer: Any) -> int:

@@ -32,7 +32,7 @@ _PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # In a child rank's environment: it got a parent-death signal, to clear once its start-up is done
 _DIES_WITH_LAUNCHER = "DDP_PLUGINS_DIES_WITH_LAUNCHER"
-_RESULTS_KEY = "ddp_plugins.sequential_evaluation"
+_SPAWN_RESULTS_KEY = "ddp_plugins.spawn_results"  # callbacks' results, from spawned rank 0
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
@@ -426,13 +426,13 @@ class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
         extra = super().get_extra_results(trainer)
         payload = {cb.spawn_results_key: cb.export_results() for cb in of_kind(trainer.callbacks, CarriesSpawnResults)}
         if payload:
-            extra[_RESULTS_KEY] = payload
+            extra[_SPAWN_RESULTS_KEY] = payload
         return extra
 
     @override
     def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
-        payload = extra.get(_RESULTS_KEY, {})
+        payload = extra.get(_SPAWN_RESULTS_KEY, {})
         for cb in of_kind(trainer.callbacks, CarriesSpawnResults):
             if cb.spawn_results_key in payload:
                 cb.import_results(payload[cb.spawn_results_key])

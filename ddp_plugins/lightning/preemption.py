@@ -88,7 +88,7 @@ class PreemptionCheckpoint(Callback):
         self.every_n_train_steps = check_int("every_n_train_steps", every_n_train_steps, 0)
         self.keep = check_int("keep", keep, 1)
         self.signals = check_signals(signals)
-        self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1, also=("auto",))
+        self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1, allowed_words=("auto",))
         self.requeue = check_choice("requeue", requeue, ("auto", "always", "never"))
         (self.requeue_signal,) = check_signals([requeue_signal])
         self._flag = SignalFlag(self.signals)

@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
@@ -45,10 +46,13 @@ from ddp_plugins.core.workers import WorkerInit
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.data_plan import (
     CHECKPOINT_KEY,
-    StepRows,
-    TrainData,
+    BatchRows,
+    PlannedLoader,
+    ResumeRecord,
+    UnevenShards,
     check_global_batch,
     run_accumulation,
+    train_loader,
 )
 from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher, failure_tag
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
@@ -277,7 +281,11 @@ class DDPPluginsStrategy(DDPStrategy):
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
         self.global_batch_size = global_batch_size
-        self._data = TrainData(global_batch_size, drop_last, uneven_data)  # plan, rows, flags, resume record
+        self._planned = PlannedLoader(global_batch_size, drop_last)  # a global plan and each micro-batch's rows
+        self._uneven = UnevenShards(uneven_data, flag=self._raised_flag)  # shards in step, flags in their round
+        self._resume = ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
+        self._flag_sources: list[Callable[[], int]] = []
+        self._rows: BatchRows | None = None  # the current micro-batch's (planned or uneven training)
         self._in_training_step = False
         if comm_hook != "none":
             # set now so that callbacks (AllReduceCounter) can wrap it in `setup`; the state is
@@ -400,7 +408,30 @@ class DDPPluginsStrategy(DDPStrategy):
             self._watchdog = ProgressWatchdog(
                 _compat.default_store(), self.global_rank, self.world_size, after_s=self._stall_timeout,
                 interval_s=min(5.0, self._stall_timeout / 4), dump_dir=self._run_folder,
+                rescue=self._save_last_completed_step,
             ).start()  # fmt: skip
+
+    def _save_last_completed_step(self) -> str | None:
+        """On the rank that names a stalled one (the watchdog's thread, while this rank's training
+        thread waits for it in a collective): the last completed step's checkpoint,
+        ``step-<N>-stalled.ckpt`` beside the run's others. The parameters and optimizer state are
+        that step's (the next one has not stepped), and the loops resume at the next batch. The
+        stalled ranks' random states cannot be gathered: :class:`RankAwareSeed` starts fresh
+        per-rank streams on resume and says so (an exact continuation where no randomness is drawn)."""
+        trainer = self._trainer()
+        if trainer is None or not trainer.training:
+            return None
+        folder = Path(trainer.default_root_dir) / "checkpoints"
+        callback = next((c for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)), None)
+        if callback is not None:
+            folder = Path(callback.dirpath)
+        checkpoint = _compat.dump_checkpoint(trainer)
+        record = self._resume.checkpoint_record(self.lightning_module, self._planned)
+        if record is not None:
+            checkpoint[CHECKPOINT_KEY] = record
+        path = folder / f"step-{trainer.global_step}-stalled.ckpt"
+        self.checkpoint_io.save_checkpoint(checkpoint, path)
+        return str(path)
 
     def _trainer(self) -> Any:
         """The Trainer this strategy runs for (None before it is attached)."""
@@ -470,7 +501,10 @@ class DDPPluginsStrategy(DDPStrategy):
         if trainer is None:
             return dataloader
         if trainer.training:
-            dataloader = self._train_loader(dataloader, trainer)
+            self._rows = None
+            dataloader = train_loader(
+                dataloader, trainer, self.global_rank, self.world_size, self._planned, self._uneven, self._resume
+            )
         elif isinstance(dataloader, DataLoader) and dataloader.generator is None:
             # Making an iterator draws the workers' base seed from the loader's generator, else
             # from the global stream: a resumed run, which makes its evaluation iterators at other
@@ -485,10 +519,7 @@ class DDPPluginsStrategy(DDPStrategy):
                 start_forkserver()  # now, deaf to the job's stop signals, not at the first batch
         return dataloader
 
-    def _train_loader(self, dataloader: Any, trainer: Any) -> Any:
-        return self._data.train_loader(dataloader, trainer, self.global_rank, self.world_size)
-
-    # The per-step agreement (contracts.StepAgreement)
+    # The per-step agreement (contracts.StepAgreement): the flags ride in the uneven shards' round
 
     def add_flag_source(self, source: Callable[[], int]) -> None:
         """Have ``source()`` (this rank's stop flag, a signal number or 0) agreed in each step's round.
@@ -498,37 +529,45 @@ class DDPPluginsStrategy(DDPStrategy):
         :meth:`agreed_flag`; when the strategy makes no round of its own, that returns ``None`` and
         the callback makes its own ``all_reduce``.
         """
-        self._data.add_flag_source(source)
+        if source not in self._flag_sources:
+            self._flag_sources.append(source)
 
     def remove_flag_source(self, source: Callable[[], int]) -> None:
-        self._data.remove_flag_source(source)
+        if source in self._flag_sources:
+            self._flag_sources.remove(source)
 
     def agreed_flag(self) -> int | None:
         """The largest flag any rank raised, agreed with the current batch's row counts (``None``:
         this run's training data makes no per-step round: uneven data is off or not needed)."""
-        return self._data.agreed_flag()
+        return self._uneven.agreed_flag
+
+    def _raised_flag(self) -> int:
+        return max((int(source()) for source in self._flag_sources), default=0)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._data.resumed = checkpoint.get(CHECKPOINT_KEY)
+        self._resume.checkpoint_loaded(checkpoint.get(CHECKPOINT_KEY))
         return checkpoint
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self.lightning_module is not None:
-            self._data.batch_start(self.lightning_module.trainer, batch_idx, self.global_rank, self.world_size)
+            trainer, rank, world = self.lightning_module.trainer, self.global_rank, self.world_size
+            rows = self._uneven.batch_rows(trainer, world) or self._planned.batch_rows(trainer, batch_idx, rank, world)
+            if rows is not None:
+                self._rows = rows
 
     @property
-    def step_rows(self) -> StepRows | None:
-        """Rows of the current micro-batch on a global plan (``None`` without ``global_batch_size``).
+    def batch_rows(self) -> BatchRows | None:
+        """Rows of the current micro-batch on a global plan or uneven shards (``None`` on neither).
 
-        Under manual optimization, multiply a mean loss by ``step_rows.loss_weight /
+        Under manual optimization, multiply a mean loss by ``batch_rows.loss_weight /
         accumulate_grad_batches`` (what the strategy does for automatic optimization) for the
         gradient of one process on the step's rows.
         """
-        return self._data.rows
+        return self._rows
 
     def _beat(self, phase: str) -> None:
         if self._watchdog is not None:
@@ -554,7 +593,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._beat("a training step")
         self._in_training_step = True  # `reduce` weights means by rows while the step logs
-        rows, module = self._data.rows, self.lightning_module
+        rows, module = self._rows, self.lightning_module
         log = None
         if rows is not None and rows.rank_rows == 0 and module is not None:
             # an empty micro-batch logs the identity of each reduction (its mean loss is NaN)
@@ -572,14 +611,14 @@ class DDPPluginsStrategy(DDPStrategy):
         # DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan,
         # each micro-batch's mean loss is weighted by its rows instead (0 for an empty one)
         module = self.lightning_module
-        rows = self._data.rows
+        rows = self._rows
         if rows is not None and module is not None and module.automatic_optimization:
             closure_loss = closure_loss * rows.loss_weight
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        rows = self._data.rows
+        rows = self._rows
         weighted = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
         if weighted and isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
             # Lightning's mean divides an integer tensor in place and truncates; epoch means divide
@@ -603,7 +642,7 @@ class DDPPluginsStrategy(DDPStrategy):
         # per-rank parts of callback states (RankAwareSeed's RNG streams) are gathered, so that no
         # state_dict has to communicate (see ddp_plugins.core.checkpoints).
         self.gather_per_rank_state(checkpoint)
-        record = self._data.checkpoint_record(self.lightning_module)
+        record = self._resume.checkpoint_record(self.lightning_module, self._planned)
         if record is not None:
             checkpoint[CHECKPOINT_KEY] = record
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_plugins.core.checkpoints import digest_path
+from ddp_plugins.core.checkpoints import digest_path, verify_checkpoint
 from ddp_plugins.testing import check_ok, free_port, loopback_env
 from tests.helpers.runs import assert_equal_states, final_state
 from tests.helpers.shared import made_once
@@ -310,9 +310,19 @@ def test_a_stopped_rank_is_named_within_a_minute_with_the_default_settings(tmp_p
     took = time.time() - frozen_at
     line = _one_line_failure(result, 1)
     # its last known step: what it published last (about four times a second), at most the step it froze at
-    named = re.match(r"error: rank 1 \(PID \d+ on \S+\) after a training step \(global step (\d+)\): its process", line)
+    named = re.match(
+        r"error: rank 1 \(PID \d+ on \S+\) after a (?:training|validation) step \(global step (\d+)\): its process",
+        line,
+    )
     assert named and 1 <= int(named.group(1)) <= 20, f"not rank 1 at a step up to the one it froze at (20): {line}"
     assert took < 75, f"the job ended {took:.0f} s after rank 1 froze: the watchdog should name it within a minute"
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) < 40, result.stderr[-3000:]
     dump = (folder / "stall.txt").read_text()
     assert "rank 1" in dump and "training step" in dump, dump
+    # rank 0 wrote the last completed step while it waited: the same command resumes from it, to the end
+    (rescue,) = (folder / "checkpoints").glob("step-*-stalled.ckpt")
+    assert f"Checkpoint of the last completed step: {rescue}" in line, line
+    assert verify_checkpoint(rescue) is None, "the rescue checkpoint is whole, with its digest"
+    resumed = check_ok(run_warm(cmd, timeout=240))  # the freeze fires once per run folder
+    assert RESUMING.search(resumed.stdout).group(1) == str(rescue), resumed.stdout[-2000:]
+    assert final_state(folder)["global_step"] == 24, "3 epochs of 8 steps"

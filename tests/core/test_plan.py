@@ -32,7 +32,7 @@ def test_every_row_once_per_epoch_in_one_order_for_any_world_size_and_accumulati
                     assert max(shares) - min(shares) <= 1, f"shares {shares} are not as even as possible"
                     unions = [[i for rank_micro in micro for i in rank_micro[m]] for m in range(k)]
                     rows = [i for union in unions for i in union]
-                    assert rows == plan.step_rows(epoch, step), "a step is not the plan's rows in order"
+                    assert rows == plan.step_indices(epoch, step), "a step is not the plan's rows in order"
                     # micro-batch m holds the same rows on every world size (one process's m-th micro-batch)
                     assert unions == [plan.micro_batches(epoch, step, 0, 1, k)[m] for m in range(k)]
                     counts = plan.counts(step, world, k)
@@ -109,7 +109,7 @@ def _test_even_steps(rank, world_size):
 
     steps = EvenSteps(shard, rows_of=lambda b: len(b["x"]), flag=flag)
     epochs = [[(tuple(b["x"].shape), b["name"]) for b in steps] for _ in range(2)]
-    return epochs, list(steps.steps)
+    return epochs, list(steps.batch_counts)
 
 
 def test_even_steps_end_together_with_zero_row_batches_from_a_rank_that_had_none(dist_pool):
@@ -125,9 +125,9 @@ def _test_even_windows(rank, world_size):
     shard = [torch.ones(n, 2) for n in ((2, 3, 1) if rank == 0 else (4,))]
     steps = EvenSteps(shard, window=2, length=3)
     epoch = [len(b) for b in steps]
-    counted = list(steps.steps)
+    counted = list(steps.batch_counts)
     resumed = EvenSteps(shard, window=2, length=3, start=2)  # a resume after the first step
-    return epoch, counted, [[len(b) for b in resumed] for _ in range(2)], list(resumed.steps), len(resumed)
+    return epoch, counted, [[len(b) for b in resumed] for _ in range(2)], list(resumed.batch_counts), len(resumed)
 
 
 def test_even_steps_count_a_whole_accumulation_window_in_one_round_and_resume_inside_an_epoch(dist_pool):

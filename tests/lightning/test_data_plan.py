@@ -2,7 +2,7 @@
 
 A run of one layout (world size, per-rank batch, seed, or a global plan) stops after ``done``
 micro-batches of an epoch; a run of another layout restores that checkpoint. Both are the real
-training loaders of :class:`~ddp_plugins.lightning.data_plan.TrainData` (the same code the strategy
+training loaders of :func:`~ddp_plugins.lightning.data_plan.train_loader` (the same code the strategy
 runs, on a stand-in for Lightning's progress counters), iterated on every rank without processes.
 The rows the stopped run trained plus the rows the resumed run trains in that epoch must equal the
 rows of the uninterrupted run (the reference), or the resume is refused with one line; and a
@@ -22,7 +22,15 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_plugins.core.plan import GlobalPlan
-from ddp_plugins.lightning.data_plan import ResumeMismatch, TrainData, expected_record, resume_start
+from ddp_plugins.lightning.data_plan import (
+    PlannedLoader,
+    ResumeMismatch,
+    ResumeRecord,
+    UnevenShards,
+    expected_record,
+    resume_start,
+    train_loader,
+)
 
 ROWS, EPOCH = 53, 1  # epoch 1: the epoch a resume starts in is not 0 by chance
 
@@ -48,6 +56,17 @@ def _trainer(epoch: int, done: int, rank: int, batches: int | None = None) -> Si
                            fit_loop=SimpleNamespace(epoch_loop=loop))  # fmt: skip
 
 
+class Parts(NamedTuple):
+    """One rank's training-data parts, as the strategy holds them."""
+
+    planned: PlannedLoader
+    uneven: UnevenShards
+    resume: ResumeRecord
+
+    def loader(self, dataloader: DataLoader, trainer: Any, rank: int, world_size: int) -> Any:
+        return train_loader(dataloader, trainer, rank, world_size, *self)
+
+
 def _loader(layout: Layout, rank: int) -> DataLoader:
     """The training loader as Lightning hands it to the strategy (its ``DistributedSampler`` on a plain run)."""
     data = TensorDataset(torch.arange(ROWS))
@@ -58,13 +77,15 @@ def _loader(layout: Layout, rank: int) -> DataLoader:
 
 
 def _start(layout: Layout, epoch: int, done: int, resumed: dict | None, monkeypatch) -> list[Any]:
-    """Every rank's ``TrainData`` with its training loader, restored ``done`` batches into ``epoch``."""
+    """Every rank's :class:`Parts` with its training loader, restored ``done`` batches into ``epoch``."""
     monkeypatch.setenv("PL_GLOBAL_SEED", str(layout.seed))  # what seed_everything sets (the plan's seed)
     ranks = []
     for rank in range(layout.world_size):
-        data = TrainData(layout.global_batch_size, drop_last=False, uneven_data=False)
-        data.resumed = resumed
-        loader = data.train_loader(_loader(layout, rank), _trainer(epoch, done, rank), rank, layout.world_size)
+        data = Parts(
+            PlannedLoader(layout.global_batch_size, drop_last=False), UnevenShards(False, lambda: 0), ResumeRecord()
+        )
+        data.resume.checkpoint_loaded(resumed)
+        loader = data.loader(_loader(layout, rank), _trainer(epoch, done, rank), rank, layout.world_size)
         ranks.append((data, loader))
     return ranks
 
@@ -86,7 +107,7 @@ def _stop(layout: Layout, done: int, monkeypatch) -> tuple[list[list[int]], dict
     trained = [sum(step, []) for step in zip(*(_batches(loader)[:done] for _, loader in ranks), strict=True)]
     data, loader = ranks[0]
     module = SimpleNamespace(trainer=_trainer(EPOCH, done, 0, batches=len(loader)))
-    return trained, data.checkpoint_record(module)
+    return trained, data.resume.checkpoint_record(module, data.planned)
 
 
 def _resume(layout: Layout, done: int, record: dict | None, monkeypatch) -> list[list[int]] | str:
@@ -191,7 +212,7 @@ def test_a_loader_made_again_at_a_later_epoch_start_starts_that_epoch(monkeypatc
     _, record = _stop(old, 14, monkeypatch)
     ranks = _start(new, EPOCH, 14, record, monkeypatch)  # the resume: the next epoch
     reloaded = [
-        data.train_loader(_loader(new, rank), _trainer(EPOCH + 2, 7, rank), rank, new.world_size)
+        data.loader(_loader(new, rank), _trainer(EPOCH + 2, 7, rank), rank, new.world_size)
         for rank, (data, _) in enumerate(ranks)
     ]
     rows = [sum(step, []) for step in zip(*(_batches(loader) for loader in reloaded), strict=True)]
@@ -209,4 +230,4 @@ def test_the_record_an_app_predicts_before_any_rank_starts_is_the_one_the_ranks_
         predicted = expected_record(
             ROWS, layout.world_size, 1, layout.batch_size, layout.seed, global_batch_size=layout.global_batch_size
         )
-        assert predicted == data.record
+        assert predicted == data.resume.record

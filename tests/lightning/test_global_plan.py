@@ -228,7 +228,7 @@ def test_two_ranks_equal_one_process_and_a_resume_on_three_ranks_continues_at_th
         _assert_state(r["state"], ref_state, f"resumed on 3 ranks, rank {rank}")
     # the resumed epoch trained only its last step (5 rows), then the whole next epoch
     assert sorted(i for r in resumed for ids in r["seen"][:1] for i in ids) == sorted(
-        GlobalPlan(ROWS, G, seed=SEED).step_rows(0, 3)
+        GlobalPlan(ROWS, G, seed=SEED).step_indices(0, 3)
     )
 
 
