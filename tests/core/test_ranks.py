@@ -25,16 +25,20 @@ def _test_rank_zero_first_orders_ranks(rank, world_size, path):
 
     marker = Path(path)
     with rank_zero_first(timeout=30):
+        entered = time.monotonic()  # one clock for every process of this machine
         if rank == 0:
-            time.sleep(0.5)
+            time.sleep(0.2)
             marker.write_text("prepared")
         seen = marker.exists()
-    return get_rank(), get_world_size(), seen
+        left = time.monotonic()
+    return get_rank(), get_world_size(), seen, entered, left
 
 
 def test_rank_zero_first_lets_rank_zero_finish_first(dist_pool, tmp_path):
     results = dist_pool.run(_test_rank_zero_first_orders_ranks, str(tmp_path / "marker"))
-    assert results == [(0, 2, True), (1, 2, True)], "rank 1 entered before rank 0 had prepared"
+    assert [r[:3] for r in results] == [(0, 2, True), (1, 2, True)], "rank 1 entered before rank 0 had prepared"
+    # causality, not a margin: rank 1's body began after rank 0's had ended
+    assert results[1][3] >= results[0][4], "rank 1 entered while rank 0 was still in the body"
 
 
 def test_single_process_helpers():
