@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ddp_plugins.core.checks import check_int, check_number
 from ddp_plugins.core.ranks import collective_device, is_distributed
+from ddp_plugins.core.trees import tree_leaves, tree_map
 
 __all__ = ["concat_batches", "distributed_concat", "num_rows", "truncate_rows"]
 
@@ -73,19 +74,9 @@ def distributed_concat(
     return _concat(data, num_total_examples, pad_value=pad_value, group=group, error=local_error)
 
 
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, Tensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(_holds_tensor(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensor(item) for item in value)
-    return False
-
-
 def _is_rows(value: Any) -> bool:
     """A list of Python objects, one per row: scalars, strings, or dicts/tuples without tensors."""
-    return isinstance(value, list) and not _holds_tensor(value)
+    return isinstance(value, list) and next(tree_leaves(value), None) is None
 
 
 def _flatten(data: Any, path: str = "") -> tuple[Any, list[tuple[str, Any]]]:
@@ -116,15 +107,7 @@ def _flatten(data: Any, path: str = "") -> tuple[Any, list[tuple[str, Any]]]:
 
 def _unflatten(data: Any, leaves: Any) -> Any:
     """Rebuild the structure of ``data`` with leaves taken in order from the iterator ``leaves``."""
-    if data is None:
-        return None
-    if isinstance(data, Tensor) or _is_rows(data):
-        return next(leaves)
-    if isinstance(data, Mapping):
-        return {key: _unflatten(value, leaves) for key, value in data.items()}
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_unflatten(value, leaves) for value in data))
-    return type(data)(_unflatten(value, leaves) for value in data)
+    return tree_map(lambda _: next(leaves), data, is_leaf=lambda value: isinstance(value, Tensor) or _is_rows(value))
 
 
 class _LeafMeta(NamedTuple):

@@ -19,6 +19,7 @@ from torch.utils.data import Sampler
 
 from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_int
 from ddp_plugins.core.ranks import collective_device
+from ddp_plugins.core.trees import tree_leaves, tree_map
 
 __all__ = ["EmptyShareCollate", "EvenSteps", "GlobalPlan", "PlanBatchSampler", "PlanOrder", "even_split"]
 
@@ -252,33 +253,20 @@ class EmptyShareCollate:
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
             return self.collate_fn(samples)
-        return _cut(self.collate_fn([self.template]))
+        return _no_rows(self.collate_fn([self.template]))
 
 
-def _cut(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, dict):
-        return type(batch)({k: _cut(v) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(_cut(v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_cut(v) for v in batch)
-    return batch
+def _no_rows(batch: Any) -> Any:
+    """The batch's structure with every tensor cut to zero rows."""
+    return tree_map(lambda tensor: tensor[:0], batch)
 
 
 _FLAGS = 65  # flag values 0..64 (signal numbers)
 
 
 def _first_tensor_rows(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return len(batch) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        rows = _first_tensor_rows(value)
-        if rows >= 0:
-            return rows
-    return -1
+    """Rows of the batch's first tensor (1 for a scalar), -1 without one."""
+    return next((len(t) if t.dim() else 1 for t in tree_leaves(batch)), -1)
 
 
 class EvenSteps:
@@ -400,5 +388,5 @@ class EvenSteps:
         except StopIteration:
             return None, None, False
         if self._template is None:
-            self._template = _cut(batch)
+            self._template = _no_rows(batch)
         return it, batch, True
