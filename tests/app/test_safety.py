@@ -318,7 +318,8 @@ def test_a_stopped_rank_is_named_within_a_minute_with_the_default_settings(tmp_p
     assert took < 75, f"the job ended {took:.0f} s after rank 1 froze: the watchdog should name it within a minute"
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) < 40, result.stderr[-3000:]
     dump = (folder / "stall.txt").read_text()
-    assert "rank 1" in dump and "training step" in dump, dump
+    phase = re.search(r"after (a \w+ step \(global step \d+\))", line).group(1)
+    assert "rank 1 (PID" in dump and f"last: {phase}" in dump, dump  # the stack of where it was last seen
     # rank 0 wrote the last completed step while it waited: the same command resumes from it, to the end
     (rescue,) = (folder / "checkpoints").glob("step-*-stalled.ckpt")
     assert f"Checkpoint of the last completed step: {rescue}" in line, line
