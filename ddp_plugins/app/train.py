@@ -335,8 +335,9 @@ def _final_accuracy(path: Path, point: ResumePoint, key: str) -> float | None:
     if last != path and verify_checkpoint(last) is None:
         with contextlib.suppress(ValueError, AttributeError):
             checkpoint = load_checkpoint_safely(last)
-            if int(checkpoint.get("global_step", -1)) == point.step:
-                return _recorded_accuracy(checkpoint, key) or point.accuracy
+            recorded = _recorded_accuracy(checkpoint, key)
+            if int(checkpoint.get("global_step", -1)) == point.step and recorded is not None:
+                return recorded
     return point.accuracy
 
 

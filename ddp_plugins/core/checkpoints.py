@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddp_plugins.core.files import is_temporary, save_atomic, write_text_atomic
-from ddp_plugins.core.ranks import is_distributed
+from ddp_plugins.core.ranks import get_world_size
 
 __all__ = [
     "DIGEST_SUFFIX",
@@ -64,7 +64,7 @@ def gather_per_rank(checkpoint: dict[str, Any]) -> dict[str, Any]:
     if not slots:
         return checkpoint
     mine = [slot[PER_RANK] for slot in slots]
-    if is_distributed() and dist.get_world_size() > 1:
+    if get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
     else:

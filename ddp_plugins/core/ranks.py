@@ -93,9 +93,11 @@ def collective_device(group: Any = None) -> torch.device:
         >>> collective_device()
         device(type='cpu')
     """
-    if is_distributed() and "nccl" in _backends(group):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _device_of(_backends(group)) if is_distributed() else torch.device("cpu")
+
+
+def _device_of(backends: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backends else torch.device("cpu")
 
 
 def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -110,12 +112,12 @@ def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
         >>> for_collective(torch.ones(2)).device
         device(type='cpu')
     """
-    if not (is_distributed()):
+    if not is_distributed():
         return tensor
-    backends = _backends(group)
+    backends = _backends(group)  # read once: SyncBN asks twice per layer and step
     if tensor.is_cuda and ("nccl" in backends or "gloo" in backends):
         return tensor
-    target = collective_device(group)
+    target = _device_of(backends)
     return tensor if tensor.device == target else tensor.to(target)
 
 

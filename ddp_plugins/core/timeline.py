@@ -331,7 +331,7 @@ class Timeline:
         median over rounds, the residual half the spread of the estimates (the largest over ranks).
         """
         check_int("rounds", rounds, 1)
-        if not _distributed():
+        if not is_distributed():
             return 0, 0
         world = dist.get_world_size(self.group)
         device = collective_device(self.group)
@@ -458,7 +458,7 @@ class Timeline:
         if timed_on_gpu:
             self._gpu.reanchor(self.now)  # the next window's events, against a fresh anchor
         phases, self._phases = self._phases, []
-        rank, origin = (dist.get_rank(self.group) if _distributed() else 0), self.origin_ns
+        rank, origin = (dist.get_rank(self.group) if is_distributed() else 0), self.origin_ns
         rows = {
             "coll": torch.tensor(
                 [[rank, r.step, r.seq, r.start_ns - origin, r.end_ns - origin, r.nbytes] for r in records],
@@ -471,7 +471,7 @@ class Timeline:
             ).reshape(-1, 5),
         }
         with _untimed():
-            gathered = distributed_concat(rows, group=self.group) if _distributed() else rows
+            gathered = distributed_concat(rows, group=self.group) if is_distributed() else rows
         return self._analyse(gathered, rank)
 
     def _analyse(self, gathered: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -518,7 +518,7 @@ class Timeline:
                     comm[kind] += end - start
                     waited += last[int(seq)][0] - start
         steps = sorted({step for _, step in step_end})
-        world = dist.get_world_size(self.group) if _distributed() else 1
+        world = dist.get_world_size(self.group) if is_distributed() else 1
         blamed, score_points = {}, []
         for step in steps:
             by_rank = leads.get(step, {})
@@ -652,7 +652,7 @@ class Timeline:
 
     def dump(self, reason: str = "") -> str:
         """This rank's last collectives (oldest first) and the training thread's stack, as text."""
-        rank = dist.get_rank(self.group) if _distributed() else 0
+        rank = dist.get_rank(self.group) if is_distributed() else 0
         lines = [reason] if reason else []
         lines.append(f"rank {rank}: its last {len(self.recent)} collectives, oldest first")
         for record in self.recent:
@@ -668,10 +668,6 @@ class Timeline:
 def _depth() -> int:
     """How many timed calls this thread is inside (their collectives are not timed again)."""
     return int(getattr(_local, "depth", 0))
-
-
-def _distributed() -> bool:
-    return is_distributed()
 
 
 def _group_rank_zero(group: Any) -> int:
