@@ -93,11 +93,9 @@ def collective_device(group: Any = None) -> torch.device:
         >>> collective_device()
         device(type='cpu')
     """
-    return _device_of(_backends(group)) if is_distributed() else torch.device("cpu")
-
-
-def _device_of(backends: str) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backends else torch.device("cpu")
+    if is_distributed() and "nccl" in _backends(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -114,10 +112,10 @@ def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """
     if not is_distributed():
         return tensor
-    backends = _backends(group)  # read once: SyncBN asks twice per layer and step
+    backends = _backends(group)
     if tensor.is_cuda and ("nccl" in backends or "gloo" in backends):
         return tensor
-    target = _device_of(backends)
+    target = collective_device(group)
     return tensor if tensor.device == target else tensor.to(target)
 
 
