@@ -55,9 +55,13 @@ class GlobalPlan:
             (``DistributedSampler``'s convention).
         shuffle: ``False`` keeps the dataset's order.
         drop_last: leave out the short last step of an epoch (off: it is trained as it is).
+        virtual_shards: the reproducible mode's ``V``: every step is cut into ``V`` shards of
+            rows that do not depend on the world size, and rank ``r`` of ``N`` trains a run of
+            whole shards (``even_split(V, N)``); ``None``: rows are split over the ranks directly.
 
     Raises:
-        TypeError, ValueError: a count that is not an integer >= 1 (``seed`` >= 0).
+        TypeError, ValueError: a count that is not an integer >= 1 (``seed`` >= 0), or a step with
+            fewer rows than ``virtual_shards``.
 
     Example::
 
@@ -73,6 +77,7 @@ class GlobalPlan:
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
+    virtual_shards: int | None = None
 
     def __post_init__(self) -> None:
         check_int("dataset_length", self.dataset_length, 1)
@@ -86,6 +91,17 @@ class GlobalPlan:
                 f"at most the dataset's {self.dataset_length} rows with drop_last=True",
                 self.global_batch_size,
             )
+        if self.virtual_shards is not None:
+            check_int("virtual_shards", self.virtual_shards, 1)
+            last = self.step_size(self.steps_per_epoch - 1)
+            if last < self.virtual_shards:
+                raise ArgumentValueError(
+                    "global_batch_size",
+                    f"one that leaves every step at least virtual_shards={self.virtual_shards} rows",
+                    self.global_batch_size,
+                    problem=f"the last step of {self.dataset_length} rows has {last}",
+                    hint="Use drop_last=True or another global_batch_size, so that no virtual shard is empty.",
+                )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -115,6 +131,10 @@ class GlobalPlan:
         ranks: micro-batch ``m`` holds the same rows on any world size, so SyncBN's statistics of
         each micro-batch are those of one process accumulating over the step.
         """
+        if self.virtual_shards is not None:  # whole shards per rank, one micro-batch
+            check_int("accumulate", accumulate, 1, 1)
+            sizes = self.shard_sizes(step)
+            return [[sum(sizes[a:b])] for a, b in self.rank_shards(world_size)]
         shares, first = [], 0  # first: the rank that gets the next extra row
         for micro in even_split(self.step_size(step), accumulate):
             q, extra = divmod(micro, world_size)
@@ -122,6 +142,29 @@ class GlobalPlan:
             shares.append([q + ((r - first) % world_size < extra) for r in range(world_size)])
             first = (first + extra) % world_size
         return [[share[rank] for share in shares] for rank in range(world_size)]
+
+    def shard_sizes(self, step: int) -> list[int]:
+        """The rows of each virtual shard of step ``step``, in order (the same on any world size)."""
+        assert self.virtual_shards is not None
+        return even_split(self.step_size(step), self.virtual_shards)
+
+    def rank_shards(self, world_size: int) -> list[tuple[int, int]]:
+        """``[first, stop)`` of the virtual shards each rank trains, a contiguous run per rank.
+
+        Example::
+
+            >>> GlobalPlan(20, 8, virtual_shards=4).rank_shards(3)
+            [(0, 2), (2, 3), (3, 4)]
+        """
+        assert self.virtual_shards is not None
+        if world_size > self.virtual_shards:
+            raise ArgumentValueError(
+                "world size",
+                f"at most virtual_shards={self.virtual_shards} in the reproducible mode",
+                world_size,
+                hint="Raise virtual_shards (the same value for every run to be compared) or use fewer ranks.",
+            )
+        return _bounds(even_split(self.virtual_shards, world_size))
 
     def micro_batches(self, epoch: int, step: int, rank: int, world_size: int, accumulate: int = 1, order=None):
         """The ``accumulate`` micro-batches (lists of rows, maybe empty) of ``rank`` in a step."""

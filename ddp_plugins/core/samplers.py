@@ -25,17 +25,16 @@ __all__ = ["ResumableSampler", "SequentialDistributedSampler"]
 class SequentialDistributedSampler(DistributedSampler):
     """Contiguous, equal-length shards: rank ``r`` gets ``dataset[r * n : (r + 1) * n]`` in order.
 
-    ``n = ceil(len(dataset) / num_replicas)``. Shards past the end of the dataset are padded by
-    repeating the last index, so every rank runs the same number of steps and collectives line
-    up; concatenating the shards in rank order and keeping the first ``len(dataset)`` entries
-    gives the dataset exactly, in order. ``num_real_samples`` says how many of this rank's
-    samples are real (the rest are padding, at the end of the shard). A ``DistributedSampler``
-    subclass, so Lightning leaves it in place.
+    ``n = ceil(len(dataset) / num_replicas)``; the last shard is padded with its last index, so the
+    shards in rank order, cut to ``len(dataset)``, are the dataset. ``num_real_samples`` counts this
+    rank's real samples. A ``DistributedSampler`` subclass, so Lightning leaves it in place.
 
     Args:
         dataset: a map-style dataset (with ``__len__``).
         num_replicas: number of ranks; the world size of the default process group when ``None``.
         rank: this rank; the rank in the default process group when ``None``.
+        align: each shard's length is a multiple of this (the loader's batch size), so that
+            every batch holds the same rows on any number of ranks (the reproducible mode).
 
     Raises:
         TypeError: ``dataset`` is an ``IterableDataset`` or has no length.
@@ -48,7 +47,9 @@ class SequentialDistributedSampler(DistributedSampler):
         2
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None) -> None:
+    def __init__(
+        self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None, align: int = 1
+    ) -> None:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise ArgumentTypeError(
                 "dataset",
@@ -59,7 +60,7 @@ class SequentialDistributedSampler(DistributedSampler):
             )
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
         self.dataset_length = len(dataset)
-        self.num_samples = math.ceil(self.dataset_length / self.num_replicas)
+        self.num_samples = math.ceil(math.ceil(self.dataset_length / self.num_replicas) / align) * align
         self.total_size = self.num_samples * self.num_replicas
         self.num_real_samples = max(0, min(self.num_samples, self.dataset_length - self.rank * self.num_samples))
 
@@ -80,12 +81,9 @@ _LOADER_SEED_TAG = 0xD47A  # spawn-key tag: the loader streams never equal a ran
 class ResumableSampler(Sampler):
     """A sampler that starts its first iteration ``skip`` indices in, at epoch ``epoch``.
 
-    Wraps a training sampler so that a run resumed in the middle of an epoch continues at the next
-    unseen batch: the first iteration leaves out the indices of the batches already trained
-    without loading them and without drawing a random number, and the wrapped sampler gets the
-    resumed epoch before the first iterator is made. With ``seed`` it also owns the DataLoader's
-    :attr:`generator`, reseeded per ``(seed, rank, epoch)``: making an iterator (which draws the
-    workers' base seed) never draws from the global torch stream.
+    A run resumed mid-epoch continues at the next unseen batch without loading or drawing for the
+    skipped ones. With ``seed`` it owns the DataLoader's :attr:`generator`, reseeded per
+    ``(seed, rank, epoch)``, so making an iterator never draws from the global torch stream.
 
     Args:
         sampler: the sampler to wrap (any; ``set_epoch`` is passed on when it has one).

@@ -16,8 +16,10 @@ __all__ = [
     "GathersPerRankState",
     "OwnsAccumulationWindow",
     "SavesCheckpoints",
+    "ShardsEachStep",
     "StepAgreement",
     "implements",
+    "virtual_shards",
     "of_kind",
 ]
 
@@ -60,6 +62,29 @@ class SavesCheckpoints(Protocol):
     """A strategy that records the path of the checkpoint its last ``save_checkpoint`` wrote."""
 
     last_checkpoint_path: str | None
+
+
+@runtime_checkable
+class ShardsEachStep(Protocol):
+    """A strategy that may run each step as virtual shards of fixed rows (the reproducible mode).
+
+    ``virtual_shards`` is their number while the mode is on, ``None`` otherwise. BatchNorm then
+    normalizes per shard, and evaluation batches are aligned to the same rows on any world size.
+    """
+
+    @property
+    def virtual_shards(self) -> int | None: ...
+
+
+def virtual_shards(strategy: Any) -> int | None:
+    """The strategy's virtual shards per step when it runs the reproducible mode, else ``None``.
+
+    Example::
+
+        >>> virtual_shards(object()) is None
+        True
+    """
+    return strategy.virtual_shards if implements(strategy, ShardsEachStep) else None
 
 
 @runtime_checkable

@@ -80,7 +80,10 @@ def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
     )
 
 
-def plan_for(dataloader: Any, global_batch_size: int, drop_last: bool, world_size: int, accumulate: int) -> GlobalPlan:
+def plan_for(
+    dataloader: Any, global_batch_size: int, drop_last: bool, world_size: int, accumulate: int,
+    virtual_shards: int | None = None,
+) -> GlobalPlan:  # fmt: skip
     """The global plan of a training loader's rows (its dataset's length, shuffle flag and seed).
 
     Raises:
@@ -99,7 +102,9 @@ def plan_for(dataloader: Any, global_batch_size: int, drop_last: bool, world_siz
         raise ArgumentValueError("global_batch_size", f"used with {what}", problem="the DataLoader has a batch sampler")
     check_global_batch(global_batch_size, world_size, accumulate)
     shuffle, seed = _shuffle_and_seed(dataloader.sampler)
-    return GlobalPlan(len(dataset), global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
+    return GlobalPlan(
+        len(dataset), global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, virtual_shards=virtual_shards
+    )
 
 
 _KEPT_LOADER_ARGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -157,6 +162,7 @@ def data_record(dataloader: Any, plan: GlobalPlan | None, world_size: int, accum
 def expected_record(
     dataset_length: int, world_size: int, accumulate: int, batch_size: int, seed: int, *, shuffle: bool = True,
     global_batch_size: int | None = None, drop_last: bool = False, limit_train_batches: Any = 1.0,
+    virtual_shards: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The record :class:`ResumeRecord` keeps for a map-style dataset of ``dataset_length`` rows under
     Lightning's ``DistributedSampler`` (or on a global plan), from the numbers alone.
@@ -171,7 +177,10 @@ def expected_record(
     """
     record: dict[str, Any] = {"world_size": world_size, "accumulate": accumulate}
     if global_batch_size is not None:
-        plan = GlobalPlan(dataset_length, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
+        plan = GlobalPlan(
+            dataset_length, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+            virtual_shards=virtual_shards,
+        )  # fmt: skip
         record["plan"] = plan.state()
         length = plan.steps_per_epoch * accumulate
     else:
@@ -338,9 +347,10 @@ class PlannedLoader:
         drop_last: drop the plan's short last step.
     """
 
-    def __init__(self, global_batch_size: int | None, drop_last: bool) -> None:
+    def __init__(self, global_batch_size: int | None, drop_last: bool, virtual_shards: int | None = None) -> None:
         self.global_batch_size = global_batch_size
         self.drop_last = drop_last
+        self.virtual_shards = virtual_shards
         self.plan: GlobalPlan | None = None  # the current training loader's
         self.accumulate = 1  # micro-batches per optimizer step of the plan
 
@@ -349,7 +359,9 @@ class PlannedLoader:
         self.plan = None
         if self.global_batch_size is not None:
             self.accumulate = run_accumulation(trainer)
-            self.plan = plan_for(dataloader, self.global_batch_size, self.drop_last, world_size, self.accumulate)
+            self.plan = plan_for(
+                dataloader, self.global_batch_size, self.drop_last, world_size, self.accumulate, self.virtual_shards
+            )
         return self.plan
 
     def batch_rows(self, trainer: Any, batch_idx: int, rank: int, world_size: int) -> BatchRows | None:

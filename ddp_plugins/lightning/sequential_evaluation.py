@@ -32,6 +32,7 @@ from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check
 from ddp_plugins.core.collectives import concat_batches, distributed_concat, num_rows, truncate_rows
 from ddp_plugins.core.files import save_atomic
 from ddp_plugins.core.samplers import SequentialDistributedSampler
+from ddp_plugins.lightning.contracts import virtual_shards
 
 __all__ = ["SequentialEvaluation"]
 
@@ -198,8 +199,10 @@ class SequentialEvaluation(Callback):
         hook = f"{_PREFIX[stage]}_dataloader"
         swapped, self._samplers[stage] = [], []
         for dl in combined.flattened:
+            # the reproducible mode: batches of the same rows on any number of ranks
+            align = dl.batch_size if virtual_shards(trainer.strategy) is not None and dl.batch_size else 1
             sampler = SequentialDistributedSampler(
-                _check_replaceable(dl, hook), num_replicas=trainer.world_size, rank=trainer.global_rank
+                _check_replaceable(dl, hook), num_replicas=trainer.world_size, rank=trainer.global_rank, align=align
             )
             self._samplers[stage].append((sampler, dl.batch_size))
             swapped.append(_compat.update_dataloader(dl, sampler))

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -57,6 +58,13 @@ from ddp_plugins.lightning.data_plan import (
 from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher, failure_tag
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import is_loopback, pin_gloo_to_loopback
+from ddp_plugins.lightning.reproducible import (
+    FINGERPRINT_KEY,
+    ReproducibleSteps,
+    check_model,
+    check_trainer,
+    state_fingerprint,
+)
 
 __all__ = ["BACKENDS", "DDPPluginsStrategy", "check_backend"]
 
@@ -180,6 +188,11 @@ class DDPPluginsStrategy(DDPStrategy):
             the job ends with one line (:class:`~ddp_plugins.core.watchdog.ProgressWatchdog`), long
             before the collective ``timeout``; ``None`` turns the watchdog off. Raise it where a rank
             may legitimately pause longer between steps (a slow first batch from remote storage).
+        reproducible: with ``global_batch_size``, the same bits on any number of ranks up to
+            ``virtual_shards``: each step runs as ``virtual_shards`` shards of fixed rows, summed
+            exactly (:mod:`ddp_plugins.core.reproducible`); BatchNorm normalizes per shard, random
+            numbers come per shard, logged means are exact. Limits in docs/design.md.
+        virtual_shards: the reproducible mode's shards per step (the same for runs to compare).
         **kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel``.
 
@@ -196,6 +209,7 @@ class DDPPluginsStrategy(DDPStrategy):
     """
 
     strategy_name = "ddp_plugins"
+    __layer_sync: LayerSync | None
 
     def __init__(
         self,
@@ -214,6 +228,8 @@ class DDPPluginsStrategy(DDPStrategy):
         drop_last: bool = False,
         uneven_data: bool = True,
         stall_timeout: float | None = 45.0,
+        reproducible: bool = False,
+        virtual_shards: int = 8,
         **kwargs: Any,
     ) -> None:
         process_group_backend = kwargs.pop("process_group_backend", None)
@@ -248,6 +264,13 @@ class DDPPluginsStrategy(DDPStrategy):
         check_bool("drop_last", drop_last)
         check_number("stall_timeout", stall_timeout, 0, exclusive_minimum=True, what="seconds", allow_none=True)
         check_bool("uneven_data", uneven_data)
+        check_bool("reproducible", reproducible)
+        check_int("virtual_shards", virtual_shards, 1)
+        if reproducible and global_batch_size is None:
+            raise ArgumentValueError(
+                "global_batch_size", "an integer with reproducible=True", None,
+                hint="The mode cuts each step of global_batch_size rows into virtual shards.",
+            )  # fmt: skip
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ArgumentValueError(
                 "comm_hook",
@@ -281,7 +304,10 @@ class DDPPluginsStrategy(DDPStrategy):
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
         self.global_batch_size = global_batch_size
-        self._planned = PlannedLoader(global_batch_size, drop_last)  # a global plan and each micro-batch's rows
+        self._repro = ReproducibleSteps(virtual_shards) if reproducible else None
+        self._planned = PlannedLoader(
+            global_batch_size, drop_last, virtual_shards if reproducible else None
+        )  # a global plan and each micro-batch's rows
         self._uneven = UnevenShards(uneven_data, flag=self._raised_flag)  # shards in step, flags in their round
         self._resume = ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
         self._flag_sources: list[Callable[[], int]] = []
@@ -309,8 +335,21 @@ class DDPPluginsStrategy(DDPStrategy):
         return self._comm_hook
 
     @property
+    def virtual_shards(self) -> int | None:
+        """The shards of each step in the reproducible mode (contracts.ShardsEachStep), else ``None``."""
+        return self._repro.virtual_shards if self._repro is not None else None
+
+    @property
     def _layer_sync(self) -> LayerSync | None:
-        return self.__layer_sync
+        plugin = self.__layer_sync
+        if plugin is not None and getattr(self, "_repro", None) is not None:
+            rank_zero_info(
+                "ddp_plugins: the reproducible mode normalizes BatchNorm per virtual shard:"
+                " sync_batchnorm=True is set aside."
+            )
+            self.__layer_sync = None
+            return None
+        return plugin
 
     @_layer_sync.setter
     def _layer_sync(self, plugin: LayerSync | None) -> None:
@@ -377,6 +416,8 @@ class DDPPluginsStrategy(DDPStrategy):
         if self.global_batch_size is not None:
             world_size = self.num_processes * self.num_nodes
             check_global_batch(self.global_batch_size, world_size, run_accumulation(trainer))
+            if self._repro is not None:
+                check_trainer(trainer, world_size, self._repro.virtual_shards)
 
     @override
     def setup_distributed(self) -> None:
@@ -472,6 +513,15 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        if self._repro is not None:
+            assert self.lightning_module is not None
+            check_model(self.lightning_module)
+            if self._repro.callback not in trainer.callbacks:
+                trainer.callbacks.append(self._repro.callback)  # logs the evaluation's exact means
+            rank_zero_info(
+                f"ddp_plugins: reproducible mode: each step of {self.global_batch_size} rows runs as"
+                f" {self._repro.virtual_shards} virtual shards, summed exactly: the same bits on any number of ranks."
+            )
         # The ranks have met and the model is in sync: signals are the run's from here on
         if isinstance(self._launcher, JobSubprocessLauncher):
             self._launcher.startup_done()
@@ -577,12 +627,29 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._beat("a validation step")
-        return super().validation_step(*args, **kwargs)
+        with self._exact_logs("val_dataloaders", args):
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._beat("a test step")
-        return super().test_step(*args, **kwargs)
+        with self._exact_logs("test_dataloaders", args):
+            return super().test_step(*args, **kwargs)
+
+    @contextmanager
+    def _exact_logs(self, loaders: str, args: tuple) -> Any:
+        """In the reproducible mode, the step's ``sync_dist`` means are combined exactly at epoch end."""
+        if self._repro is None or len(args) < 2:
+            yield
+            return
+        assert self.lightning_module is not None
+        dataloaders = getattr(self.lightning_module.trainer, loaders)
+        if isinstance(dataloaders, (list, tuple)):
+            dataloaders = dataloaders[args[2] if len(args) > 2 else 0]
+        with self._repro.evaluation_batch(
+            self.lightning_module, args[0], args[1], getattr(dataloaders, "sampler", None)
+        ):
+            yield
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -592,6 +659,12 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._beat("a training step")
+        if self._repro is not None:
+            assert self._planned.plan is not None, "the reproducible mode trains on a global plan"
+            context = self.precision_plugin.train_step_context
+            return self._repro.training_step(
+                self.lightning_module, self._planned.plan, self.global_rank, self.world_size, args, context
+            )
         self._in_training_step = True  # `reduce` weights means by rows while the step logs
         rows, module = self._rows, self.lightning_module
         log = None
@@ -611,6 +684,11 @@ class DDPPluginsStrategy(DDPStrategy):
         # DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan,
         # each micro-batch's mean loss is weighted by its rows instead (0 for an empty one)
         module = self.lightning_module
+        if self._repro is not None:  # the shards' backward ran in training_step: their exact sum is the gradient
+            assert module is not None
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self._repro.apply_gradients()
+            return self.precision_plugin.post_backward(closure_loss, module)
         rows = self._rows
         if rows is not None and module is not None and module.automatic_optimization:
             closure_loss = closure_loss * rows.loss_weight
@@ -642,6 +720,9 @@ class DDPPluginsStrategy(DDPStrategy):
         # per-rank parts of callback states (RankAwareSeed's RNG streams) are gathered, so that no
         # state_dict has to communicate (see ddp_plugins.core.checkpoints).
         self.gather_per_rank_state(checkpoint)
+        checkpoint[FINGERPRINT_KEY] = state_fingerprint(
+            checkpoint.get("state_dict"), checkpoint.get("optimizer_states")
+        )
         record = self._resume.checkpoint_record(self.lightning_module, self._planned)
         if record is not None:
             checkpoint[CHECKPOINT_KEY] = record
@@ -670,6 +751,9 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        trainer = self._trainer()
+        if self._repro is not None and trainer is not None and self._repro.callback in trainer.callbacks:
+            trainer.callbacks.remove(self._repro.callback)
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

@@ -18,6 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from ddp_plugins.core.sync_batchnorm import check_group_divides, revert_sync_batchnorm
+from ddp_plugins.lightning.contracts import virtual_shards
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 
 __all__ = ["SyncBatchNormCallback"]
@@ -30,7 +31,8 @@ class SyncBatchNormCallback(Callback):
     :func:`ddp_plugins.core.convert_sync_batchnorm`); at ``teardown`` (or when fitting raises) the
     original classes come back, so checkpoints (same keys) load into the original model. The
     conversion keeps every parameter and buffer tensor, so it may happen after DDP has wrapped the
-    model. With a single-device strategy there is nothing to synchronize and it does nothing.
+    model. With a single-device strategy there is nothing to synchronize and it does nothing; in
+    the strategy's reproducible mode BatchNorm normalizes per virtual shard, and it says so instead.
 
     Args:
         group_size: synchronize within consecutive groups of this many ranks (for example per
@@ -79,6 +81,13 @@ class SyncBatchNormCallback(Callback):
         if not isinstance(trainer.strategy, ParallelStrategy):
             rank_zero_info(
                 f"SyncBatchNormCallback: {type(trainer.strategy).__name__} runs one device, nothing to synchronize."
+            )
+            return
+        shards = virtual_shards(trainer.strategy)
+        if shards is not None:
+            rank_zero_info(
+                f"SyncBatchNormCallback: the reproducible mode normalizes per virtual shard ({shards} per step),"
+                " the same rows on any number of ranks; BatchNorm layers are left unsynchronized."
             )
             return
         synced = [name for name, layer in pl_module.named_modules() if _synchronized_elsewhere(layer)]

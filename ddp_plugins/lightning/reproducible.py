@@ -1,0 +1,229 @@
+"""The strategy's reproducible mode (``DDPPluginsStrategy(global_batch_size=G, reproducible=True)``).
+
+Each training step runs this rank's virtual shards one by one (:class:`~ddp_plugins.core.reproducible.ShardedStep`),
+outside ``DistributedDataParallel``'s reducer, and hands Lightning the exactly reduced gradients
+at its backward; the values the module logs are combined exactly too (training: per step;
+evaluation: per epoch). Design and limits in docs/design.md ("The reproducible mode").
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from torch import Tensor, nn
+
+from ddp_plugins.core.plan import GlobalPlan
+from ddp_plugins.core.ranks import is_distributed
+from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint
+from ddp_plugins.core.samplers import SequentialDistributedSampler
+from ddp_plugins.core.trees import tree_leaves, tree_map
+
+__all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
+
+FINGERPRINT_KEY = "ddp_plugins_state_fingerprint"  # in every checkpoint the strategy saves
+
+
+def state_fingerprint(state_dict: Any, optimizer_states: Any) -> str:
+    """The fingerprint of a module's ``state_dict`` and its optimizers' (a checkpoint's, or live ones).
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state_fingerprint(model.state_dict(), []) == state_fingerprint(model.state_dict(), [])
+        True
+    """
+    return fingerprint({"state_dict": state_dict, "optimizer_states": list(optimizer_states or [])})
+
+
+_PRECISIONS = ("32-true", "64-true", "32", "64")
+
+
+def _refuse(what: str, hint: str) -> ValueError:
+    return ValueError(f"reproducible=True {what}. {hint}")
+
+
+def check_trainer(trainer: Any, world_size: int, virtual_shards: int) -> None:
+    """What the mode needs of the Trainer, checked before any rank starts (one line each)."""
+    if trainer.accumulate_grad_batches != 1:
+        raise _refuse(
+            f"cuts each step into virtual shards itself, got accumulate_grad_batches={trainer.accumulate_grad_batches}",
+            "Set it to 1; global_batch_size is the step's rows.",
+        )
+    if str(trainer.precision) not in _PRECISIONS:
+        raise _refuse(
+            f"trains in 32-true or 64-true, got precision {trainer.precision!r}", "Mixed precision scales per rank."
+        )
+    if world_size > virtual_shards:
+        raise _refuse(
+            f"runs at most virtual_shards={virtual_shards} ranks, got {world_size}",
+            "Raise virtual_shards (the same for every run you compare) or use fewer ranks.",
+        )
+
+
+def check_model(module: nn.Module) -> None:
+    """Refuse what would break the guarantee in the model (one line)."""
+    if not getattr(module, "automatic_optimization", True):
+        raise _refuse("needs automatic optimization", "Manual optimization steps the shards itself.")
+    synced = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if synced:
+        raise _refuse(
+            f"normalizes per virtual shard, but {synced[0]!r} is a SyncBatchNorm",
+            "Use plain BatchNorm (SyncBatchNormCallback steps aside in this mode).",
+        )
+    cuda = any(p.device.type == "cuda" for p in module.parameters())
+    if cuda and not torch.are_deterministic_algorithms_enabled():
+        raise _refuse(
+            "on CUDA needs deterministic kernels",
+            "Turn on torch.use_deterministic_algorithms (Trainer(deterministic=True)).",
+        )
+
+
+class _LogRecorder:
+    """``LightningModule.log`` while shards or evaluation batches run: tensor values with a mean
+    reduction are kept for an exact combination; anything else (a torchmetrics ``Metric``,
+    ``sync_dist=False`` in evaluation) goes to Lightning as it is."""
+
+    def __init__(self, log: Callable[..., None], training: bool) -> None:
+        self.log = log
+        self.training = training
+        self.values: dict[str, Tensor] = {}
+        self.kwargs: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        fx = kwargs.get("reduce_fx", "mean")
+        mean = (fx if isinstance(fx, str) else getattr(fx, "__name__", "")).lower() in ("mean", "avg")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = torch.tensor(float(value))
+        keep = (
+            isinstance(value, Tensor) and value.numel() == 1 and not args and (self.training or kwargs.get("sync_dist"))
+        )
+        if not keep:
+            return self.log(name, value, *args, **kwargs)
+        if not mean:
+            raise _refuse(f"combines logged values by their mean, got reduce_fx={fx!r} for {name!r}", "Log a mean.")
+        self.values[name] = value.detach().double().reshape(())
+        self.kwargs[name] = {k: v for k, v in kwargs.items() if k not in ("sync_dist", "batch_size", "reduce_fx")}
+
+
+@contextmanager
+def _recording(module: Any, training: bool) -> Any:
+    recorder = _LogRecorder(module.log, training)
+    module.log = recorder
+    try:
+        yield recorder
+    finally:
+        del module.log
+
+
+def _rows_of(a: int, b: int) -> Callable[[Any], Any]:
+    """Cut a batch's tensors to rows ``[a, b)`` (other leaves as they are)."""
+    return lambda t: t[a:b] if isinstance(t, Tensor) and t.dim() else t
+
+
+def _rows(batch: Any) -> int:
+    return next((len(t) for t in tree_leaves(batch) if isinstance(t, Tensor) and t.dim()), 0)
+
+
+class ReproducibleSteps:
+    """The reproducible mode's state in a strategy: the shards of each step, the pending
+    gradients, the evaluation's logged values and the callback that logs them at epoch end."""
+
+    def __init__(self, virtual_shards: int) -> None:
+        self.virtual_shards = virtual_shards
+        self._step: ShardedStep | None = None
+        self._eval: list[tuple[int, dict[str, Tensor]]] = []  # (real rows, values) per evaluation batch
+        self._eval_kwargs: dict[str, dict[str, Any]] = {}
+        self.callback = _EvalLogs(self)
+
+    def training_step(
+        self, module: Any, plan: GlobalPlan, rank: int, world_size: int, args: tuple, context: Any
+    ) -> Any:
+        """Run this rank's shards of the step (``args[0]`` holds their rows in order); return the step's mean loss."""
+        batch, step = args[0], args[1]
+        epoch = module.trainer.current_epoch
+        if self._step is None or self._step.module is not module:
+            self._step = ShardedStep(module, self.virtual_shards, seed=plan.seed)
+        first, stop = plan.rank_shards(world_size)[rank]
+        sizes = plan.shard_sizes(step)
+        values, output = [], None
+        ends = list(itertools.accumulate(sizes[first:stop], initial=0))
+        for shard, a, b in zip(range(first, stop), ends, ends[1:], strict=False):
+            part = tree_map(_rows_of(a, b), batch)
+            with _recording(module, training=True) as logs, self._step.shard(shard, b - a, epoch, step):
+                with context():
+                    output = module.training_step(part, *args[1:])
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                if not isinstance(loss, Tensor):
+                    raise _refuse(
+                        "needs training_step to return a loss", "Skipping a step would differ per world size."
+                    )
+                loss.backward()
+            values.append([loss.detach(), *logs.values.values()])
+            names, kwargs = list(logs.values), logs.kwargs
+        means = self._step.finish(step_rows=plan.step_size(step), values=values)
+        for name, value in zip(names, means[1:], strict=True):
+            module.log(name, value.float(), batch_size=plan.step_size(step), sync_dist=False, **kwargs[name])
+        loss = means[0].to(loss.dtype)
+        return {**output, "loss": loss} if isinstance(output, Mapping) else loss
+
+    def apply_gradients(self) -> None:
+        """Give the parameters the step's reduced gradients (at Lightning's backward)."""
+        assert self._step is not None
+        self._step.apply()
+
+    @contextmanager
+    def evaluation_batch(self, module: Any, batch: Any, batch_idx: int, sampler: Any) -> Any:
+        """Keep the mean values an evaluation step logs with ``sync_dist``, weighted by the batch's real rows."""
+        rows = _rows(batch)
+        if isinstance(sampler, SequentialDistributedSampler):  # the padding at a shard's end counts for nothing
+            rows = max(0, min(rows, sampler.num_real_samples - batch_idx * rows))
+        with _recording(module, training=False) as logs:
+            yield
+        if logs.values:
+            self._eval.append((rows, logs.values))
+            self._eval_kwargs.update(logs.kwargs)
+
+    def evaluation_logs(self) -> dict[str, tuple[Tensor, int, dict[str, Any]]]:
+        """The evaluation epoch's values, combined exactly over all ranks' batches (every rank calls it)."""
+        entries, self._eval = self._eval, []
+        names = list(dict.fromkeys(name for _, values in entries for name in values))
+        if is_distributed():
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, names)
+            names = list(dict.fromkeys(n for ranks in everyone for n in ranks))
+        if not names:
+            return {}
+        one = torch.ones((), dtype=torch.float64)
+        shards = [[*(v.get(n) for n in names), *(one if n in v else None for n in names)] for _, v in entries]
+        like = [torch.zeros((), dtype=torch.float64)] * (2 * len(names))
+        sums = exact_sum(shards, like, weights=[rows for rows, _ in entries])[0]
+        out = {}
+        for i, name in enumerate(names):
+            total, rows = sums[i], sums[len(names) + i]
+            if total is not None and rows is not None and float(rows) > 0:
+                out[name] = (total / rows, int(rows), self._eval_kwargs.get(name, {}))
+        return out
+
+
+class _EvalLogs(Callback):
+    """Logs the evaluation epoch's exactly combined values (added to the Trainer by the strategy)."""
+
+    def __init__(self, steps: ReproducibleSteps) -> None:
+        self.steps = steps
+
+    def _log(self, pl_module: Any) -> None:
+        for name, (value, rows, kwargs) in self.steps.evaluation_logs().items():
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("on_step", "on_epoch")}
+            pl_module.log(name, value.float(), batch_size=rows, sync_dist=False, on_step=False, on_epoch=True, **kwargs)
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log(pl_module)
+
+    def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log(pl_module)
