@@ -1,12 +1,6 @@
-"""Private Lightning, torch and Hydra names
-==========================================
-
-Every name the pack uses that Lightning, torch or Hydra offer only under a private name, checked
-against torch 2.13.0, Lightning 2.6.1 (the floor in ``pyproject.toml``) to 2.6.6
-(``requirements.lock``) and hydra-core 1.3.0 (the floor) to 1.3.8 (``requirements.lock``):
-``CHECKED`` (functions, classes, methods) and ``CHECKED_ATTRIBUTES`` (attributes of instances),
-which ``tests/test_compat.py`` checks against the installed versions, together with the subclasses'
-use of inherited private names. Why each is needed: ``docs/design.md``.
+"""Every private Lightning, torch and Hydra name the pack uses, checked against torch 2.13.0,
+Lightning 2.6.1 to 2.6.6 and hydra-core 1.3.0 to 1.3.8: ``CHECKED`` and ``CHECKED_ATTRIBUTES`` are
+what ``tests/test_compat.py`` checks. Why each is needed: ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ __all__ = [
     "DDP_BUFFER_BROADCAST",
     "BatchNormBase",
     "TorchSyncBatchNormFunction",
-    "basic_subprocess_cmd",
     "combined_loader_mode",
     "default_store",
     "explicit_trainer_plugins",
@@ -40,6 +33,7 @@ __all__ = [
     "strategy_comm_hook",
     "strategy_comm_state_and_wrapper",
     "strategy_timeout",
+    "subprocess_cmd",
     "update_dataloader",
 ]
 
@@ -59,6 +53,7 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher._call_children_scripts"),
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher._check_can_spawn_children"),
     ("lightning.fabric.strategies.launchers.subprocess_script", "_basic_subprocess_cmd"),
+    ("lightning.fabric.strategies.launchers.subprocess_script", "_hydra_subprocess_cmd"),
     ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed"),
     ("lightning.pytorch.utilities.data", "_update_dataloader"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._configure_launcher"),
@@ -155,11 +150,16 @@ def set_group_timeout(seconds: float) -> None:
     _set_pg_timeout(timedelta(seconds=seconds))
 
 
-def basic_subprocess_cmd() -> Any:
-    """Lightning's command that re-runs the current script for a child rank."""
-    from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+def subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
+    """Lightning's command and working folder for child rank ``local_rank``, chosen as its launcher
+    does: the Hydra job's inside a Hydra job, else the current script's."""
+    from hydra.core.hydra_config import HydraConfig
+    from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _hydra_subprocess_cmd
 
-    return _basic_subprocess_cmd()
+    if HydraConfig.initialized():
+        command, cwd = _hydra_subprocess_cmd(local_rank)
+        return list(command), cwd
+    return list(_basic_subprocess_cmd()), None
 
 
 def set_num_threads_if_needed(num_processes: int) -> None:
@@ -188,14 +188,8 @@ def update_dataloader(dataloader: Any, sampler: Any) -> Any:
 def loop_data_source(loop: Any) -> Any:
     """The object an evaluation or prediction loop asks for its dataloaders (``.dataloader()``).
 
-    ``SequentialEvaluation`` replaces its ``dataloader`` method: the loop's ``setup_data`` requests
-    the dataloaders there, injects its ``DistributedSampler`` at once and starts iterating in
-    ``reset``, before any callback hook of the stage runs, so this is the one place where a sampler
-    can be swapped first. The public alternatives fall short: the module's or datamodule's
-    ``*_dataloader`` hooks miss loaders passed to ``trainer.validate(model, dataloaders)``,
-    ``Strategy.process_dataloader`` runs after Lightning's sampler injection (and belongs to the
-    strategy, while the callback works with any DDP strategy), and ``trainer.val_dataloaders`` and
-    friends are read-only views.
+    ``SequentialEvaluation`` replaces its ``dataloader`` method: the one place where a sampler can
+    be swapped before Lightning injects its own and starts iterating (docs/design.md).
     """
     return loop._data_source
 
@@ -280,12 +274,8 @@ def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:
 def explicit_trainer_plugins() -> list[Any]:
     """The plugins the user passed to the ``Trainer`` being built (empty outside its construction).
 
-    Read from the frame of ``_AcceleratorConnector.__init__`` on the call stack. No other way tells
-    the ``TorchSyncBatchNorm`` the connector makes for ``sync_batchnorm=True`` (swapped for ours)
-    from one the user passed in ``plugins=`` (kept): both are stateless instances of the same class,
-    handed over through the same ``strategy._layer_sync`` assignment, and neither the connector,
-    the ``Trainer`` nor the strategy keeps the ``plugins`` or ``sync_batchnorm`` arguments
-    (Lightning 2.6.1 to 2.6.6, and its master branch of July 2026).
+    Read from the frame of ``_AcceleratorConnector.__init__`` on the call stack: nothing else tells
+    the ``TorchSyncBatchNorm`` made for ``sync_batchnorm=True`` from one passed in ``plugins=``.
 
     Example::
 

@@ -1,19 +1,6 @@
-"""Multi-process test harness
-============================
-
-Real gloo ranks on 127.0.0.1 with a hard timeout, so a hang fails in seconds: what this pack's
-tests, benchmarks and notebooks use, and what a user's own DDP tests can use (as
-``accelerate.test_utils`` serves Accelerate's).
-
-* :func:`spawn` runs a function once on ``N`` fresh spawned ranks.
-* :class:`DistributedPool` keeps ``N`` ranks in one group and runs many small checks on them.
-* :func:`run_lightning` runs a Lightning job's ranks, forked from a process that imported Lightning
-  once, so a Trainer-level test costs its training, not ``N`` interpreter starts.
-* :func:`run_command` runs a command line in its own process group and kills the group at the
-  timeout.
-
-Plain torch and the standard library; Lightning is imported only inside the ranks
-:func:`run_lightning` starts.
+"""Multi-process test harness: real gloo ranks on 127.0.0.1 with a hard timeout, so a hang fails in
+seconds (as ``accelerate.test_utils`` serves Accelerate). Lightning is imported only inside the
+ranks :func:`run_lightning` starts.
 """
 
 from __future__ import annotations
@@ -339,15 +326,10 @@ def run_lightning(
     """Run ``target(out_dir, *args)`` on ``world_size`` ranks of a Lightning DDP job, results by rank.
 
     ``target`` is a module-level function that builds its own ``Trainer(accelerator="cpu",
-    devices=world_size, strategy=...)`` (``world_size`` is also in ``WORLD_SIZE_HINT``) and returns
-    a picklable value. The ranks are forked from one long-lived rank server that imported
-    Lightning once (the first call starts it); each is a fresh process with the launcher variables
-    a cluster launcher sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``), so
-    Lightning uses them as torchrun's and starts no process of its own. Each rank's output goes to
-    ``rank<N>.log`` in ``out_dir``, shown when a rank fails.
-
-    Why by hand: ``multiprocessing``'s forkserver does the same, but it is one per process, has its
-    preload fixed by whoever starts it first, and gives no process group to kill at a timeout.
+    devices=world_size, ...)`` and returns a picklable value. The ranks are forked from a rank server
+    that imported Lightning once, with torchrun's variables set, so Lightning starts no process of
+    its own; each rank's output goes to ``out_dir/rank<N>.log``. Not ``multiprocessing``'s
+    forkserver: it gives no process group to kill at a timeout.
 
     Raises:
         AssertionError: a rank exited non-zero (the others are stopped) or the ranks did not all

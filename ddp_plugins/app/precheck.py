@@ -37,9 +37,9 @@ from ddp_plugins.app.config import (
     to_plain_dict,
     trainer_args,
 )
+from ddp_plugins.app.hydra_args import split_config_flags
 from ddp_plugins.core.checks import ArgumentError, ArgumentTypeError, ArgumentValueError, check_int
 from ddp_plugins.core.seeding import check_seed
-from ddp_plugins.lightning.launchers import split_config_flags
 from ddp_plugins.lightning.strategy import check_backend
 
 __all__ = [

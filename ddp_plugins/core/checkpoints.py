@@ -77,13 +77,8 @@ def gather_per_rank(checkpoint: dict[str, Any]) -> dict[str, Any]:
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     """The ``*.ckpt`` file of ``folder`` written last (None if there is none).
 
-    Checkpoints are renamed into place once complete, so every one found is whole; temporary
-    files (hidden names) are ignored. A later write is a later point of training, also across
-    restarts of the same run, and after a resume from an older checkpoint (the abandoned ones are
-    older writes). The order is the write number :func:`save_checkpoint_file` records in each
-    checkpoint's digest sidecar, so it survives a copy that does not keep modification times
-    (``cp -r``, ``rsync`` without ``-t``); files without one (written by other tools) come before
-    every numbered one, ordered by modification time.
+    Ordered by the write number in each digest sidecar (:func:`save_checkpoint_file`), which
+    survives a copy that drops modification times; files without one come first, by mtime.
 
     Example::
 
@@ -178,12 +173,9 @@ def _sha256(path: Path) -> str:
 def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 in ``<name>.sha256``.
 
-    The checkpoint is written under a temporary name and fsynced, its digest is written (atomically)
-    next, and only then is the checkpoint renamed into place: a checkpoint that can be seen has its
-    digest. The sidecar is ``sha256sum -c``'s format, plus a comment line with the file's write
-    number in its folder (:func:`write_number`; one process writes a run's checkpoints, under its
-    folder's lock). A full disk raises ``OSError(ENOSPC)`` naming the path (torch reports it as a
-    ``RuntimeError`` from deep inside its zip writer).
+    The digest is written before the checkpoint is renamed into place, so a visible checkpoint has
+    one; the sidecar is ``sha256sum -c``'s format plus its :func:`write_number`. A full disk raises
+    ``OSError(ENOSPC)`` naming the path.
 
     Example::
 

@@ -38,11 +38,9 @@ def distributed_concat(
 ) -> Any:
     """All-gather ``data`` from every rank, concatenate along dim 0 in rank order, truncate.
 
-    ``data`` is a tensor, a list of Python objects (one entry per row: ids, strings, or per-row
-    dicts and tuples without tensors, as Accelerate's ``gather_for_metrics`` takes them), or a
-    nested dict / tuple / list of those (lists holding tensors are structure). Ranks
-    may hold different numbers of rows, including none. Every rank gets the full result, with
-    tensors on the device they came from. Works without a process group (world size 1).
+    ``data`` is a tensor, a list of Python rows (ids, strings, tensor-free dicts or tuples), or a
+    nested dict / tuple / list of those. Ranks may hold different numbers of rows, including none;
+    every rank gets the full result on the devices the tensors came from.
 
     Tensors whose structure and dtypes agree on every rank take one collective round when they fit
     the buffer size the group's previous call agreed on (at most 1 MiB per rank; the shapes travel

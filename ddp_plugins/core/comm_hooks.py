@@ -68,9 +68,8 @@ def build_comm_hook(
 ) -> tuple[Any, Callable[..., Any] | None]:
     """The ``(state, hook)`` pair for a communication hook name, for ``DistributedDataParallel``.
 
-    Usable without Lightning: ``ddp_model.register_comm_hook(*build_comm_hook("fp16"))``. The
-    hooks are torch's own (``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook`` with a
-    fresh ``PowerSGDState``: build one pair per DDP model, PowerSGD keeps per-model state).
+    ``ddp_model.register_comm_hook(*build_comm_hook("fp16"))``; torch's own hooks. Build one pair
+    per DDP model: PowerSGD keeps per-model state.
 
     Args:
         name: ``"none"`` (DDP's default all-reduce; returns ``(None, None)``), ``"fp16"``,
@@ -154,18 +153,11 @@ def _let_cuda_synchronize_skip_the_cpu() -> None:
 class CountingCommHook:
     """A DDP communication hook that counts what another hook sends, then returns its result.
 
-    ``calls`` and ``bytes`` count every ``torch.distributed.all_reduce`` that the wrapped hook issues
-    while it runs, measured on the tensor actually handed to ``all_reduce``: a compression hook
-    (``fp16_compress_hook``, or an inner hook wrapped by ``fp16_compress_wrapper``) is counted at
-    its compressed size, so the figure is what crossed the wire, not the bucket size. To see those
-    calls, ``torch.distributed.all_reduce`` is replaced by a counting pass-through only for the
-    duration of the hook call, and only calls from the hook's own thread are counted (torch's
-    ``allreduce_hook``, which all-reduces its bucket once, is counted without the patch). Not seen:
-    collectives issued in a future's ``then`` callback after the hook returned (PowerSGD's second
-    all-reduce), calls made directly on a ``ProcessGroup`` object, and DDP's own bookkeeping
-    (unused-parameter map, bucket rebuild, buffer broadcast). ``rounds`` counts synchronized
-    backward passes (calls for the last bucket). Written by hand: torch offers no per-hook traffic
-    counter.
+    ``calls`` and ``bytes`` count the ``all_reduce`` calls the wrapped hook issues on its own thread
+    while it runs, at the size actually sent (a compression hook's compressed size);
+    ``all_reduce`` is patched only for the call. Not seen: collectives of a future's ``then``
+    (PowerSGD's second all-reduce), calls on a ``ProcessGroup`` object, and DDP's own bookkeeping.
+    ``rounds`` counts synchronized backward passes. torch offers no per-hook traffic counter.
 
     Args:
         hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` means DDP's default,

@@ -58,10 +58,8 @@ def open_atomic(
 ) -> Iterator[IO[Any]]:
     """Open ``path`` for writing so that it is never seen half-written.
 
-    The ``with`` block writes to a temporary name in the same folder (created if missing); on leaving
-    it the file is flushed and fsynced, ``before_rename`` is called with the temporary file's path
-    (to write a digest of the bytes, say), and the file is renamed over ``path`` (atomic on POSIX).
-    When anything fails the temporary file is removed and ``path`` is untouched.
+    The block writes a temporary file in the same folder, fsynced and renamed over ``path`` on
+    leaving; on failure it is removed and ``path`` is untouched.
 
     Args:
         path: the file to write.

@@ -30,16 +30,11 @@ _KEY = "ddp_plugins/hang_watch/"
 class HangWatch:
     """Name the rank that stopped, and where, while the others wait for it in a collective.
 
-    A daemon thread publishes this rank's heartbeat every ``interval_s`` to the store: the sequence
-    number of its last collective and ``file:line`` of its training thread (the innermost frame
-    outside torch, Lightning and the pack). When the training thread has been in one collective for
-    ``stall_after_s``, the thread writes, once per collective, a dump to stderr and to
-    ``dump_dir/hang_rank<r>.txt``: the ranks whose heartbeat never reached that collective, each with
-    the line it was last seen at and how long ago, then this rank's last collectives and its stack.
-    A rank frozen by SIGSTOP or stuck without the GIL publishes nothing more, so the line named is
-    where it was at its last heartbeat, at most ``interval_s`` before it stopped. Written by hand:
-    torch's Flight Recorder dumps NCCL collectives on a timeout but names no rank's source line, and
-    is not on gloo.
+    A daemon thread publishes this rank's last collective and source line to the store every
+    ``interval_s``. After ``stall_after_s`` in one collective it dumps, once, the ranks that never
+    reached it with the line each was last seen at, then this rank's last collectives and stack
+    (stderr and ``dump_dir/hang_rank<r>.txt``). torch's Flight Recorder names no source line and
+    is NCCL-only.
 
     Args:
         timeline: the installed :class:`Timeline` whose collectives are watched.

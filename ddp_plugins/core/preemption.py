@@ -1,10 +1,5 @@
-"""Preemption
-==========
-
-Signal handlers that only set a flag (:class:`SignalFlag`), the ranks' agreement on it at a step
-boundary (:class:`SignalAgreement`, :func:`agree_on_signal`), the exit that follows
-(:class:`Preempted`), and what brings a preempted job back to its own folder under Slurm and
-torchrun. Plain torch and the standard library.
+"""Preemption: signal flags, the ranks' agreement on them at a step boundary, the exit, and run names
+that a requeued or restarted job finds again. Plain torch; rationale in docs/design.md ("Preemption").
 """
 
 from __future__ import annotations
@@ -64,8 +59,7 @@ def exit_code(signum: int) -> int:
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is written; exits with ``128 + signum``.
 
-    A ``SystemExit``, so a script that does not catch it ends with that code, as it would have
-    ended had the signal killed it, and Lightning's trainer tears down as for any exception.
+    A ``SystemExit``: an uncaught one ends the script with the code the signal would have given.
 
     Example::
 
@@ -122,9 +116,9 @@ def check_signals(signals: Iterable[str | int]) -> tuple[signal.Signals, ...]:
 class SignalFlag:
     """Handlers that only remember the first signal received; install, read, restore.
 
-    A second Ctrl-C (SIGINT, a second or more after the first) runs the default action, so a stuck
-    run can still be stopped at once. Other signals are taken once: Slurm signals every process of
-    a step and launchers forward what they receive, so they often arrive twice.
+    A second Ctrl-C (SIGINT, a second or more after the first by ``clock``) runs the default action,
+    so a stuck run can still be stopped at once. Other signals are taken once: Slurm signals every
+    process of a step and launchers forward what they receive, so they often arrive twice.
 
     Example::
 
@@ -137,9 +131,12 @@ class SignalFlag:
         True
     """
 
-    def __init__(self, signals: Iterable[str | int] = DEFAULT_SIGNALS) -> None:
+    def __init__(
+        self, signals: Iterable[str | int] = DEFAULT_SIGNALS, clock: Callable[[], float] | None = None
+    ) -> None:
         self.signals = check_signals(signals)
         self.signum = 0
+        self._clock = clock or time.monotonic
         self._at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -172,10 +169,8 @@ class SignalFlag:
         self.signum = 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if signum == signal.SIGINT and self.signum == signum and now - self._at >= _INSIST_AFTER_S:
-            # Ctrl-C pressed again: stop now. (Other signals often arrive twice by design: Slurm
-            # signals every process of a step and launchers forward what they get.)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -186,8 +181,6 @@ class SignalFlag:
 def agree_on_signal(signum: int, group: Any = None) -> int:
     """The largest signal number flagged on any rank (0 when none): one ``all_reduce(MAX)``.
 
-    The flag travels on :func:`~ddp_plugins.core.ranks.collective_device` (the rank's GPU on nccl).
-
     Every rank must call it at the same point (a step boundary). Without a process group it
     returns ``signum``.
 
@@ -196,7 +189,7 @@ def agree_on_signal(signum: int, group: Any = None) -> int:
         >>> agree_on_signal(0), agree_on_signal(15)
         (0, 15)
     """
-    if not (is_distributed()):
+    if not is_distributed():
         return int(signum)
     flag = torch.tensor([int(signum)], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -213,22 +206,14 @@ class SignalAgreement:
     """The ranks' agreement on a stop flag, one step behind, so that no rank waits for it.
 
     :meth:`poll` returns what the previous poll's ``all_reduce(MAX)`` agreed (0 before the first)
-    and starts the next one without waiting (``async_op``): the exchange runs while the next step
-    computes, and the ranks stop one step after the flag was first seen. :func:`agree_on_signal`
-    would wait at every step for the slowest rank to arrive (about a millisecond on gloo here,
-    and a host sync on CUDA). :meth:`settle` waits for an exchange in flight and agrees on the
-    current flag at once, where a run must not go on without knowing (an epoch's end);
-    :meth:`cancel` forgets one when the run failed (a peer may be gone). Every rank must call
-    them in the same order. Without a process group the flag is its own agreement.
+    and starts the next one with ``async_op``, so it runs while the next step computes.
+    :meth:`settle` waits and agrees at once (an epoch's end); :meth:`cancel` forgets the exchange
+    in flight. Every rank must call them in the same order.
 
-    :meth:`at_boundary` is :meth:`poll` on a schedule, called at every step boundary: every
-    ``every``-th boundary, or with ``every="auto"`` about every :data:`AUTO_CHECK_SECONDS` of
-    training (at least every :data:`AUTO_CHECK_MAX_STEPS` boundaries). Each exchange then also
-    carries the rank's seconds per boundary since its previous exchange, in whole microseconds,
-    agreed with the same MAX; every rank derives the boundary of the next exchange from that agreed
-    integer alone, so all ranks exchange at the same boundaries whatever their own clocks read.
-    A flag then stops the run within about that time plus one step, where checking every step
-    would cost one exchange per step (on 2 gloo CPU ranks, its thread competes with the compute).
+    :meth:`at_boundary` polls every ``every``-th boundary, or with ``every="auto"`` about every
+    :data:`AUTO_CHECK_SECONDS` (at most :data:`AUTO_CHECK_MAX_STEPS` apart): each exchange also
+    carries the rank's microseconds per boundary, and every rank derives the next exchange's boundary
+    from that agreed integer alone, so all ranks exchange at the same boundaries.
 
     Example::
 
@@ -254,7 +239,7 @@ class SignalAgreement:
     def poll(self, signum: int, start: bool = True, pace_us: int = 0) -> int:
         """The previous exchange's agreed flag (0 if none); then, unless it stops the run or ``start``
         is false, the exchange of ``signum`` (and ``pace_us``) starts."""
-        if not (is_distributed()):
+        if not is_distributed():
             return int(signum) if start else 0
         agreed = self._read()
         if start and not agreed:
@@ -268,7 +253,7 @@ class SignalAgreement:
         exchange starts if the schedule says so."""
         self._boundary += 1
         boundary = self._boundary
-        if not (is_distributed()):
+        if not is_distributed():
             return int(signum)
         if self.every != "auto":
             return self.poll(signum, start=boundary % int(self.every) == 0)
@@ -342,9 +327,8 @@ def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
 def slurm_requeue(job_id: str | None = None) -> bool:
     """``scontrol requeue <job>``, as Lightning's SLURMEnvironment does; True when Slurm accepted it.
 
-    Array tasks are requeued as ``<array job>_<task>``. Call it from one rank, after the checkpoint
-    is on disk (never from a signal handler). Outside Slurm, or when Slurm refuses, it logs a
-    warning and returns False.
+    Call it from one rank, after the checkpoint is on disk (never from a signal handler). Outside
+    Slurm, or when Slurm refuses, it logs a warning and returns False.
 
     Example::
 
@@ -370,13 +354,8 @@ def slurm_requeue(job_id: str | None = None) -> bool:
 def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = None) -> dist.Store | None:
     """A store for the process group of this torchrun restart round alone; None outside torchrun's agent store.
 
-    torchrun (c10d rendezvous) hands its workers the agent's own TCP store, one for every restart
-    round, and torch adds no per-round prefix (``_create_c10d_store`` assumes a new store per
-    retry). A restarted group then finds the gloo addresses of the dead round under the same keys
-    and can connect to them first: "Gloo connectFullMesh failed ... Connection refused". Keys
-    under ``ddp_plugins/restart_<TORCHELASTIC_RESTART_COUNT>/`` are the round's own. (Every agent of
-    a multi-node job counts the same restarts when the whole group restarts; a node that joins a
-    running job later is not covered.)
+    torchrun's agent store outlives a restart and torch adds no per-round prefix, so a restarted
+    group could connect to the dead round's gloo addresses ("Gloo connectFullMesh failed").
 
     Example::
 
@@ -395,11 +374,8 @@ def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = Non
 def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | None:
     """The signal a submitit job gets before its time limit or a preemption; None outside submitit.
 
-    submitit (``hydra/launcher=submitit_slurm``) submits with ``--signal=USR2@<signal_delay_s>``
-    (``SUBMITIT_PREEMPT_SIGNAL`` names another) and handles it by requeueing from inside the
-    handler, on rank 0 only, in the middle of whatever collective that rank is in. A run that
-    takes the signal itself (:class:`~ddp_plugins.lightning.PreemptionCheckpoint`) stops every rank
-    at one step instead; the requeued job re-runs the same pickled submission.
+    USR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` names another. submitit's own handler requeues on rank 0
+    in the middle of a collective; a run that takes the signal itself stops every rank at one step.
 
     Example::
 
@@ -416,10 +392,8 @@ def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | No
 def stable_run_name(env: Mapping[str, str] | None = None) -> str | None:
     """A run name that a restarted or requeued job finds again, or None when there is none.
 
-    Under Slurm ``slurm-<job id>`` (array tasks: ``slurm-<array job>_<task>``); under torchrun
-    ``torchrun-<rendezvous run id>`` (``--rdzv-id``, or the id ``--standalone`` makes up). torchrun's
-    default id ``none`` is not unique to a job: then the agent's process id is used, which is
-    stable across the restarts of one torchrun.
+    ``slurm-<job id>`` or ``torchrun-<rendezvous id>``; for torchrun's default id ``none``, the
+    agent's process id, stable across the restarts of one torchrun.
 
     Example::
 

@@ -85,12 +85,9 @@ def _kill_daemonic_children() -> None:
 def parent_death_signal(sig: int) -> Callable[[], None] | None:
     """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when this process dies.
 
-    Linux's ``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``; the kernel sends the signal however
-    the parent ends (``SIGKILL`` included). A parent that died before the child set it (the child
-    was re-parented already) would never send it: the child then sends ``sig`` to itself at once.
-    ``parent_death_signal(0)()`` clears it in the calling process. ``prctl`` is looked up here,
-    in the parent, so the forked child only calls it. Strictly, the signal follows the *thread*
-    that started the child: start it from a thread that lives as long as the child should.
+    Linux's ``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``; a child whose parent died before it
+    set it signals itself at once. ``parent_death_signal(0)()`` clears it in the calling process.
+    The signal follows the *thread* that started the child: start it from one that lives long enough.
 
     Returns:
         The function, or None off Linux (nothing to do there).
@@ -127,15 +124,10 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 def start_forkserver() -> None:
     """Start multiprocessing's forkserver and resource tracker deaf to a job's stop signals.
 
-    Slurm and a terminal signal every process of a job step or process group. The forkserver
-    (whose DataLoader workers it forks) and the resource tracker keep the default action for
-    SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP, so a preemption signal killed them while the ranks were
-    stopping at a step boundary, and the rank's next loader failed with "DataLoader worker exited
-    unexpectedly". Both are started here with those signals blocked, which they inherit (the
-    stdlib sets nothing for them but SIGINT and SIGTERM in the tracker, which it ignores); this
-    thread's mask is restored afterwards, so a signal sent meanwhile still reaches the rank.
-    Nothing happens when they are already running. Both leave when every process holding their
-    pipes has ended (see ``DDPPluginsStrategy``'s worker set-up for workers of a killed rank).
+    Slurm and a terminal signal a whole job step or process group; a preemption signal that killed
+    the forkserver failed the rank's next loader ("DataLoader worker exited unexpectedly") while the
+    ranks were stopping. Both start with SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP blocked, which they
+    inherit; this thread's mask is restored after. Nothing happens when they already run.
     """
     import signal
     from multiprocessing import forkserver, resource_tracker

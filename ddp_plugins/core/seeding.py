@@ -41,19 +41,15 @@ def seed_everything_rank_aware(
 ) -> int:
     """Seed Python, NumPy and torch in this process with a seed derived from ``(seed, rank)``.
 
-    Every rank gets a distinct, reproducible stream; one process is rank 0. ``PL_GLOBAL_SEED``
-    stays ``seed`` on every rank (Lightning's ``DistributedSampler`` must shuffle alike on all
-    ranks). With a Lightning Trainer use :class:`RankAwareSeed` instead: the DDP strategy reseeds
-    every rank with ``PL_GLOBAL_SEED`` when it sets up.
+    ``PL_GLOBAL_SEED`` stays ``seed`` (``DistributedSampler`` must shuffle alike on all ranks). With a
+    Lightning Trainer use :class:`RankAwareSeed`: the DDP strategy reseeds every rank at setup.
 
     Args:
         seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.
         workers: set ``PL_SEED_WORKERS`` so the Trainer seeds DataLoader workers per
             (seed, rank, worker id, epoch) with ``pl_worker_init_function``.
-        deterministic: also make torch use deterministic algorithms: ``torch.use_deterministic_algorithms``,
-            cuDNN deterministic and not benchmarking, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set.
-        rank: the global rank; by default :func:`ddp_plugins.core.get_rank` (the process group's,
-            else the launcher's environment, else 0).
+        deterministic: also make torch use deterministic algorithms (and cuBLAS's workspace setting).
+        rank: the global rank; by default :func:`ddp_plugins.core.get_rank`.
 
     Returns:
         The seed this process was seeded with.

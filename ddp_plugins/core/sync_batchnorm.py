@@ -1,9 +1,5 @@
-"""SyncBatchNorm
-=============
-
-Batch normalization synchronized over a process group on any device, and the conversion of a
-model's batch-norm layers that keeps each layer's class and reverts exactly.
-"""
+"""Batch norm synchronized over a process group on any device, and a conversion that keeps each
+layer's class and reverts exactly."""
 
 from __future__ import annotations
 
@@ -51,16 +47,10 @@ _ADDED_ATTRIBUTES = ("process_group",)
 class SyncBatchNorm(_BatchNorm):
     """Batch normalization synchronized over a process group, on any device and backend.
 
-    The same semantics and ``state_dict`` keys as :class:`torch.nn.SyncBatchNorm`: in training the
-    statistics are those of the global batch (per-rank batch sizes may differ, a rank may hold 0
-    samples), running statistics are updated identically on every rank with the unbiased global
-    variance (``momentum=None`` gives a cumulative average); in eval mode nothing is communicated.
-    Inputs may be ``(N, C)`` or ``(N, C, *)`` of any rank, contiguous or channels_last. Without an
-    initialized process group, or in a group of one, it is plain batch norm.
-
-    One ``all_reduce`` per layer in forward and one in backward. On CUDA tensors with an nccl group
-    it delegates to torch's native kernel. A rank must run backward through every synchronized
-    layer whose forward it ran (as with torch's SyncBatchNorm), otherwise the others wait.
+    :class:`torch.nn.SyncBatchNorm`'s semantics and ``state_dict`` keys, with per-rank batch sizes
+    that may differ or be 0; one ``all_reduce`` in forward and one in backward (torch's kernel on
+    CUDA with nccl). Without a process group, or in a group of one, it is plain batch norm. A rank
+    must run backward through every synchronized layer whose forward it ran, as with torch's.
 
     Args:
         num_features: ``C`` of an input of size ``(N, C, *)``.
@@ -174,17 +164,10 @@ def convert_sync_batchnorm(
     """Synchronize every batch-norm layer of ``module`` in place, keeping each layer's class.
 
     Each ``_BatchNorm`` layer's class is swapped for a generated subclass of both its class and
-    :class:`SyncBatchNorm` (``BatchNorm2d`` becomes ``SyncBatchNorm2d``, still an instance of
-    ``BatchNorm2d``): the layer keeps its own ``forward``, attributes and hooks, and the
-    normalization it reaches through ``super().forward`` is synchronized. Parameters and buffers
-    are the same tensors. :func:`revert_sync_batchnorm` restores the original classes.
-
-    BN-like classes that do not inherit ``_BatchNorm`` (or ``_BatchNorm`` subclasses that
-    normalize without calling ``_BatchNorm.forward``) are declared through ``extra_classes``: the
-    named method (``forward`` by default) is replaced by the synchronized batch norm of its single
-    tensor argument, every other method is kept. Such a class must have the attributes of
-    ``_BatchNorm``: ``num_features``, ``eps``, ``momentum``, ``affine``, ``track_running_stats``,
-    ``weight``, ``bias``, ``running_mean``, ``running_var`` and ``num_batches_tracked``.
+    :class:`SyncBatchNorm` (``BatchNorm2d`` becomes ``SyncBatchNorm2d``, still a ``BatchNorm2d``), so
+    the layer keeps its ``forward``, attributes, hooks and tensors. BN-like classes outside
+    ``_BatchNorm`` are declared in ``extra_classes``: their named method is replaced by synchronized
+    batch norm, and they need ``_BatchNorm``'s attributes.
 
     Args:
         module: the model (or a single layer); converted in place and returned.
@@ -257,15 +240,7 @@ def convert_sync_batchnorm(
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Undo :func:`convert_sync_batchnorm` in place: every converted layer gets its original class back.
 
-    Parameters, buffers and every other attribute are untouched, so the round trip is bit-exact.
-    Layers that were not made by the conversion (including :class:`SyncBatchNorm` layers built
-    directly) are left as they are.
-
-    Args:
-        module: the converted model (or layer).
-
-    Returns:
-        ``module``.
+    Nothing else changes, so the round trip is bit-exact; other layers are left as they are.
 
     Example::
 

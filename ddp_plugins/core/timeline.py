@@ -1,10 +1,6 @@
-"""Where DDP time goes
-===================
+"""Where DDP time goes: per-rank step phases and collectives on one clock, blame, one Chrome trace.
 
-:class:`Timeline` records, per rank and per step, the phases of a step and every collective the
-step issues (its kind, bytes, call site, start and end on one clock shared by all ranks), then
-gathers the records of all ranks to blame the last arrival of each collective and to write one
-Chrome trace. :class:`TimedCommHook` times DDP's gradient buckets. Plain torch.
+Plain torch; rationale in docs/design.md ("Where time goes").
 """
 
 from __future__ import annotations
@@ -40,27 +36,11 @@ __all__ = ["PHASES", "CollectiveRecord", "TimedCommHook", "Timeline", "collectiv
 #: The phases of a training step a :class:`Timeline` times, in order.
 PHASES = ("data_wait", "forward", "backward", "optimizer", "step")
 
-#: The ``torch.distributed`` functions a :class:`Timeline` times while installed.
+#: The ``torch.distributed`` functions a :class:`Timeline` times while installed (those that exist).
 TIMED = (
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_gather_single",  # newer torch; patched where it exists
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "monitored_barrier",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "scatter",
+    *"all_gather all_gather_into_tensor all_gather_object all_gather_single all_reduce all_reduce_coalesced".split(),
+    *"all_to_all all_to_all_single barrier broadcast broadcast_object_list gather gather_object".split(),
+    *"monitored_barrier reduce reduce_scatter reduce_scatter_single reduce_scatter_tensor scatter".split(),
     "scatter_object_list",
     _compat.DDP_BUFFER_BROADCAST,
 )
@@ -75,8 +55,7 @@ _KIND_OF_MODULE = (
     ("ddp_plugins.core.plan", "agreement"),
     ("ddp_plugins.core.collectives", "gather"),
 )
-# Modules that are not "where the user's code stopped": their frames are skipped for the call site.
-# (Installed libraries, a trainer's included, are known by their folder: _LIBRARY_ROOTS.)
+# Modules whose frames are not "where the user's code stopped" (installed libraries: _LIBRARY_ROOTS).
 _LIBRARIES = ("torch", "ddp_plugins", "typing_extensions", "contextlib", "threading")
 
 _LIBRARY_ROOTS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")})
@@ -131,9 +110,8 @@ class CollectiveRecord:
 class _GpuClock:
     """CUDA events read on a timeline's clock, through an anchor event whose host time is known.
 
-    A collective on CUDA tensors (nccl) returns to the host before it runs: the host's times say when
-    it was queued. Its events, recorded on the calling stream before and after it, say when the
-    stream reached it (its work before done: the rank "arrived") and when it completed.
+    A collective on CUDA tensors returns to the host before it runs; events recorded on the calling
+    stream say when the stream reached it (the rank "arrived") and when it completed.
     """
 
     def __init__(self) -> None:
@@ -181,8 +159,7 @@ def collective_kind(kind: str) -> Iterator[None]:
 class TimedCommHook:
     """A DDP communication hook that records each bucket's reduction in a :class:`Timeline`.
 
-    The bucket's collective starts when DDP hands the bucket to the hook (the bucket is ready on this
-    rank) and ends when the hook's future completes; what the wrapped hook issues is not timed again.
+    Times from when DDP hands the bucket to the hook to when the hook's future completes.
 
     Args:
         timeline: where to record.
@@ -232,28 +209,13 @@ class Timeline:
     """Per-rank step phases and collectives, their blame, and one Chrome trace for all ranks.
 
     :meth:`install` replaces the ``torch.distributed`` collectives of :data:`TIMED` by timing
-    pass-throughs (until :meth:`uninstall`; one timeline at a time), so SyncBN, metric syncs, the
-    pack's stop-flag agreement and barriers are timed wherever they are called from; DDP's gradient
-    buckets are timed by a :class:`TimedCommHook` from :meth:`comm_hook`. Each collective's kind comes
-    from the module that called it (``syncbn``, ``ddp_bucket``, ``metric_sync``, ``agreement``,
-    ``gather``, ``barrier``, else ``other``; :func:`collective_kind` names your own). A collective on
-    CUDA tensors (nccl) returns before it runs: it is timed by CUDA events on the calling stream
-    (from when the stream reaches it to when it completes), read on the host clock at
-    :meth:`collect`. The clocks of
-    the ranks are put on rank 0's by :meth:`sync_clocks` (timestamps exchanged after barriers;
-    ``clock_residual_ns`` is half the spread of the estimates).
-
-    :meth:`collect` (a collective every rank calls at the same step boundary) gathers the records
-    since the previous call and, for each collective, how long each rank waited for the last one to
-    arrive. The last arrival leads by its start's distance to the next-latest rank's, counted only as
-    far as its own work since it left its previous collective exceeds the others' (a rank that left
-    the previous collective later, or waited there, is not late twice); a rank's excess in a step is
-    its summed lead less the largest summed lead of any other rank (jitter that hits every rank alike
-    cancels), and the step is blamed on the rank with the largest excess above ``blame_threshold_s``.
-    Each step's excess feeds a moving straggler score per rank (ms). Collectives torch issues in C++
-    (DDP's bucket rebuild after the first step) are not seen. Written by hand:
-    torch's profiler and Flight Recorder record collectives per rank, but neither puts the ranks on
-    one clock nor blames a rank.
+    pass-throughs (one timeline at a time); DDP's gradient buckets are timed by :meth:`comm_hook`.
+    A collective's kind comes from the module that called it (``syncbn``, ``ddp_bucket``,
+    ``agreement``, ``gather``, ``barrier``, else ``other``); :func:`collective_kind` names your own.
+    CUDA collectives are timed by events on the calling stream. :meth:`sync_clocks` puts the ranks on
+    rank 0's clock, and :meth:`collect` blames each step on the rank whose late arrivals exceed the
+    others' (the rule: docs/design.md). Collectives torch issues in C++ are not seen. Written by hand:
+    torch's profiler and Flight Recorder neither put the ranks on one clock nor blame a rank.
 
     Args:
         history: collectives kept for a hang dump (the last ones).
@@ -292,9 +254,6 @@ class Timeline:
         check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
         check_int("max_trace_events", max_trace_events, 0)
         self.group = group
-        # (module prefix, kind) for the collectives of modules above the core (metrics, a trainer's
-        # agreements), checked before the core's and torch's own; a caller may also label its
-        # collectives with `collective_kind`
         self.module_kinds = tuple((str(prefix), str(kind)) for prefix, kind in module_kinds)
         self.blame_threshold_ns = int(blame_threshold_s * 1e9)
         self.score_decay = score_decay
@@ -325,11 +284,8 @@ class Timeline:
         return time.perf_counter_ns() - self.offset_ns
 
     def sync_clocks(self, rounds: int = 8) -> tuple[int, int]:
-        """Estimate this rank's clock offset to rank 0 (a collective); returns ``(offset_ns, residual_ns)``.
-
-        Each round all ranks leave a barrier together and exchange their clocks; the offset is the
-        median over rounds, the residual half the spread of the estimates (the largest over ranks).
-        """
+        """Estimate this rank's clock offset to rank 0 (a collective); returns ``(offset_ns, residual_ns)``:
+        the median over ``rounds`` barrier-aligned exchanges, and half their spread (largest over ranks)."""
         check_int("rounds", rounds, 1)
         if not is_distributed():
             return 0, 0
@@ -491,9 +447,8 @@ class Timeline:
             starts.sort()
             (start, r, step), lead = starts[-1], starts[-1][0] - starts[-2][0] if len(starts) > 1 else 0.0
             last[seq] = (start, r)
-            # Arriving last counts only by what the rank's own gap exceeds the others': a rank that
-            # left the previous collective later (gloo's ring returns to the ranks one after the
-            # other) or waited there for a late rank is not late again.
+            # Arriving last counts only by what the rank's own gap exceeds the others' (a rank that
+            # left the previous collective later, or waited there, is not late again).
             own, others = gaps.get((r, seq)), [gaps.get((q, seq)) for _, q, _ in starts[:-1]]
             known = [gap for gap in others if gap is not None]
             if own is not None and known and len(known) == len(others):
@@ -522,8 +477,7 @@ class Timeline:
         blamed, score_points = {}, []
         for step in steps:
             by_rank = leads.get(step, {})
-            # a rank's excess: its lead over the rank that led most besides it (jitter that hits
-            # every rank alike cancels out); the step is blamed on the largest, above the threshold
+            # excess: the lead over the rank that led most besides it (shared jitter cancels)
             net = {
                 r: max(ns - max((o for q, o in by_rank.items() if q != r), default=0.0), 0.0)
                 for r, ns in by_rank.items()
@@ -580,9 +534,8 @@ class Timeline:
     def chrome_trace(self) -> dict[str, Any]:
         """The trace of every rank (gathered on rank 0 by :meth:`collect`), Chrome's JSON object format.
 
-        One process per rank, with a thread of step phases, a thread of collectives (their args:
-        op, sequence number, bytes, step, call site, time waited for the last arrival and who it was)
-        and a counter track of the rank's straggler score. Times in µs from the clock alignment.
+        One process per rank: a thread of step phases, one of collectives (op, seq, bytes, step, call
+        site, wait for the last arrival and who it was), and a counter of the straggler score; µs.
         """
         events: list[dict[str, Any]] = []
         ranks: set[int] = set()
@@ -590,49 +543,17 @@ class Timeline:
             for (r, step, seq, start, end, nbytes), (kind, op, site) in zip(coll, text, strict=True):
                 last_start, last_rank = last[int(seq)]
                 args = {
-                    "op": op,
-                    "seq": int(seq),
-                    "bytes": int(nbytes),
-                    "step": int(step),
-                    "site": site,
-                    "waited_for_last_ms": round((last_start - start) / 1e6, 3),
-                    "last_arrival": last_rank,
-                }
-                events.append(
-                    {
-                        "name": kind,
-                        "cat": "collective",
-                        "ph": "X",
-                        "pid": int(r),
-                        "tid": 1,
-                        "ts": start / 1e3,
-                        "dur": max(end - start, 0.0) / 1e3,
-                        "args": args,
-                    }
-                )
+                    "op": op, "seq": int(seq), "bytes": int(nbytes), "step": int(step), "site": site,
+                    "waited_for_last_ms": round((last_start - start) / 1e6, 3), "last_arrival": last_rank,
+                }  # fmt: skip
+                events.append(_span(kind, "collective", int(r), 1, start, end, args))
             for r, step, p, start, end in phase:
                 args = {"step": int(step), "blamed": blamed.get(int(step))} if PHASES[int(p)] == "step" else {}
-                events.append(
-                    {
-                        "name": PHASES[int(p)],
-                        "cat": "phase",
-                        "ph": "X",
-                        "pid": int(r),
-                        "tid": 0,
-                        "ts": start / 1e3,
-                        "dur": max(end - start, 0.0) / 1e3,
-                        "args": {"step": int(step), **args},
-                    }
-                )
+                events.append(_span(PHASES[int(p)], "phase", int(r), 0, start, end, {"step": int(step), **args}))
             for r, end, score in score_points:
+                score_args = {"score": round(score, 3)}
                 events.append(
-                    {
-                        "name": "straggler score (ms)",
-                        "ph": "C",
-                        "pid": r,
-                        "ts": end / 1e3,
-                        "args": {"score": round(score, 3)},
-                    }
+                    {"name": "straggler score (ms)", "ph": "C", "pid": r, "ts": end / 1e3, "args": score_args}
                 )
                 ranks.add(r)
         ranks |= {int(event["pid"]) for event in events}
@@ -663,6 +584,12 @@ class Timeline:
             lines.append(f"rank {rank}: the training thread is at")
             lines += [f"  {file}:{line} in {func}" for file, line, func in call_stack(frame, 40)]
         return "\n".join(lines)
+
+
+def _span(name: str, cat: str, pid: int, tid: int, start: float, end: float, args: dict) -> dict[str, Any]:
+    """A Chrome trace's complete event (``ph: X``), times in ns to µs."""
+    ts, dur = start / 1e3, max(end - start, 0.0) / 1e3
+    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
 def _depth() -> int:

@@ -102,22 +102,12 @@ def find_stall(
 class ProgressWatchdog:
     """Name a rank that stopped progressing within about ``after_s`` seconds, then end the job.
 
-    Each rank's training thread calls :meth:`beat` as it begins a step (a cheap attribute write).
-    A daemon thread per rank publishes the rank's :class:`Heartbeat` every ``interval_s`` to the
-    process group's store and reads every rank's; :func:`find_stall` judges them. On a verdict the
-    lowest-ranked rank that is still progressing prints one line (the ranks, their last step, how
-    long, and where the dump is), writes the stopped ranks' last stacks to
-    ``dump_dir/stall.txt``, kills the stopped ranks' processes on its own host, and every rank
-    that still runs exits with :data:`STALL_EXIT`. The job ends without waiting for the collective
-    timeout (30 minutes by default), and the run resumes from its newest checkpoint.
-
-    Independent of collectives, so it names what a collective timeout cannot tell apart: a rank
-    frozen by SIGSTOP (its heartbeats stop), and a rank stuck in a loader or in I/O (its heartbeats
-    go on, its steps do not, while the others wait in the next step's collective). Compared with
-    torch's NCCL watchdog and Flight Recorder, which fire at the collective timeout and dump the
-    collectives of NCCL only, and with torchft's heartbeats, which detect dead replicas to exclude
-    them: this one is for every backend, names the source line, and ends the job for a resume.
-    Written by hand: torch and Lightning offer no progress watchdog.
+    The training thread calls :meth:`beat` at each step; a daemon thread publishes the rank's
+    :class:`Heartbeat` to the store every ``interval_s`` and :func:`find_stall` judges everyone's.
+    On a verdict the lowest progressing rank prints one line, writes the stopped ranks' stacks to
+    ``dump_dir/stall.txt`` and kills them on its host, and every rank left exits with
+    :data:`STALL_EXIT`, long before the collective timeout. Independent of collectives, so it tells a
+    frozen rank from one stuck in a loader; torch and Lightning offer no progress watchdog.
 
     Args:
         store: the process group's store (``torch.distributed``'s default store).

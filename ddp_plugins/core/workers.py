@@ -66,14 +66,10 @@ class WorkerInit:
     """A DataLoader ``worker_init_fn`` for a DDP rank: stop signals ignored, a watch on the rank,
     then the seeding and the user's function.
 
-    Slurm signals every process of a job step and a terminal's Ctrl-C reaches the whole process
-    group, workers included; a worker killed by it would fail the run before the ranks can stop at
-    a step boundary. torch's workers notice a dead rank only when their *parent* changes, and a
-    worker started by a forkserver has the forkserver as parent, which lives as long as its
-    workers do: after a rank was killed they would wait forever, holding the job's output pipes
-    open. So a worker whose parent is not its rank watches the rank through a pidfd and leaves when
-    it dies. Lightning's own seeding function (``seed_everything(workers=True)``, or
-    ``PL_SEED_WORKERS`` with no function of the user's) is replaced by :func:`seed_worker`.
+    A stop signal sent to the whole step or process group must not kill workers before the ranks
+    stop at a step boundary; a forkserver's worker, whose parent is not its rank, watches the rank
+    through a pidfd and leaves when it dies. Lightning's seeding function is replaced by
+    :func:`seed_worker`.
 
     Args:
         user_fn: the loader's ``worker_init_fn`` (None, the user's, or a trainer's seeding function).

@@ -59,17 +59,11 @@ class AccumulationNoSync(Callback):
     A batch is a *boundary* when it is the K-th, 2K-th, ... batch of its epoch or the epoch's last
     batch (Lightning's own rule, so a short last window still steps and synchronizes).
 
-    * Manual optimization: on non-boundary batches the DDP model's
-      ``require_backward_grad_sync`` is turned off before ``training_step`` (what
-      ``DistributedDataParallel.no_sync()`` does), so ``manual_backward`` only accumulates
-      locally; on boundary batches it stays on and every ``manual_backward`` all-reduces the
-      accumulated gradients. ``requires_grad`` is never changed, so several optimizers (a GAN)
-      work without ``toggle_model``. The module steps its optimizers when ``is_boundary`` is
-      true. Written by hand because Lightning has no manual-optimization equivalent: its only
-      switch, ``toggle_model(sync_grad=False)``, also toggles ``requires_grad``.
-    * Automatic optimization: K is handed to Lightning (``trainer.accumulate_grad_batches``, set at
-      each epoch start like :class:`~lightning.pytorch.callbacks.GradientAccumulationScheduler`),
-      whose loop already runs non-boundary batches under ``no_sync``.
+    * Manual optimization: on non-boundary batches DDP's ``require_backward_grad_sync`` is off
+      (what ``no_sync()`` does) and ``requires_grad`` is never changed, unlike Lightning's
+      ``toggle_model(sync_grad=False)``; the module steps when ``is_boundary`` is true.
+    * Automatic optimization: K goes to ``trainer.accumulate_grad_batches`` at each epoch start (as
+      ``GradientAccumulationScheduler`` does), whose loop already uses ``no_sync``.
 
     Args:
         accumulate_grad_batches: micro-batches per optimizer step, a positive int or a schedule

@@ -38,19 +38,11 @@ def _plus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, i
 class AllReduceCounter(Callback):
     """Count gradient all-reduce calls and bytes per optimizer step and log them.
 
-    In ``setup`` (before the strategy wraps the model in DDP) the strategy's communication hook
-    (``DDPStrategy(ddp_comm_hook=...)``, ``None`` for the default all-reduce) is wrapped in a
-    :class:`CountingCommHook`; the user's hook, state and wrapper keep working. Lightning's
-    ``DDPStrategy`` registers hooks only on CUDA, so in ``on_fit_start`` a DDP model without a
-    registered hook gets the counting hook (with the strategy's state and wrapper) registered here.
-    At every optimizer step it records what was sent since the previous step; every
-    ``Trainer(log_every_n_steps=...)`` optimizer steps (when the loggers write) and at the last step
-    of an epoch or of the run it writes that step's ``{prefix}/allreduce_calls``,
-    ``{prefix}/allreduce_bytes``, ``{prefix}/allreduce_rounds`` and their ``_total`` versions to the
-    Trainer's loggers, as ``LearningRateMonitor`` does (not through ``LightningModule.log``, which
-    costs about a millisecond a call; so they are not in ``trainer.callback_metrics``).
-    Totals are also attributes (``calls``, ``bytes``, ``rounds``, ``optimizer_steps``) and
-    ``history`` holds one ``(calls, bytes, rounds)`` per optimizer step.
+    The strategy's communication hook is wrapped in a :class:`CountingCommHook` in ``setup`` (and
+    registered at ``on_fit_start`` where Lightning registers none: off CUDA). When the loggers write,
+    ``{prefix}/allreduce_calls``, ``_bytes``, ``_rounds`` and their ``_total`` go to the Trainer's
+    loggers (not ``LightningModule.log``: a millisecond a call). Totals are also attributes, and
+    ``history`` holds ``(calls, bytes, rounds)`` per optimizer step.
 
     Args:
         log: write the counts to the Trainer's loggers.

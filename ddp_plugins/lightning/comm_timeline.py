@@ -47,26 +47,12 @@ _MODULE_KINDS = (
 class CommTimeline(Callback):
     """Time every rank's steps and collectives, blame the slow rank, and trace it all on one timeline.
 
-    Built on :class:`ddp_plugins.core.timeline.Timeline` (usable from raw torch DDP too). For every
-    training batch and rank it records the data wait, forward, backward and optimizer time, and the
-    time inside each kind of collective: DDP's gradient buckets (through a communication hook layered
-    on the strategy's own and on :class:`AllReduceCounter`'s), DDP's buffer broadcast, SyncBN,
-    metric syncs, the pack's stop-flag agreement, gathers and barriers. Every ``every_n_steps``
-    batches the ranks gather their records (one collective), each collective's last arrival is
-    blamed for its lead on the others, and the callback writes to the Trainer's loggers (as
-    ``LearningRateMonitor`` does; not through ``LightningModule.log``, which costs about a
-    millisecond a metric, so they are not in ``trainer.callback_metrics``) this rank's ``time/<phase>_ms``,
-    ``time/comm/<kind>_ms`` and ``time/waited_for_last_ms`` (means per batch) and the global
-    ``straggler/slowest_rank``, ``straggler/score_max_ms``, ``straggler/blamed_steps`` and, up to 16
-    ranks, ``straggler/score_rank<r>`` (a moving average of each rank's blamed ms per batch).
-
-    At the end of fit, rank 0 writes the Chrome trace (``trace_path``, default
-    ``<log_dir>/comm_timeline.json``: open it in Perfetto or ``chrome://tracing``) and prints a
-    summary: the slowest rank, its excess per batch, the share of step time in each collective kind
-    and the residual of the clock alignment. While a rank waits in one collective for
-    ``stall_after_s``, it dumps its last ``history`` collectives and names each rank that never
-    arrived with the source line it was last seen at (``hang_rank<r>.txt`` beside the trace, and
-    stderr); a collective that fails (a timeout) dumps them too.
+    A :class:`ddp_plugins.core.timeline.Timeline` per rank: every ``every_n_steps`` batches the
+    ranks gather their records and the callback writes ``time/*`` and ``straggler/*`` metrics to the
+    Trainer's loggers (not through ``LightningModule.log``, which costs about a millisecond a
+    metric). At the end of fit rank 0 writes the Chrome trace and prints a summary; a rank stuck in
+    one collective for ``stall_after_s`` dumps its last collectives and names the ranks that never
+    arrived. Metrics and files: docs/plugins.md ("Where time goes").
 
     Args:
         every_n_steps: batches between two gathers of the records (and the logged metrics).

@@ -1,4 +1,4 @@
-"""Launchers of the DDP strategy: job-scoped child commands, a rank watcher, no orphans.
+"""Launchers of the DDP strategy: a child command of the caller's choice, a rank watcher, no orphans.
 
 Both subclass Lightning's launchers (private classes, see :mod:`ddp_plugins._compat`); rationale in
 docs/design.md ("When a rank fails or stops").
@@ -24,7 +24,7 @@ from ddp_plugins.core.stalls import describe_collective_failure
 from ddp_plugins.lightning.contracts import CarriesSpawnResults, of_kind
 from ddp_plugins.lightning.data_plan import ResumeMismatch
 
-__all__ = ["hydra_quote", "split_config_flags"]
+__all__ = ["REFUSAL_EXIT", "ChildCommand", "CleanExitMultiprocessingLauncher", "JobSubprocessLauncher", "failure_tag"]
 
 # Seconds a child rank gets to exit on its own once rank 0 failed, before it is killed.
 _CHILD_GRACE_S = 2.0
@@ -33,70 +33,7 @@ _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # In a child rank's environment: it got a parent-death signal, to clear once its start-up is done
 _DIES_WITH_LAUNCHER = "DDP_PLUGINS_DIES_WITH_LAUNCHER"
 _SPAWN_RESULTS_KEY = "ddp_plugins.spawn_results"  # callbacks' results, from spawned rank 0
-_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
-
-
-def split_config_flags(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Split Hydra's config-selection flags (``--config-name x``, ``-cd=x``, ...) from the rest.
-
-    Returns:
-        The flags, each as ``[flag, value]`` pairs flattened, and every other argument.
-
-    Example::
-
-        >>> split_config_flags(["--config-name", "mine", "backend=gloo", "-cd=/etc/conf"])
-        (['--config-name', 'mine', '-cd', '/etc/conf'], ['backend=gloo'])
-    """
-    flags: list[str] = []
-    rest: list[str] = []
-    args = iter(argv)
-    for arg in args:
-        name, has_value, value = arg.partition("=")
-        if name in _CONFIG_FLAGS:
-            flags += [name, value if has_value else next(args, "")]
-        else:
-            rest.append(arg)
-    return flags, rest
-
-
-def hydra_quote(value: str) -> str:
-    """``value`` as a single-quoted Hydra override value, so quotes and spaces in a path survive.
-
-    Example::
-
-        >>> print(hydra_quote('runs/we"ird'))
-        'runs/we"ird'
-    """
-    return "'" + value.replace("'", "\\'") + "'"
-
-
-def _job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
-    """The command that starts child rank ``local_rank`` of the current (Hydra) job."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return list(_compat.basic_subprocess_cmd()), None
-
-    from hydra.utils import get_original_cwd, to_absolute_path
-
-    import __main__
-
-    hydra_cfg = HydraConfig.get()
-    if __main__.__spec__ is None:
-        command = [sys.executable, to_absolute_path(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", __main__.__spec__.name]
-    # The config the user chose, only this job's overrides (no --multirun, no sweep), and this
-    # job's own output folder.
-    command += split_config_flags(sys.argv[1:])[0]
-    command += list(hydra_cfg.overrides.task)
-    command += [
-        f"hydra.run.dir={hydra_quote(hydra_cfg.runtime.output_dir)}",
-        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
-        "hydra.output_subdir=null",
-    ]
-    return command, get_original_cwd()
-
+ChildCommand = Callable[[int], tuple[list[str], str | None]]  # local rank -> (command, working folder)
 
 REFUSAL_EXIT = 2
 """The exit code of a rank that refused its job with one line (a config or a resume it cannot run):
@@ -160,23 +97,27 @@ class _RankWatcher(threading.Thread):
 
 
 class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
-    """Lightning's subprocess launcher: job-scoped child commands, a rank watcher, no orphans.
+    """Lightning's subprocess launcher with a rank watcher, and no orphans.
 
-    ``_call_children_scripts`` is Lightning's body with the command from
-    :func:`_job_subprocess_cmd` (Lightning builds it inline, so the method is restated) and a
-    parent-death signal for each child; ``launch`` is Lightning's with :class:`_RankWatcher`
-    instead of its observer, stops the child ranks when rank 0 raises (Lightning only does so for
-    ``KeyboardInterrupt``, leaving them blocked in a collective until the timeout), and holds
-    SIGTERM and SIGINT from before the first child starts until :meth:`startup_done`
-    (:class:`_StartupSignals`).
+    ``child_command(local_rank)`` gives each child rank's command and working folder (default:
+    Lightning's). Unlike Lightning's, it stops the child ranks when rank 0 raises (not only on
+    ``KeyboardInterrupt``), and holds SIGTERM and SIGINT from before the first child starts until
+    :meth:`startup_done` (:class:`_StartupSignals`).
     """
 
     _startup: _StartupSignals | None = None
     _halt: threading.Event | None = None
 
-    def __init__(self, *args: Any, before_launch: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        before_launch: Callable[[Any], None] | None = None,
+        child_command: ChildCommand | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
+        self.child_command = child_command or _compat.subprocess_cmd  # default: Lightning's command
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -295,19 +236,11 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
 
     @override
     def _call_children_scripts(self) -> None:
-        """Lightning's, with this job's command, and a parent-death signal for each child rank.
+        """Lightning's, with ``child_command``'s command, and a parent-death signal for each child rank.
 
-        The kernel sends the child ``SIGKILL`` when the launcher dies, however it dies (``SIGKILL``,
-        the OOM killer), until the child's start-up is done (:meth:`startup_done` clears it): a child
-        left alone in the rendezvous would otherwise wait out the whole timeout (30 minutes by
-        default). ``SIGKILL``, not ``SIGTERM``: a Python handler runs only once the main thread is
-        back from torch, and in the rendezvous it waits inside torch for the dead launcher (a
-        ``SIGTERM`` handler of the user's, Hydra's or ours would wait with it), and a rank without
-        its launcher, which hosts the store and is rank 0, has nothing left to save. After start-up
-        the signal is cleared: the ranks are connected, so a child learns of a vanished launcher at
-        its next collective, which fails at once and says which rank stopped (``SIGTERM`` would be
-        taken then by the preemption handler, waiting for a step boundary that never comes), and a
-        child still finishing after rank 0 ended normally is not cut short.
+        Until its start-up is done (:meth:`startup_done`), a child gets ``SIGKILL`` when the launcher
+        dies, however it dies: alone in the rendezvous it would wait out the whole timeout, where no
+        Python handler runs. After start-up its next collective tells it (docs/design.md).
         """
         import subprocess
 
@@ -326,21 +259,16 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 del env_copy["PL_GLOBAL_SEED"]
             if dies_with_launcher is not None:
                 env_copy[_DIES_WITH_LAUNCHER] = "1"
-            command, cwd = _job_subprocess_cmd(local_rank)
+            command, cwd = self.child_command(local_rank)
             self.procs.append(subprocess.Popen(command, env=env_copy, cwd=cwd, preexec_fn=dies_with_launcher))
 
 
 class _StartupSignals:
     """Handlers for SIGTERM and SIGINT that call ``on_signal(signum)`` in a thread of their own at once.
 
-    While the ranks start, the launcher's main thread waits inside torch (the rendezvous store,
-    gloo) for its children, and Python runs a signal handler only when that call returns: after
-    the whole timeout if a child never comes. So the handlers installed here do nothing
-    themselves; the interpreter also writes each signal's number to a pipe from its C-level
-    handler (``signal.set_wakeup_fd``), and a thread reading the pipe calls ``on_signal``.
-    :meth:`restore` gives back the handlers and the wakeup fd there were. A signal that is
-    ignored when installed (``SIG_IGN``: SIGINT of a shell's background job) stays ignored.
-    Outside the main thread (where handlers cannot be set) both are no-ops.
+    While the ranks start, the main thread waits inside torch, where Python handlers do not run; a
+    thread reading ``signal.set_wakeup_fd``'s pipe calls ``on_signal`` instead. :meth:`restore` gives
+    back the handlers and wakeup fd. An ignored signal stays ignored; off the main thread, no-ops.
     """
 
     def __init__(self, on_signal: Callable[[int], None], signals: tuple[int, ...] = _STARTUP_SIGNALS) -> None:

@@ -51,19 +51,14 @@ class PreemptionCheckpoint(Callback):
         keep: how many of this callback's step checkpoints to keep (the newest), at least 1.
         signals: the signals that stop the run (names or numbers); a second Ctrl-C ends the
             process at once.
-        check_every_n_steps: agree on the flag after every this many optimizer steps, or
-            ``"auto"``: about every half second of training, from the slowest rank's step time
-            (:class:`~ddp_plugins.core.SignalAgreement`). Each check is one ``all_reduce`` of two
-            integers, read at the next step's end: the ranks never wait for it, and stop one step
-            after the check that saw the flag; at an epoch's end it is waited for. ``1`` stops at
-            the step after the signal, for one exchange per step.
+        check_every_n_steps: agree on the flag every this many optimizer steps, or ``"auto"``:
+            about every half second of training (:class:`~ddp_plugins.core.SignalAgreement`; the
+            ranks never wait for a check, and stop one step after the one that saw the flag).
         requeue: ``"auto"`` (under Slurm, requeue the job after a ``requeue_signal``), ``"always"``
             (after any of the signals) or ``"never"``.
         requeue_signal: the signal Slurm sends before preempting (``--signal=USR1@90``).
 
-    Inside a submitit job (``hydra/launcher=submitit_slurm``) the signal submitit asks Slurm for
-    (``SIGUSR2``) is taken too, and is a requeue signal: the job requeues itself from the step
-    boundary, where submitit's own handler would have requeued from inside the signal handler.
+    Inside a submitit job, submitit's signal (``SIGUSR2``) is taken too, as a requeue signal.
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range.

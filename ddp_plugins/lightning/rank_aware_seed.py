@@ -36,28 +36,12 @@ __all__ = ["RankAwareSeed"]
 class RankAwareSeed(Callback):
     """Identical model initialization on every rank, then a distinct random stream per rank.
 
-    How the model stays identical on every rank:
-
-    1. ``setup`` seeds every rank with the base ``seed``, so whatever the ``setup`` and
-       ``configure_model`` hooks draw (lazy layers, sharded init) is the same on all ranks.
-    2. DDP broadcasts rank 0's parameters and buffers to all ranks when it wraps the model, so a
-       model built before ``fit`` is identical when training starts even if it was built under
-       different seeds. Seeding with ``lightning.seed_everything(seed)`` before building the model
-       keeps rank 0's initialization itself reproducible.
-
-    At ``on_fit_start`` (after DDP's broadcast, before the sanity check, which Lightning runs in
-    ``isolate_rng``, and before the first epoch's DataLoader iterator draws its worker base seed)
-    every rank switches to its own stream, seeded as :func:`seed_everything_rank_aware` does.
-    ``validate``, ``test`` and ``predict`` runs switch when their loop starts.
-
-    Every checkpoint stores the RNG states (Python, NumPy, torch, CUDA) of every rank. ``state_dict``
-    does not communicate: it returns this rank's states, and :class:`DDPPluginsStrategy` gathers
-    every rank's when it saves the checkpoint (with another strategy, ``on_save_checkpoint``
-    gathers them, a collective while the checkpoint is dumped). On resume each rank restores its
-    own, so the resumed run draws exactly what the uninterrupted run would have. A checkpoint
-    written with another world size (or without this callback) cannot be matched rank for rank:
-    the run warns and starts fresh per-rank streams keyed by ``(seed, rank, global_step)``, so it
-    does not replay the streams of the first epoch.
+    ``setup`` seeds every rank with ``seed`` (what ``setup``/``configure_model`` draw is alike, and
+    DDP broadcasts rank 0's weights anyway); at ``on_fit_start``, after that broadcast and before the
+    first DataLoader iterator, each rank switches to its own stream (:func:`seed_everything_rank_aware`).
+    Checkpoints hold every rank's RNG states (``state_dict`` stays local; the strategy gathers them)
+    and a resume restores each rank's own; from another world size the run warns and starts fresh
+    streams keyed by ``(seed, rank, global_step)``. Rationale: docs/design.md ("Seeding per rank").
 
     Args:
         seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.

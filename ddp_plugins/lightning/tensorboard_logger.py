@@ -33,22 +33,11 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
     """``TensorBoardLogger`` whose event stream a resumed run continues (``TensorBoardLogger``'s
     arguments, but ``default_hp_metric`` is off).
 
-    Every launch of a run writes its own event file into the same folder (``version=""`` keeps it
-    fixed: ``<save_dir>/<name>/``), and marks the step it first logs as a restart: the event that
-    ``SummaryWriter(purge_step=step)`` writes, a ``SessionLog.START`` at that step, written here
-    into the writer Lightning opened when the fit started. TensorBoard reads a folder's event files
-    in name (time) order and, at such a marker, drops every event read before it from that step on.
-    So a run resumed from an older checkpoint than the last step its killed launch logged (a hard
-    kill, a damaged newer checkpoint) shows each step once, as the resumed launch logged it, and a
-    launch that starts over in the folder (no checkpoint yet) replaces the earlier attempt.
-
-    Why the first logged step and not the checkpoint's: it is where the resumed launch continues,
-    by definition, whatever the optimization (manual optimization counts optimizer steps in
-    ``global_step`` but batches in the logging step), and it needs no checkpoint, so it holds with
-    any callbacks and when a launch restarts from step 0. The CSV logger instead cuts its file back
-    to the rows counted at the checkpoint (:class:`~ddp_plugins.lightning.PreemptionCheckpoint`):
-    rows have no step to purge by. Lightning's ``hp_metric`` placeholder is off: logged at step 0
-    of every launch, it would make step 0 every launch's first step.
+    Every launch writes its own event file into one folder (``version=""``) and marks the first
+    step it logs with the restart event of ``SummaryWriter(purge_step=step)``, so TensorBoard drops
+    what an earlier launch logged from that step on: a resumed run shows each step once. The first
+    logged step, not the checkpoint's, because it needs no checkpoint and holds for manual
+    optimization too; ``hp_metric`` is off because it would log step 0 at every launch.
 
     Raises:
         ModuleNotFoundError: neither ``tensorboard`` nor ``tensorboardX`` is installed.

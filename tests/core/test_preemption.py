@@ -66,22 +66,27 @@ def _script(body: str) -> subprocess.CompletedProcess:
 
 
 def test_a_second_ctrl_c_ends_the_process_at_once():
+    """A repeated SIGINT less than a second after the first (by the flag's clock) is the same press;
+    one a second after it ends the process before the next line runs."""
     result = _script(
         """
-        import os, signal, time
+        import os, signal
         from ddp_plugins.core import SignalFlag
-        flag = SignalFlag().install()
+        now = [100.0]
+        flag = SignalFlag(clock=lambda: now[0]).install()
         os.kill(os.getpid(), signal.SIGINT)
         assert flag.signum == signal.SIGINT
-        os.kill(os.getpid(), signal.SIGINT)  # at once: still pending, taken as the same press
-        time.sleep(1.1)
-        os.kill(os.getpid(), signal.SIGINT)  # a second press later: the process ends now
-        time.sleep(5)
-        print("still alive")
+        now[0] += 0.999
+        os.kill(os.getpid(), signal.SIGINT)  # within the second: taken as the same press
+        print("alive after the repeat", flush=True)
+        now[0] += 0.001
+        os.kill(os.getpid(), signal.SIGINT)  # a second press: the process ends now
+        print("still alive", flush=True)
         """
     )
     assert result.returncode == -signal.SIGINT, (result.returncode, result.stdout, result.stderr)
-    assert "still alive" not in result.stdout
+    assert "alive after the repeat" in result.stdout, "a repeat within the second should not end the process"
+    assert "still alive" not in result.stdout, "the second press should end the process at once"
 
 
 def test_preempted_exits_128_plus_the_signal_through_run_main():

@@ -1,0 +1,77 @@
+"""The app's Hydra command lines: config flags, quoted overrides, and a child rank's command."""
+
+from __future__ import annotations
+
+import sys
+
+from ddp_plugins import _compat
+
+__all__ = ["hydra_quote", "job_subprocess_cmd", "split_config_flags"]
+
+_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def split_config_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split Hydra's config-selection flags (``--config-name x``, ``-cd=x``, ...) from the rest.
+
+    Returns:
+        The flags, each as ``[flag, value]`` pairs flattened, and every other argument.
+
+    Example::
+
+        >>> split_config_flags(["--config-name", "mine", "backend=gloo", "-cd=/etc/conf"])
+        (['--config-name', 'mine', '-cd', '/etc/conf'], ['backend=gloo'])
+    """
+    flags: list[str] = []
+    rest: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        name, has_value, value = arg.partition("=")
+        if name in _CONFIG_FLAGS:
+            flags += [name, value if has_value else next(args, "")]
+        else:
+            rest.append(arg)
+    return flags, rest
+
+
+def hydra_quote(value: str) -> str:
+    """``value`` as a single-quoted Hydra override value, so quotes and spaces in a path survive.
+
+    Example::
+
+        >>> print(hydra_quote('runs/we"ird'))
+        'runs/we"ird'
+    """
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
+    """The command and working folder that start child rank ``local_rank`` of the current Hydra job.
+
+    The strategy's ``child_command``: Lightning's own re-runs the whole command line, so under
+    ``--multirun`` each child rank would re-run the sweep. Outside Hydra, Lightning's command.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return _compat.subprocess_cmd(local_rank)
+
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    # The config the user chose, only this job's overrides (no --multirun, no sweep), and this
+    # job's own output folder.
+    command += split_config_flags(sys.argv[1:])[0]
+    command += list(hydra_cfg.overrides.task)
+    command += [
+        f"hydra.run.dir={hydra_quote(hydra_cfg.runtime.output_dir)}",
+        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
+        "hydra.output_subdir=null",
+    ]
+    return command, get_original_cwd()
