@@ -60,7 +60,24 @@ def build_objects(cfg: DictConfig) -> dict[str, Any]:
             with as_config_error(key, raw):
                 check(objects["trainer"], objects["model"])
     _check_global_batch_rows(objects["strategy"], objects["datamodule"])
+    _check_reproducible(objects["strategy"], objects["datamodule"], objects["trainer"], raw)
     return objects
+
+
+def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, raw: Any) -> None:
+    """The reproducible mode's limits that the strategy checks in the ranks, refused here first."""
+    from ddp_plugins.core.plan import GlobalPlan
+    from ddp_plugins.lightning.reproducible import check_trainer
+
+    shards, rows = getattr(strategy, "virtual_shards", None), getattr(datamodule, "train_rows", None)
+    if shards is None:
+        return
+    with as_config_error("trainer", raw):
+        check_trainer(trainer, trainer.world_size, shards)
+    if isinstance(rows, int):
+        with as_config_error("global_batch_size", raw):
+            drop_last = bool((raw.get("strategy") or {}).get("drop_last", False))
+            GlobalPlan(rows, strategy.global_batch_size, drop_last=drop_last, virtual_shards=shards)
 
 
 def _check_global_batch_rows(strategy: Any, datamodule: Any) -> None:

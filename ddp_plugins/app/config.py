@@ -103,6 +103,7 @@ class TrainConfig:
     seed: int = 42
     deterministic: bool = False
     global_batch_size: int | None = None
+    reproducible: bool = False
     resume: str = field(default="auto", metadata={"allowed": "'auto', 'never' or the path of a checkpoint file"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

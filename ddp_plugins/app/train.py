@@ -23,6 +23,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ddp_plugins.app.config import CONFIG_MODULE, CONFIG_NAME, ConfigError, resolve_precision, trainer_args
+from ddp_plugins.app.hydra_args import hydra_quote, job_subprocess_cmd
 from ddp_plugins.app.precheck import load_checkpoint_safely, precheck, single_run_config
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
@@ -30,8 +31,8 @@ from ddp_plugins.core.ranks import get_rank, is_distributed, setup_rank_logging
 from ddp_plugins.core.stalls import RendezvousError
 from ddp_plugins.lightning.data_plan import CHECKPOINT_KEY as DATA_RECORD
 from ddp_plugins.lightning.data_plan import ResumeMismatch, expected_record, resume_start
-from ddp_plugins.lightning.launchers import hydra_quote
 from ddp_plugins.lightning.network import apply_network_env, restore_env
+from ddp_plugins.lightning.reproducible import state_fingerprint
 
 __all__ = ["build_trainer", "hold_run_folder", "main", "resume_path", "run_folder_lock", "train"]
 
@@ -59,7 +60,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     precision = resolve_precision(cfg.precision.name, str(cfg.trainer.get("accelerator", "auto")))
-    strategy = instantiate(cfg.strategy)
+    strategy = instantiate(cfg.strategy, child_command=job_subprocess_cmd)  # child ranks re-run this job only
     plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     folder = Path(output_dir) / "checkpoints"
     # The best accuracy's checkpoint, and last.ckpt rewritten at every epoch end (after validation),
@@ -128,6 +129,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
         return None
     accuracy = float(metrics[key])
     print(f"final validation accuracy: {accuracy:.4f} ({key}; run folder: {output_dir})", flush=True)
+    optimizers = [optimizer.state_dict() for optimizer in trainer.optimizers]
+    print(f"state fingerprint: {state_fingerprint(model.state_dict(), optimizers)}", flush=True)
     return accuracy
 
 
@@ -223,14 +226,9 @@ class ResumePoint(NamedTuple):
 def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictConfig) -> ResumePoint:
     """Where the checkpoint to resume from stands, after checking that it fits ``model`` and the config.
 
-    Loaded once, memory-mapped and with ``weights_only=True``. A parameter of another shape (another
-    ``model.*`` setting) is one line naming the first such key and both shapes, on every rank,
-    before Lightning would print a size-mismatch traceback per rank. So is a file that is not a
-    Lightning checkpoint (a bare ``state_dict``, a YAML file), a ``trainer.max_epochs`` below the
-    epochs it has trained, and a resume the ranks would refuse once started: a stop in the middle
-    of an epoch whose rows this run would split differently (:func:`resume_start`). A restored
-    cosine schedule that ends before the new ``trainer.max_epochs`` is kept as it is, with one
-    warning line.
+    Loaded once, with ``weights_only=True``. Another parameter shape, a file that is not a Lightning
+    checkpoint, a ``trainer.max_epochs`` below its epochs, or a resume the ranks would refuse
+    (:func:`resume_start`) is one line on every rank instead of a traceback per rank.
 
     Raises:
         ConfigError: the checkpoint does not load safely or does not fit the model or the config.
@@ -322,6 +320,7 @@ def _expected_record(cfg: DictConfig, datamodule: Any) -> dict[str, Any] | None:
         cast(int, rows), devices * nodes, accumulate.pop(), batch_size, int(cfg.seed),
         global_batch_size=strategy.get("global_batch_size"), drop_last=bool(strategy.get("drop_last", False)),
         limit_train_batches=trainer.get("limit_train_batches", 1.0),
+        virtual_shards=strategy.get("virtual_shards") if strategy.get("reproducible") else None,
     )  # fmt: skip
 
 
@@ -403,12 +402,8 @@ def hold_run_folder(folder: str | os.PathLike) -> None:
 def run_folder_lock(folder: str | os.PathLike) -> Iterator[None]:
     """Hold ``<folder>/.lock`` while a run writes there; a second run in the same folder is refused.
 
-    Two runs writing one folder would interleave checkpoints and metrics, and ``resume=auto`` would
-    continue the other's. The lock is the kernel's (``flock``): it goes with the process, so a killed,
-    requeued or restarted job finds its folder free. A folder this process already holds
-    (:func:`hold_run_folder`) stays held. ``filelock`` (installed with torch) takes the same lock but
-    keeps its descriptor private: writing the holder's PID into the file, which the refusal names,
-    would need its internals. Hence these few lines.
+    The kernel's ``flock`` goes with the process, so a killed or requeued job finds its folder free.
+    Not ``filelock``: it keeps its descriptor private, and the refusal names the holder's PID.
 
     Raises:
         ConfigError: another process holds the folder, or it cannot be written.

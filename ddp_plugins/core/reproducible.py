@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from ddp_plugins._compat import BatchNormBase
 from ddp_plugins.core.ranks import collective_device, is_distributed
 
 __all__ = ["ShardedStep", "exact_sum", "fingerprint", "shard_seed"]
@@ -187,7 +187,7 @@ class _ShardStats:
     def __init__(self, module: nn.Module, virtual_shards: int) -> None:
         self.layers = [
             m for m in module.modules()
-            if isinstance(m, _BatchNorm) and m.training and m.track_running_stats and m.running_mean is not None
+            if isinstance(m, BatchNormBase) and m.training and m.track_running_stats and m.running_mean is not None
         ]  # fmt: skip
         for layer in self.layers:
             if layer.momentum is None:
@@ -304,7 +304,8 @@ class ShardedStep:
         sums, (updates,) = exact_sum(shards, like, weights=self._rows, group=self.group, bits=[stats.updates])
         stats.apply(updates)
         self.grads = [
-            None if s is None else (s.double() / step_rows).to(p.dtype) for s, p in zip(sums[: len(self.params)], self.params, strict=True)
+            None if s is None else (s.double() / step_rows).to(p.dtype)
+            for s, p in zip(sums[: len(self.params)], self.params, strict=True)
         ]
         means = [s.double() / step_rows for s in sums[len(self.params) :] if s is not None]
         self._grads, self._rows, self._stats = [], [], None

@@ -18,11 +18,13 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 
+from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import GlobalPlan
 from ddp_plugins.core.ranks import is_distributed
 from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.core.trees import tree_leaves, tree_map
+from ddp_plugins.lightning.data_plan import run_accumulation
 
 __all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
 
@@ -49,21 +51,24 @@ def _refuse(what: str, hint: str) -> ValueError:
 
 
 def check_trainer(trainer: Any, world_size: int, virtual_shards: int) -> None:
-    """What the mode needs of the Trainer, checked before any rank starts (one line each)."""
-    if trainer.accumulate_grad_batches != 1:
-        raise _refuse(
-            f"cuts each step into virtual shards itself, got accumulate_grad_batches={trainer.accumulate_grad_batches}",
-            "Set it to 1; global_batch_size is the step's rows.",
-        )
+    """What the mode needs of the Trainer, checked before any rank starts (one line each).
+
+    Raises:
+        ArgumentValueError: gradient accumulation, mixed precision, or more ranks than shards.
+    """
+    accumulate = run_accumulation(trainer)
+    if accumulate != 1:
+        raise ArgumentValueError(
+            "accumulate_grad_batches", "1 with reproducible=True", accumulate,
+            hint="The mode cuts each step into virtual shards itself: global_batch_size is the step's rows.",
+        )  # fmt: skip
     if str(trainer.precision) not in _PRECISIONS:
-        raise _refuse(
-            f"trains in 32-true or 64-true, got precision {trainer.precision!r}", "Mixed precision scales per rank."
-        )
+        raise ArgumentValueError("precision", "'32-true' or '64-true' with reproducible=True", str(trainer.precision))
     if world_size > virtual_shards:
-        raise _refuse(
-            f"runs at most virtual_shards={virtual_shards} ranks, got {world_size}",
-            "Raise virtual_shards (the same for every run you compare) or use fewer ranks.",
-        )
+        raise ArgumentValueError(
+            "devices", f"at most virtual_shards={virtual_shards} ranks in all with reproducible=True", world_size,
+            hint="Raise strategy virtual_shards (the same for every run you compare) or use fewer ranks.",
+        )  # fmt: skip
 
 
 def check_model(module: nn.Module) -> None:

@@ -188,6 +188,8 @@ class DDPPluginsStrategy(DDPStrategy):
             the job ends with one line (:class:`~ddp_plugins.core.watchdog.ProgressWatchdog`), long
             before the collective ``timeout``; ``None`` turns the watchdog off. Raise it where a rank
             may legitimately pause longer between steps (a slow first batch from remote storage).
+        child_command: ``local_rank -> (command, working folder)`` of each child rank under
+            ``start_method="popen"`` (default: Lightning's; the app re-runs only the Hydra job).
         reproducible: with ``global_batch_size``, the same bits on any number of ranks up to
             ``virtual_shards``: each step runs as ``virtual_shards`` shards of fixed rows, summed
             exactly (:mod:`ddp_plugins.core.reproducible`); BatchNorm normalizes per shard, random
@@ -228,11 +230,13 @@ class DDPPluginsStrategy(DDPStrategy):
         drop_last: bool = False,
         uneven_data: bool = True,
         stall_timeout: float | None = 45.0,
+        child_command: Callable[[int], tuple[list[str], str | None]] | None = None,
         reproducible: bool = False,
         virtual_shards: int = 8,
         **kwargs: Any,
     ) -> None:
         process_group_backend = kwargs.pop("process_group_backend", None)
+        self._child_command = child_command
         backend = _backend_synonym(backend, process_group_backend)
         if not _registered_elsewhere(process_group_backend):
             check_backend(backend, str(kwargs.get("accelerator") or "auto"))
@@ -305,6 +309,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self._powersgd_start_iter = powersgd_start_iter
         self.global_batch_size = global_batch_size
         self._repro = ReproducibleSteps(virtual_shards) if reproducible else None
+        self._threads = 1  # the CPU threads before the reproducible mode set one
         self._planned = PlannedLoader(
             global_batch_size, drop_last, virtual_shards if reproducible else None
         )  # a global plan and each micro-batch's rows
@@ -372,7 +377,9 @@ class DDPPluginsStrategy(DDPStrategy):
         check = self._check_before_launch
         if self._start_method == "popen":
             env, processes, nodes = self.cluster_environment, self.num_processes, self.num_nodes
-            self._launcher = JobSubprocessLauncher(env, processes, nodes, before_launch=check)
+            self._launcher = JobSubprocessLauncher(
+                env, processes, nodes, before_launch=check, child_command=self._child_command
+            )
         else:
             self._launcher = CleanExitMultiprocessingLauncher(
                 self, start_method=self._start_method, before_launch=check
@@ -518,9 +525,13 @@ class DDPPluginsStrategy(DDPStrategy):
             check_model(self.lightning_module)
             if self._repro.callback not in trainer.callbacks:
                 trainer.callbacks.append(self._repro.callback)  # logs the evaluation's exact means
+            # CPU kernels (a convolution's) sum in another order with another thread count
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(1)
             rank_zero_info(
                 f"ddp_plugins: reproducible mode: each step of {self.global_batch_size} rows runs as"
-                f" {self._repro.virtual_shards} virtual shards, summed exactly: the same bits on any number of ranks."
+                f" {self._repro.virtual_shards} virtual shards, summed exactly, one CPU thread per rank:"
+                " the same bits on any number of ranks."
             )
         # The ranks have met and the model is in sync: signals are the run's from here on
         if isinstance(self._launcher, JobSubprocessLauncher):
@@ -754,6 +765,7 @@ class DDPPluginsStrategy(DDPStrategy):
         trainer = self._trainer()
         if self._repro is not None and trainer is not None and self._repro.callback in trainer.callbacks:
             trainer.callbacks.remove(self._repro.callback)
+            torch.set_num_threads(self._threads)
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

@@ -41,7 +41,12 @@ class _Net(pl.LightningModule):
         torch.manual_seed(0)
         self.optimizer = optimizer
         self.net = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.3), nn.Linear(144, 3)
+            nn.Conv2d(1, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Dropout(0.3),
+            nn.Linear(144, 3),
         )
 
     def training_step(self, batch, batch_idx):
