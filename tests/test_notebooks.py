@@ -22,6 +22,7 @@ NOTEBOOKS = (
     "04_sequential_evaluation.ipynb",
     "05_seeding.ipynb",
     "06_where_time_goes.ipynb",
+    "07_reproducible.ipynb",
 )
 CELL_TIMEOUT_S = 180  # generous: a loaded machine is slow, a hang is not
 

@@ -15,6 +15,7 @@ to one exponent per tensor. Design and limits: docs/design.md ("The reproducible
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -27,9 +28,9 @@ from torch import Tensor, nn
 from ddp_plugins._compat import BatchNormBase
 from ddp_plugins.core.ranks import collective_device, is_distributed
 
-__all__ = ["ShardedStep", "exact_sum", "fingerprint", "shard_seed"]
+__all__ = ["ShardedStep", "exact_row_sum", "exact_sum", "fingerprint", "shard_seed"]
 
-_BITS = 62  # |sum of all shards| < 2**63: each of up to 2**k shards gets 62 - k bits
+_BITS = 52  # |sum of all shards| < 2**53 (float64 holds every such integer): 2**k shards get 52 - k bits
 
 
 def fingerprint(*states: Any) -> str:
@@ -83,10 +84,12 @@ def shard_seed(seed: int, epoch: int, step: int, shard: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
-def _scaled(tensor: Tensor, power: int) -> Tensor:
-    """``tensor * 2**power`` in float64, exact (two factors, so that neither overflows)."""
-    half = power // 2
-    return tensor.double() * 2.0**half * 2.0 ** (power - half)
+def _largest(t: Tensor) -> Tensor:
+    """The largest magnitude in ``t`` (0 when empty), without a copy of it."""
+    if not t.numel():
+        return torch.zeros((), dtype=t.dtype)
+    low, high = torch.aminmax(t)
+    return torch.maximum(-low, high)
 
 
 def exact_sum(
@@ -99,18 +102,19 @@ def exact_sum(
     """Sum ``weights[s] * shards[s][i]`` over this rank's shards ``s`` and all ranks, the same bits in any grouping.
 
     Each tensor ``i`` gets one exponent, agreed over all shards of all ranks (an ``all_reduce``
-    of the largest magnitude); every value becomes an int64 of at most ``62 - ceil(log2(shards))``
-    bits at that exponent, so the integer sums cannot overflow and are associative. A value
-    smaller than ``2**-(62 - ceil(log2(shards)))`` of its tensor's largest is rounded to that
-    grid (float32 keeps 24 bits). A tensor with a NaN or an infinity anywhere sums to NaN.
+    of the largest magnitude); every value becomes an integer of at most ``52 - ceil(log2(shards))``
+    bits at that exponent, held in float64, so that every partial sum is an integer below
+    ``2**53``: exact, in any order and grouping. A value smaller than ``2**-(52 - ceil(log2(shards)))``
+    of its tensor's largest is rounded to that grid (float32 keeps 24 bits; float64 tensors lose
+    their last bits). A tensor with a NaN or an infinity anywhere sums to NaN.
 
     Args:
         shards: per local shard, one tensor (or ``None``: no contribution) per entry of ``like``.
         like: the shapes and dtypes of the results.
         weights: a factor per shard, applied in float64 before rounding (``None``: 1).
         group: the process group (the default one; none at all runs on one process).
-        bits: tensors whose float64 bits ride in the same ``all_reduce`` as a sum with zeros
-            elsewhere: a tensor each rank fills only in its own slots comes back whole, bit-exact.
+        bits: float64 tensors that ride in the same ``all_reduce`` as a plain sum: one that each
+            rank fills only in its own slots (zeros elsewhere) comes back whole, bit-exact.
 
     Returns:
         The sums (``None`` where no shard of any rank gave a tensor), and ``bits`` reduced.
@@ -121,58 +125,75 @@ def exact_sum(
         >>> exact_sum([[t] for t in x], like=[x[0]])[0][0]
         tensor([0.6000, 1.0000])
     """
-    weights = [1.0] * len(shards) if weights is None else list(weights)
-    device = collective_device(group) if is_distributed() else torch.device("cpu")
-    # the largest finite magnitude of each tensor (-1: absent), a non-finite flag each, the shard count
-    top = torch.full((2 * len(like) + 1,), -1.0, dtype=torch.float64)
-    top[len(like) : 2 * len(like)] = 0.0
-    top[-1] = len(shards)
-    for shard, weight in zip(shards, weights, strict=True):
-        for i, tensor in enumerate(shard):
-            if tensor is None:
-                continue
-            value = tensor.detach().double() * weight
-            finite = torch.isfinite(value)
-            top[i] = max(float(top[i]), float(value.abs().where(finite, 0.0).max()) if value.numel() else 0.0)
-            top[len(like) + i] = max(float(top[len(like) + i]), float((~finite).any()))
-    if is_distributed():
+    sizes = [t.numel() for t in like]
+    present = torch.zeros(len(like), dtype=torch.bool)
+    rows = torch.zeros(len(shards), sum(sizes), dtype=torch.float64)
+    for row, shard in zip(rows, shards, strict=True):
+        parts = []
+        for i, (t, n) in enumerate(zip(shard, sizes, strict=True)):
+            present[i] |= t is not None
+            parts.append(torch.zeros(n, dtype=torch.float64) if t is None else t.detach().cpu().reshape(-1).double())
+        if parts:
+            row.copy_(torch.cat(parts))
+    if weights is not None:
+        rows *= torch.tensor(weights, dtype=torch.float64)[:, None]
+    flat, present, out_bits = exact_row_sum(rows, sizes, present, group, bits)
+    sums: list[Tensor | None] = [
+        piece.to(t.dtype).reshape(t.shape).to(t.device) if there else None
+        for piece, t, there in zip(flat.split(sizes), like, present.tolist(), strict=True)
+    ]
+    return sums, out_bits
+
+
+def exact_row_sum(
+    rows: Tensor, sizes: Sequence[int], present: Tensor, group: Any = None, bits: Sequence[Tensor] = ()
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """:func:`exact_sum` of float64 ``rows`` (one per local shard, the tensors laid end to end, weighted).
+
+    ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave. Returns
+    the float64 sums laid out alike, which tensors any rank gave, and ``bits`` reduced.
+    """
+    count, ends = len(sizes), list(itertools.accumulate(sizes, initial=0))
+    tensors = [rows[:, a:b] for a, b in zip(ends, ends[1:], strict=False)]
+    # per tensor: the largest finite magnitude (-1: absent), a non-finite flag; then this rank's shards
+    top = torch.zeros(2 * count + 1, dtype=torch.float64)
+    if len(rows):
+        top[:count] = torch.stack([_largest(t) for t in tensors])
+        if not bool(torch.isfinite(top[:count]).all()):  # rare: find the tensors, keep the finite maxima
+            bad = torch.stack([(~torch.isfinite(t)).any() for t in tensors])
+            top[count : 2 * count] = bad.double()
+            top[:count] = torch.stack([t.abs().where(torch.isfinite(t), 0.0).amax() for t in tensors])
+    top[:count] = top[:count].where(present, -1.0)
+    top[-1] = len(rows)
+    distributed = is_distributed()
+    device = collective_device(group) if distributed else torch.device("cpu")
+    if distributed:
         top = top.to(device)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        total_shards = int(top[-1]) * dist.get_world_size(group)
         top = top.cpu()
-    else:
-        total_shards = len(shards)
+    total_shards = int(top[-1]) * (dist.get_world_size(group) if distributed else 1)
     room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
-    powers = [room - math.frexp(float(m))[1] if m > 0 else 0 for m in top[: len(like)].tolist()]
-    sizes = [t.numel() for t in like]
-    ints = torch.zeros(sum(sizes), dtype=torch.int64)
-    for shard, weight in zip(shards, weights, strict=True):
-        parts = [
-            torch.round(_scaled(t.detach().cpu().reshape(-1).double() * weight, p)).nan_to_num(0.0).to(torch.int64)
-            if t is not None else torch.zeros(n, dtype=torch.int64)
-            for t, p, n in zip(shard, powers, sizes, strict=True)
-        ]  # fmt: skip
-        if parts:
-            ints += torch.cat(parts)
-    extra = [b.detach().cpu().double().reshape(-1).view(torch.int64) for b in bits]
-    payload = torch.cat([ints, *extra])
-    if is_distributed():
+    exponents = [room - math.frexp(m)[1] if m > 0 else 0 for m in top[:count].tolist()]
+    flags = top[count : 2 * count].tolist()
+    scaled = rows.nan_to_num_(0.0, 0.0, 0.0) if any(flags) else rows
+    for t, e in zip(scaled.split(sizes, dim=1), exponents, strict=True):
+        t.mul_(2.0 ** (e // 2)).mul_(2.0 ** (e - e // 2))  # exact: two powers of two, neither overflows
+    # integers below 2**53 in float64: every partial sum is exact, in any order and any grouping
+    payload = torch.cat([scaled.round_().sum(dim=0), *(b.detach().cpu().double().reshape(-1) for b in bits)])
+    if distributed:
         payload = payload.to(device)
         dist.all_reduce(payload, group=group)
         payload = payload.cpu()
-    sums: list[Tensor | None] = []
-    for i, (t, piece) in enumerate(zip(like, payload[: len(ints)].split(sizes), strict=True)):
-        if float(top[i]) < 0:
-            sums.append(None)
-        elif float(top[len(like) + i]) > 0:
-            sums.append(torch.full_like(t, math.nan))
+    total = sum(sizes)
+    sums = payload[:total]
+    for t, e, bad in zip(sums.split(sizes), exponents, flags, strict=True):
+        if bad:
+            t.fill_(math.nan)
         else:
-            sums.append(_scaled(piece.double(), -powers[i]).to(t.dtype).reshape(t.shape).to(t.device))
-    out_bits = [
-        p.view(torch.float64).reshape(b.shape)
-        for p, b in zip(payload[len(ints) :].split([e.numel() for e in extra]), bits, strict=True)
-    ]
-    return sums, out_bits
+            t.mul_(2.0 ** -(e // 2)).mul_(2.0 ** -(e - e // 2))
+    pieces = payload[total:].split([b.numel() for b in bits])
+    out_bits = [p.reshape(b.shape) for p, b in zip(pieces, bits, strict=True)]
+    return sums, top[:count] >= 0, out_bits
 
 
 class _ShardStats:
@@ -196,37 +217,39 @@ class _ShardStats:
                     " supported; give it a momentum (0.1 is BatchNorm's default)."
                 )
         self.shards = virtual_shards
-        self.start = [(m.running_mean.clone(), m.running_var.clone()) for m in self.layers]  # type: ignore[union-attr]
-        width = sum(2 * mean.numel() for mean, _ in self.start)
-        self.updates = torch.zeros(virtual_shards, width, dtype=torch.float64)
+        self.buffers: list[Tensor] = [b for m in self.layers for b in (m.running_mean, m.running_var) if b is not None]
+        self.start = [b.detach().clone() for b in self.buffers]
+        self.first = self._flat(self.start)
+        keep = [torch.full((2 * m.num_features,), 1.0 - float(m.momentum or 0.0)) for m in self.layers]
+        self.keep = torch.cat(keep).double() if keep else torch.zeros(0, dtype=torch.float64)
+        self.updates = torch.zeros(virtual_shards, len(self.first), dtype=torch.float64)
         self.count = 0
 
+    @staticmethod
+    def _flat(tensors: Sequence[Any]) -> Tensor:
+        return (
+            torch.cat([t.detach().cpu().double().reshape(-1) for t in tensors])
+            if tensors
+            else torch.zeros(0, dtype=torch.float64)
+        )
+
     def before(self) -> None:
-        for layer, (mean, var) in zip(self.layers, self.start, strict=True):
-            layer.running_mean.copy_(mean)  # type: ignore[union-attr]
-            layer.running_var.copy_(var)  # type: ignore[union-attr]
+        for buffer, start in zip(self.buffers, self.start, strict=True):
+            buffer.copy_(start)
 
     def after(self, shard: int) -> None:
-        parts = []
-        for layer, (mean, var) in zip(self.layers, self.start, strict=True):
-            keep = 1.0 - float(layer.momentum)  # type: ignore[arg-type]
-            parts += [layer.running_mean - keep * mean, layer.running_var - keep * var]  # type: ignore[operator]
-        if parts:
-            self.updates[shard] = torch.cat([p.detach().cpu().double().reshape(-1) for p in parts])
+        # + 0.0: a -0.0 becomes +0.0, so that the exchange (a sum with zeros) keeps every bit
+        self.updates[shard] = self._flat(self.buffers) - self.keep * self.first + 0.0
         self.count += 1
 
     def apply(self, updates: Tensor) -> None:
         """Apply every shard's updates (all ranks', from the exchange) in shard order."""
-        offset = 0
-        for layer, (mean, var) in zip(self.layers, self.start, strict=True):
-            keep = 1.0 - float(layer.momentum)  # type: ignore[arg-type]
-            for buffer, first in ((layer.running_mean, mean), (layer.running_var, var)):
-                n = first.numel()
-                value = first.clone()
-                for shard in range(self.shards):
-                    value = keep * value + updates[shard, offset : offset + n].to(first.dtype).reshape(first.shape)
-                buffer.copy_(value)  # type: ignore[union-attr]
-                offset += n
+        value = self.first.clone()
+        for shard in range(self.shards):
+            value = self.keep * value + updates[shard]
+        for buffer, piece in zip(self.buffers, value.split([b.numel() for b in self.buffers]), strict=True):
+            buffer.copy_(piece.reshape(buffer.shape))
+        for layer in self.layers:
             if layer.num_batches_tracked is not None:
                 layer.num_batches_tracked.sub_(self.count).add_(self.shards)
 
@@ -268,7 +291,12 @@ class ShardedStep:
         self.seed = seed
         self.group = group
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self._grads: list[list[Tensor | None]] = []
+        self._zeros = [torch.zeros(p.numel(), dtype=p.dtype) for p in self.params]
+        self._present = torch.zeros(len(self.params), dtype=torch.bool)
+        cuda = {p.device for p in self.params if p.device.type == "cuda"}
+        self._generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in cuda)]
+        self._rng: list[Tensor] = []
+        self._grads: list[Tensor] = []
         self._rows: list[int] = []
         self._stats: _ShardStats | None = None
         self.grads: list[Tensor | None] = []
@@ -278,14 +306,18 @@ class ShardedStep:
         """Run shard ``index`` (of ``rows`` rows) of ``step`` of ``epoch`` inside this block."""
         if self._stats is None:
             self._stats = _ShardStats(self.module, self.virtual_shards)
+            self._rng = [g.get_state() for g in self._generators]  # given back in finish()
         self._stats.before()
         for p in self.params:  # the shard's own gradient only (the last step's is still there)
             p.grad = None
-        cuda = [p.device for p in self.params[:1] if p.device.type == "cuda"]
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(shard_seed(self.seed, epoch, step, index))
-            yield
-        self._grads.append([p.grad.detach().clone() if p.grad is not None else None for p in self.params])
+        for generator in self._generators:
+            generator.manual_seed(shard_seed(self.seed, epoch, step, index))
+        yield
+        grads = [p.grad for p in self.params]
+        self._present |= torch.tensor([g is not None for g in grads])
+        self._grads.append(
+            torch.cat([g.detach().reshape(-1).cpu() if g is not None else self._zeros[i] for i, g in enumerate(grads)])
+        )
         for p in self.params:
             p.grad = None
         self._rows.append(rows)
@@ -297,19 +329,27 @@ class ShardedStep:
         Returns the row-weighted means of ``values`` over the step (the same on every rank).
         """
         assert self._stats is not None, "finish() before any shard()"
-        stats, count = self._stats, len(self._grads)
-        extra = [[v.detach().reshape(1) for v in shard] for shard in values] or [[] for _ in range(count)]
-        like = [*self.params, *[torch.zeros(1, dtype=torch.float64) for _ in extra[0]]] if extra else [*self.params]
-        shards = [grads + list(more) for grads, more in zip(self._grads, extra, strict=True)]
-        sums, (updates,) = exact_sum(shards, like, weights=self._rows, group=self.group, bits=[stats.updates])
+        for generator, state in zip(self._generators, self._rng, strict=True):
+            generator.set_state(state)
+        stats, sizes = self._stats, [p.numel() for p in self.params]
+        rows = torch.stack(self._grads).double()
+        if values:
+            scalars = torch.tensor([[float(v) for v in shard] for shard in values], dtype=torch.float64)
+            rows = torch.cat([rows, scalars], dim=1)
+            sizes += [1] * scalars.shape[1]
+        rows *= torch.tensor(self._rows, dtype=torch.float64)[:, None]
+        present = torch.cat([self._present, torch.ones(len(sizes) - len(self.params), dtype=torch.bool)])
+        sums, present, (updates,) = exact_row_sum(rows, sizes, present, self.group, bits=[stats.updates])
         stats.apply(updates)
+        pieces = (sums / step_rows).split(sizes)
         self.grads = [
-            None if s is None else (s.double() / step_rows).to(p.dtype)
-            for s, p in zip(sums[: len(self.params)], self.params, strict=True)
+            piece.to(p.dtype).reshape(p.shape) if there else None
+            for piece, p, there in zip(pieces, self.params, present.tolist(), strict=False)
         ]
-        means = [s.double() / step_rows for s in sums[len(self.params) :] if s is not None]
+        means = [piece.reshape(()) for piece in pieces[len(self.params) :]]
         self._grads, self._rows, self._stats = [], [], None
-        return [m.reshape(()) for m in means]
+        self._present = torch.zeros(len(self.params), dtype=torch.bool)
+        return means
 
     def apply(self) -> None:
         """Write the reduced gradients into the parameters' ``.grad``."""

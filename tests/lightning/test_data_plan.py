@@ -27,6 +27,7 @@ from ddp_plugins.lightning.data_plan import (
     ResumeMismatch,
     ResumeRecord,
     UnevenShards,
+    data_record,
     expected_record,
     resume_start,
     train_loader,
@@ -231,3 +232,22 @@ def test_the_record_an_app_predicts_before_any_rank_starts_is_the_one_the_ranks_
             ROWS, layout.world_size, 1, layout.batch_size, layout.seed, global_batch_size=layout.global_batch_size
         )
         assert predicted == data.resume.record
+
+
+class _Shard(torch.utils.data.IterableDataset):
+    """A per-rank shard: each rank iterates its own rows (what ``uneven_data`` steps together)."""
+
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_per_rank_shards_resume_exactly_on_the_same_world_size_and_are_refused_on_another():
+    """Per-rank shards cannot be re-cut: in the middle of an epoch only the same world size continues
+    (each rank skips its own batches), another is one line; at the epoch's end anything may change."""
+    saved = {**data_record(DataLoader(_Shard(), batch_size=4), None, 2, 1), "batches_per_epoch": 3}
+    on_three = {**data_record(DataLoader(_Shard(), batch_size=4), None, 3, 1), "batches_per_epoch": 3}
+    assert resume_start(saved, dict(saved), epoch=EPOCH, done=2) == (EPOCH, 2)
+    with pytest.raises(ResumeMismatch, match=r"world_size 2 -> 3.*train with a global batch") as refused:
+        resume_start(saved, on_three, epoch=EPOCH, done=2)
+    assert "\n" not in str(refused.value)
+    assert resume_start(saved, on_three, epoch=EPOCH, done=3) == (EPOCH + 1, 0)
