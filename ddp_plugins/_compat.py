@@ -5,6 +5,10 @@ what ``tests/test_compat.py`` checks. Why each is needed: ``docs/design.md``.
 
 from __future__ import annotations
 
+import atexit
+import importlib
+import sys
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
@@ -75,15 +79,8 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "lightning.pytorch.strategies.ddp",
         "DDPStrategy",
         (
-            "_checkpoint_io",
-            "_ddp_comm_hook",
-            "_ddp_comm_state",
-            "_ddp_comm_wrapper",
-            "_launcher",
-            "_layer_sync",
-            "_lightning_module",
-            "_start_method",
-            "_timeout",
+            *"_checkpoint_io _ddp_comm_hook _ddp_comm_state _ddp_comm_wrapper _launcher _layer_sync".split(),
+            *"_lightning_module _start_method _timeout".split(),
         ),
     ),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", ("_start_method",)),
@@ -100,21 +97,16 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 #: parameters at construction); a timeline times it by this name.
 DDP_BUFFER_BROADCAST = "_broadcast_coalesced"
 
+# Lightning's private launchers, imported when first asked for (as `_compat.<name>`, without the underscore)
 _LAZY = {
-    "MultiProcessingLauncher": ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
-    "SubprocessScriptLauncher": (
-        "lightning.pytorch.strategies.launchers.subprocess_script",
-        "_SubprocessScriptLauncher",
-    ),
+    "MultiProcessingLauncher": "lightning.pytorch.strategies.launchers.multiprocessing",
+    "SubprocessScriptLauncher": "lightning.pytorch.strategies.launchers.subprocess_script",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(_LAZY[name]), f"_{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -128,8 +120,6 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
 def run_exit_functions() -> None:
     """Run the ``atexit`` handlers now (``atexit._run_exitfuncs``, CPython's, as the interpreter does at
     exit): a process that leaves with ``os._exit`` runs them first. Python has no public way to."""
-    import atexit
-
     atexit._run_exitfuncs()
 
 
@@ -143,8 +133,6 @@ def default_store() -> Any:
 def set_group_timeout(seconds: float) -> None:
     """Set the default process group's collective timeout (``distributed_c10d._set_pg_timeout``):
     torch has no public way to change it once the group is made."""
-    from datetime import timedelta
-
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timedelta(seconds=seconds))
@@ -186,21 +174,14 @@ def update_dataloader(dataloader: Any, sampler: Any) -> Any:
 
 
 def loop_data_source(loop: Any) -> Any:
-    """The object an evaluation or prediction loop asks for its dataloaders (``.dataloader()``).
-
-    ``SequentialEvaluation`` replaces its ``dataloader`` method: the one place where a sampler can
-    be swapped before Lightning injects its own and starts iterating (docs/design.md).
-    """
+    """The object an evaluation or prediction loop asks for its dataloaders (``.dataloader()``): the one
+    place where a sampler can be swapped before Lightning injects its own (docs/design.md)."""
     return loop._data_source
 
 
 def logger_step(trainer: Any) -> int:
-    """The step Lightning's logger connector writes the current training batch's metrics at.
-
-    Lightning's own monitoring callbacks (``LearningRateMonitor``, ``DeviceStatsMonitor``) pass
-    the same counter to ``Logger.log_metrics``; ``trainer.global_step`` differs from it in manual
-    optimization and after an accumulation window's last batch.
-    """
+    """The step Lightning's logger connector (and ``LearningRateMonitor``) logs the current batch at;
+    ``trainer.global_step`` differs in manual optimization and after an accumulation window."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
@@ -274,16 +255,14 @@ def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:
 def explicit_trainer_plugins() -> list[Any]:
     """The plugins the user passed to the ``Trainer`` being built (empty outside its construction).
 
-    Read from the frame of ``_AcceleratorConnector.__init__`` on the call stack: nothing else tells
-    the ``TorchSyncBatchNorm`` made for ``sync_batchnorm=True`` from one passed in ``plugins=``.
+    Read from ``_AcceleratorConnector.__init__``'s frame: nothing else tells the ``TorchSyncBatchNorm``
+    of ``sync_batchnorm=True`` from one passed in ``plugins=``.
 
     Example::
 
         >>> explicit_trainer_plugins()
         []
     """
-    import sys
-
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
     frame = sys._getframe(1)

@@ -5,7 +5,9 @@ ranks :func:`run_lightning` starts.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -77,9 +79,6 @@ def loopback_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[st
         if key not in extra:
             env.pop(key, None)
     return env
-
-
-# ----------------------------------------------------------------------------------------- spawn
 
 
 def _rank_main(
@@ -156,9 +155,6 @@ def spawn(
     return [results[rank] for rank in range(world_size)]
 
 
-# ------------------------------------------------------------------------------ DistributedPool
-
-
 def _init_worker(ranks: Any, port: int, world_size: int, pg_timeout: float) -> None:
     os.environ.update(LOOPBACK_ENV, MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -181,11 +177,9 @@ def _call(fn: Callable[..., Any], args: tuple) -> tuple[int, Any]:
 class DistributedPool:
     """``world_size`` spawned processes in one gloo group, reused across many checks.
 
-    ``run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the results
-    ordered by rank (torchmetrics' pattern: many small module-level ``_test_*`` functions, one
-    process start). A failure or a hang (past ``timeout`` seconds) tears the pool down, so the
-    next call starts from a fresh group, and raises. A call's ``timeout`` starts once the ranks of
-    a fresh group have met; their start-up (spawn, imports, rendezvous) has ``startup_timeout``.
+    Many small module-level ``_test_*`` functions, one process start (torchmetrics' pattern). A failure
+    or a hang past ``timeout`` raises and tears the pool down (the next call starts a fresh group); the
+    ranks' start-up (spawn, imports, rendezvous) has ``startup_timeout``.
 
     Example::
 
@@ -210,11 +204,8 @@ class DistributedPool:
         ranks = ctx.Queue()
         for rank in range(self.world_size):
             ranks.put(rank)
-        self._pool = ctx.Pool(
-            self.world_size,
-            initializer=_init_worker,
-            initargs=(ranks, free_port(), self.world_size, self.pg_timeout),
-        )
+        initargs = (ranks, free_port(), self.world_size, self.pg_timeout)
+        self._pool = ctx.Pool(self.world_size, initializer=_init_worker, initargs=initargs)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """``fn(rank, world_size, *args)`` on every rank, the results ordered by rank.
@@ -252,14 +243,8 @@ class DistributedPool:
             self._pool = None
 
 
-# ---------------------------------------------------------------------------------- run_command
-
-
 def run_command(
-    cmd: Sequence[str],
-    timeout: float,
-    env: Mapping[str, str] | None = None,
-    cwd: str | os.PathLike | None = None,
+    cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group (default environment: :func:`loopback_env`), capturing
     its output; at the timeout the whole group (ranks, loader workers) is killed.
@@ -308,8 +293,6 @@ def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess
     return result
 
 
-# -------------------------------------------------------------------------------- run_lightning
-
 #: Seconds the other ranks get to end by themselves (with their own errors) after one failed.
 _FAILURE_GRACE_S = 5.0
 #: What the rank server imports once, before it forks any rank.
@@ -326,10 +309,9 @@ def run_lightning(
     """Run ``target(out_dir, *args)`` on ``world_size`` ranks of a Lightning DDP job, results by rank.
 
     ``target`` is a module-level function that builds its own ``Trainer(accelerator="cpu",
-    devices=world_size, ...)`` and returns a picklable value. The ranks are forked from a rank server
-    that imported Lightning once, with torchrun's variables set, so Lightning starts no process of
-    its own; each rank's output goes to ``out_dir/rank<N>.log``. Not ``multiprocessing``'s
-    forkserver: it gives no process group to kill at a timeout.
+    devices=world_size, ...)`` and returns a picklable value. The ranks are forked, with torchrun's
+    variables set, from a rank server that imported Lightning once; each rank's output goes to
+    ``out_dir/rank<N>.log``.
 
     Raises:
         AssertionError: a rank exited non-zero (the others are stopped) or the ranks did not all
@@ -360,7 +342,6 @@ def run_lightning(
         if failed:
             logs = "".join(_log_tail(Path(out_dir), rank) for rank in sorted(failed))
             raise AssertionError(f"{request['target']}: ranks exited with {failed} (expected 0)\n{logs}")
-        # what the test's own ranks returned (any picklable value), from this call's private temp folder
         return [torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
@@ -405,11 +386,9 @@ class _ServerProcess:
         type(self)._instance = None
 
     def line(self, deadline: float, what: str) -> str | None:
-        """The server's next line, or None at the deadline; ``what``: the request, for an error.
-
-        Read with ``os.read`` into a buffer of our own: a buffered ``readline`` can take two lines
-        from the pipe at once, and ``select`` would then wait on an empty pipe for the second.
-        """
+        """The server's next line, or None at the deadline (``what``: the request, for an error). Read with
+        ``os.read`` into our own buffer: a buffered ``readline`` can take two lines from the pipe at once,
+        and ``select`` would then wait on an empty pipe for the second."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._pending:
@@ -457,7 +436,10 @@ class _RankServer(_ServerProcess):
                     _, rank, code = line.split()
                     codes[int(rank)] = int(code)
                 if failed_at is None:
-                    raise AssertionError(self._hang_message(request, timeout))
+                    logs = "".join(_log_tail(Path(request["out_dir"]), rank, 3000) for rank in range(len(pids)))
+                    raise AssertionError(
+                        f"{request['target']} did not finish on {len(pids)} ranks within {timeout}s (hang)\n{logs}"
+                    )
                 break
             _, rank, code = line.split()
             codes[int(rank)] = int(code)
@@ -467,21 +449,12 @@ class _RankServer(_ServerProcess):
 
     def _kill(self, pids: Sequence[int]) -> None:
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def _hang_message(self, request: dict[str, Any], timeout: float) -> str:
-        out_dir = Path(request["out_dir"])
-        logs = "".join(_log_tail(out_dir, rank, 3000) for rank in range(request["world_size"]))
-        return f"{request['target']} did not finish on {request['world_size']} ranks within {timeout}s (hang)\n{logs}"
 
 
 def _serve() -> None:
     """The rank server's loop (``python -m ddp_plugins.testing``): import once, fork per request."""
-    import importlib
-
     for name in _PRELOAD:
         importlib.import_module(name)
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
@@ -513,9 +486,8 @@ def _rank(request: dict[str, Any], rank: int, dies_with_server: Callable[[], Non
         out_dir = Path(request["out_dir"])
         log = os.open(out_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+        for fd, target in ((null, 0), (log, 1), (log, 2)):
+            os.dup2(fd, target)
         os.close(log)
         os.close(null)
         world_size = request["world_size"]
@@ -530,8 +502,6 @@ def _rank(request: dict[str, Any], rank: int, dies_with_server: Callable[[], Non
         # a hang shows where each rank was: every thread's stack, in the rank's log, just before the kill
         faulthandler.dump_traceback_later(max(request["timeout"] - 1.0, 0.5))
         module_name, func_name = request["target"].split(":")
-        import importlib
-
         func = getattr(importlib.import_module(module_name), func_name)
         args = pickle.loads((out_dir / "args.pkl").read_bytes())
         save_atomic(func(str(out_dir), *args), out_dir / f"rank{rank}.pt")

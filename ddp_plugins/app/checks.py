@@ -1,10 +1,5 @@
-"""Building the configured objects
-==============================
-
-Instantiates the strategy, callbacks, model, datamodule and ``Trainer`` a composed config describes,
-without starting anything, and restates each refusal (a class's :class:`ArgumentError`, an unknown
-argument, a ``Trainer`` argument of the wrong type) as one :class:`ConfigError` naming the config key.
-"""
+"""The objects a composed config describes, built without starting anything; each refusal is restated
+as one :class:`ConfigError` naming the config key."""
 
 from __future__ import annotations
 
@@ -36,12 +31,6 @@ def build_objects(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate the configured strategy, callbacks, model, datamodule, logger and ``Trainer``; start nothing.
 
     Each object is built from its own config node, so an error names the key it came from.
-
-    Returns:
-        ``{"strategy", "callbacks", "model", "datamodule", "logger", "trainer"}``.
-
-    Raises:
-        ConfigError: an object refused its configuration.
     """
     raw = OmegaConf.to_container(cfg, resolve=False)
     objects: dict[str, Any] = {"model": _build("model", cfg.model, raw), "datamodule": _build("data", cfg.data, raw)}
@@ -81,8 +70,7 @@ def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, raw: Any) 
 
 
 def _check_global_batch_rows(strategy: Any, datamodule: Any) -> None:
-    """Refuse a global batch larger than the training data: every epoch would be one step of all rows
-    (it is not capped: the value asked for would silently not be the one trained with)."""
+    """Refuse a global batch larger than the training data (not capped: it would silently not be the one used)."""
     size = getattr(strategy, "global_batch_size", None)
     rows = getattr(datamodule, "train_rows", None)  # the app's demo data know theirs without loading
     if isinstance(size, int) and isinstance(rows, int) and size > rows:
@@ -137,11 +125,8 @@ def _import_target(key: str, target: str) -> type:
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(
-            f"{key}._target_",
-            f"got {target!r}, which cannot be imported ({one_line(err)})",
-            "an importable class path",
-        ) from None
+        problem = f"got {target!r}, which cannot be imported ({one_line(err)})"
+        raise ConfigError(f"{key}._target_", problem, "an importable class path") from None
     if not isinstance(cls, type):
         raise ConfigError(f"{key}._target_", f"got {target!r}, which is not a class", "an importable class path")
     return cls
@@ -154,13 +139,9 @@ def _init_params(cls: type) -> set[str] | None:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        signature = inspect.signature(init)
-        params |= {
-            p.name
-            for p in signature.parameters.values()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"
-        }
-        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        values = inspect.signature(init).parameters.values()
+        params |= {p.name for p in values if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in values):
             return params
         if klass.__module__.startswith(("lightning", "torch")):
             return None  # their **kwargs go to places we cannot list
@@ -193,20 +174,12 @@ def _source_key(key: str, raw: Any) -> str:
     return key
 
 
-# --------------------------------------------------------------------------- the Trainer
-
-
-def _trainer_hints() -> dict[str, Any]:
+def check_trainer_args(trainer: Mapping[str, Any]) -> None:
+    """Unknown ``trainer.*`` keys and values of the wrong type, from ``Trainer.__init__``'s annotations."""
     from lightning.pytorch import Trainer
 
     hints = typing.get_type_hints(Trainer.__init__)
     hints.pop("return", None)
-    return hints
-
-
-def check_trainer_args(trainer: Mapping[str, Any]) -> None:
-    """Unknown ``trainer.*`` keys and values of the wrong type, from ``Trainer.__init__``'s annotations."""
-    hints = _trainer_hints()
     allowed_keys = sorted(set(hints) - set(APP_TRAINER_ARGS))
     for key, value in trainer.items():
         if key in APP_TRAINER_ARGS:
@@ -230,21 +203,13 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is type(None):
         return value is None
     if origin in (list, tuple):
-        return (
-            isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value)
-            if args
-            else isinstance(value, (list, tuple))
-        )
+        return isinstance(value, (list, tuple)) and (not args or all(_fits(v, args[0]) for v in value))
     if origin in (dict, Mapping):
         return isinstance(value, Mapping)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
+    if hint in (int, float):  # a bool is no number
+        return isinstance(value, (int, hint)) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return isinstance(value, hint)
     if isinstance(hint, type):
         return isinstance(value, hint) or isinstance(value, (str, Mapping))  # objects arrive as names or configs
     return True

@@ -65,8 +65,7 @@ def job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
         command = [sys.executable, to_absolute_path(sys.argv[0])]
     else:
         command = [sys.executable, "-m", __main__.__spec__.name]
-    # The config the user chose, only this job's overrides (no --multirun, no sweep), and this
-    # job's own output folder.
+    # the config the user chose, only this job's overrides (no --multirun, no sweep), its own folder
     command += split_config_flags(sys.argv[1:])[0]
     command += list(hydra_cfg.overrides.task)
     command += [

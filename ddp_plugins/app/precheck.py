@@ -1,12 +1,7 @@
-"""The app's up-front check
-========================
-
-Composes the config of every job and builds every configured object before Hydra makes a folder
-or any process starts, so bad input ends with one line ``error: <key> ..., allowed: ...`` and exit
-code 2. The schema (:class:`~ddp_plugins.app.config.TrainConfig`) has typed the keys by then;
-this module checks what no type says: bounds, group choices, the resume checkpoint, sweeps, and
-what this machine can run.
-"""
+"""The app's up-front check: every job's config composed and every object built before Hydra makes a
+folder or any process starts, so bad input ends with one line ``error: <key> ..., allowed: ...``.
+It checks what the schema's types do not say: bounds, group choices, the resume checkpoint, sweeps,
+what this machine can run."""
 
 from __future__ import annotations
 
@@ -58,17 +53,8 @@ CPU_PROCESSES_PER_CORE = 2
 _HYDRA_INFO_FLAGS = ("-h", "--help", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--version")
 
 
-# --------------------------------------------------------------------------- the command line
-
-
 def precheck(argv: list[str]) -> None:
-    """Every check that can run before Hydra makes a folder or Lightning starts a process.
-
-    Under ``-m`` / ``--multirun`` each job of the sweep is composed and checked.
-
-    Raises:
-        ConfigError: the first problem found, as one line.
-    """
+    """Every check that can run before Hydra makes a folder or Lightning starts a process (each job of a sweep)."""
     config_flags, argv = split_config_flags(argv)
     if any(arg in _HYDRA_INFO_FLAGS or arg.startswith(("--cfg=", "--info=")) for arg in argv):
         return  # Hydra answers (help, printed config) and starts nothing
@@ -84,15 +70,8 @@ def precheck(argv: list[str]) -> None:
 
 
 def single_run_config(argv: list[str]) -> DictConfig | None:
-    """The composed config of a single (not ``--multirun``) run, with Hydra's node (its run folder
-    resolved as Hydra will resolve it); None for sweeps and for Hydra's info flags, which start no run.
-
-    The app locks the run folder before Hydra writes ``.hydra/`` there, and hands Hydra the resolved
-    path so that both agree (``${now:...}`` is resolved once).
-
-    Raises:
-        ConfigError: the run folder cannot be resolved, as one line.
-    """
+    """The composed config of a single run, with Hydra's node and its run folder resolved once (the
+    app locks it before Hydra writes there); None for sweeps and Hydra's info flags."""
     config_flags, argv = split_config_flags(argv)
     if any(arg in _HYDRA_INFO_FLAGS or arg.startswith(("--cfg=", "--info=")) for arg in argv):
         return None
@@ -176,15 +155,8 @@ def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     return [job for batch in batches for job in batch]
 
 
-# --------------------------------------------------------------------------- the composed config
-
-
 def check_config(cfg: DictConfig) -> None:
-    """Check a composed app config by building every object it describes (nothing is started).
-
-    Raises:
-        ConfigError: the first problem found, as one line naming the config key.
-    """
+    """Check a composed app config by building every object it describes (nothing is started)."""
     raw = to_plain_dict(cfg, resolve=False)
     try:
         resolved = to_plain_dict(cfg, resolve=True)
@@ -200,10 +172,8 @@ def check_config(cfg: DictConfig) -> None:
 def check_resume(resume: Any) -> str:
     """``resume``: ``"auto"``, ``"never"`` or the path of a verified checkpoint file.
 
-    A path must load with ``weights_only=True`` and, when it has a SHA-256 sidecar, match it
-    (:func:`ddp_plugins.core.checkpoints.verify_checkpoint`): a file that is not a whole Lightning
-    checkpoint is refused before anything of it runs. A checkpoint without a sidecar (one not
-    written by :class:`~ddp_plugins.lightning.AtomicCheckpointIO`) is taken as given, unverified.
+    A path must load with ``weights_only=True`` and match its SHA-256 sidecar when it has one
+    (:func:`ddp_plugins.core.checkpoints.verify_checkpoint`).
 
     Example::
 
@@ -234,11 +204,7 @@ def check_resume(resume: Any) -> str:
 
 
 def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
-    """(epoch, global step) of a Lightning checkpoint, loaded with ``weights_only=True`` (memory-mapped).
-
-    Raises:
-        ValueError: the file does not load that way or is not a Lightning checkpoint, as one line.
-    """
+    """(epoch, global step) of a Lightning checkpoint, loaded with ``weights_only=True``; else a ``ValueError``."""
     checkpoint = load_checkpoint_safely(path)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError("not a Lightning checkpoint (no state_dict)")
@@ -295,8 +261,7 @@ def _check_global_batch(strategy: Mapping[str, Any], trainer: Mapping[str, Any])
     """A global batch with fewer rows than ranks x micro-batches would leave every step partly empty."""
     g, devices, nodes = strategy.get("global_batch_size"), trainer.get("devices"), trainer.get("num_nodes", 1)
     accumulate = trainer.get("accumulate_grad_batches", 1)
-    sizes = (g, devices, nodes, accumulate)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (g, devices, nodes, accumulate)):
         return  # null, "auto", or a type the strategy's own check names
     if g < devices * nodes * accumulate:
         raise ConfigError(
@@ -312,29 +277,21 @@ def max_cpu_processes() -> int:
 
 
 def _check_devices(devices: Any, accelerator: str) -> None:
-    if devices == "auto":
+    cuda = cuda_in_use(accelerator)
+    available = torch.cuda.device_count() if cuda else 0
+    if devices == "auto" or (cuda and devices == -1):  # on CUDA Lightning also takes -1 (every GPU)
         return
-    if cuda_in_use(accelerator):
-        available = torch.cuda.device_count()
-        # Lightning also takes -1 (every GPU) and a list of GPU indices on CUDA.
-        if isinstance(devices, (list, tuple)):
-            if not devices or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < available for d in devices
-            ):
-                raise ConfigError(
-                    "trainer.devices", f"got {list(devices)!r}", f"GPU indices between 0 and {available - 1}"
-                )
-            return
-        if devices == -1:
-            return
+    if cuda and isinstance(devices, (list, tuple)):  # and a list of GPU indices
+        if not devices or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < available for d in devices):
+            raise ConfigError("trainer.devices", f"got {list(devices)!r}", f"GPU indices between 0 and {available - 1}")
+        return
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ConfigError("trainer.devices", f"got {devices!r}", "a positive integer or 'auto'")
-    if cuda_in_use(accelerator):
-        if devices > available:
-            raise ConfigError(
-                "trainer.devices", f"got {devices}, more GPUs than this machine has ({available})", f"1 to {available}"
-            )
-    elif devices > max_cpu_processes():
+    if cuda and devices > available:
+        raise ConfigError(
+            "trainer.devices", f"got {devices}, more GPUs than this machine has ({available})", f"1 to {available}"
+        )
+    if not cuda and devices > max_cpu_processes():
         raise ConfigError(
             "trainer.devices",
             f"got {devices}, more CPU processes than this machine runs well ({os.cpu_count()} cores)",

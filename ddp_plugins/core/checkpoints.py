@@ -1,10 +1,4 @@
-"""Checkpoint helpers
-==================
-
-Per-rank state gathered when a checkpoint is saved, checkpoint files written with a SHA-256
-sidecar (through :func:`ddp_plugins.core.files.save_atomic`) and verified before loading, and the
-latest checkpoint of a folder. Plain torch and the standard library.
-"""
+"""Checkpoint files with a SHA-256 sidecar, verified before loading; per-rank state gathered at save."""
 
 from __future__ import annotations
 
@@ -40,45 +34,33 @@ __all__ = [
 PER_RANK = "per_rank"
 
 
-def _per_rank_slots(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
-    """The state dicts of the checkpoint's callbacks that hold a :data:`PER_RANK` part, in a fixed order."""
-    callbacks = checkpoint.get("callbacks") or {}
-    states = [callbacks[key] for key in sorted(callbacks)]
-    return [state for state in states if isinstance(state, dict) and PER_RANK in state]
-
-
 def gather_per_rank(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Replace every callback's :data:`PER_RANK` part with the list of all ranks' parts (in place).
 
-    A component whose state differs per rank (RNG streams) puts this rank's part under
-    :data:`PER_RANK` in its state dict. One ``all_gather_object`` for all of them; every rank must
-    call it at the same point (the strategy's ``save_checkpoint``), so ``state_dict`` itself needs
-    no collective. Without a process group each part becomes a one-element list.
+    One ``all_gather_object`` that every rank calls at the same point (the strategy's
+    ``save_checkpoint``), so ``state_dict`` itself needs no collective.
 
     Example::
 
         >>> gather_per_rank({"callbacks": {"Seed": {"per_rank": {"s": 1}, "seed": 3}}})
         {'callbacks': {'Seed': {'per_rank': [{'s': 1}], 'seed': 3}}}
     """
-    slots = _per_rank_slots(checkpoint)
+    callbacks = checkpoint.get("callbacks") or {}
+    states = [callbacks[key] for key in sorted(callbacks)]  # a fixed order on every rank
+    slots = [state for state in states if isinstance(state, dict) and PER_RANK in state]
     if not slots:
         return checkpoint
     mine = [slot[PER_RANK] for slot in slots]
-    if get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[Any] = [mine] * get_world_size()
+    if len(gathered) > 1:
         dist.all_gather_object(gathered, mine)
-    else:
-        gathered = [mine]
     for index, slot in enumerate(slots):
         slot[PER_RANK] = [rank_parts[index] for rank_parts in gathered]
     return checkpoint
 
 
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
-    """The ``*.ckpt`` file of ``folder`` written last (None if there is none).
-
-    Ordered by the write number in each digest sidecar (:func:`save_checkpoint_file`), which
-    survives a copy that drops modification times; files without one come first, by mtime.
+    """The ``*.ckpt`` file of ``folder`` written last (None if there is none), by :func:`write_order`.
 
     Example::
 
@@ -109,8 +91,9 @@ def write_number(path: str | os.PathLike) -> int | None:
 
 
 def write_order(path: str | os.PathLike) -> tuple[int, int]:
-    """The sort key of a checkpoint among its folder's, the oldest first: its write number (-1
-    without one, so before every numbered file), then its modification time.
+    """A checkpoint's sort key, oldest first: its write number (-1 without one), then its mtime.
+
+    The write number survives a copy that drops modification times.
 
     Example::
 
@@ -133,18 +116,8 @@ def _recorded_number(sidecar: Path) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _next_write_number(folder: Path) -> int:
-    """One more than the largest write number of ``folder``'s checkpoints: newer than every one there."""
-    numbers = (_recorded_number(sidecar) for sidecar in folder.glob("*" + DIGEST_SUFFIX))
-    return 1 + max((n for n in numbers if n is not None), default=0)
-
-
 def _newest_first(folder: str | os.PathLike) -> list[Path]:
-    """The ``*.ckpt`` files of ``folder``, the last written first (temporary, hidden names ignored)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".") and p.is_file()]
+    found = [p for p in Path(folder).glob("*.ckpt") if not p.name.startswith(".") and p.is_file()]  # none: no folder
     return sorted(found, key=lambda p: (*write_order(p), p.name), reverse=True)
 
 
@@ -173,9 +146,8 @@ def _sha256(path: Path) -> str:
 def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 in ``<name>.sha256``.
 
-    The digest is written before the checkpoint is renamed into place, so a visible checkpoint has
-    one; the sidecar is ``sha256sum -c``'s format plus its :func:`write_number`. A full disk raises
-    ``OSError(ENOSPC)`` naming the path.
+    The digest is written before the rename, so a visible checkpoint has one; the sidecar is
+    ``sha256sum -c``'s format plus its :func:`write_number`.
 
     Example::
 
@@ -187,7 +159,8 @@ def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
     path = Path(path)
 
     def write_digest(tmp: Path) -> None:
-        number = _next_write_number(path.parent)
+        numbers = (_recorded_number(sidecar) for sidecar in path.parent.glob("*" + DIGEST_SUFFIX))
+        number = 1 + max((n for n in numbers if n is not None), default=0)
         write_text_atomic(digest_path(path), f"{_sha256(tmp)}  {path.name}\n# write {number}\n")
 
     try:
@@ -199,7 +172,6 @@ def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
 
 
 def _no_space(error: BaseException | None) -> bool:
-    """Whether ``error`` (or an exception it was raised from) is a full disk."""
     while error is not None:
         if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error):
             return True
@@ -214,9 +186,7 @@ def remove_checkpoint_file(path: str | os.PathLike) -> None:
 
 
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a whole checkpoint written by this pack, or None when it is.
-
-    Reads the file once to hash it; nothing is unpickled.
+    """Why ``path`` is not a whole checkpoint written by this pack, or None (nothing is unpickled).
 
     Example::
 
@@ -250,9 +220,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
 
 def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest ``*.ckpt`` of ``folder`` that passes :func:`verify_checkpoint`, and the newer
-    ones it skipped, each with the reason. A file whose sidecar carries no write number (none at
-    all, garbage, or one made by hand with ``sha256sum``) sorts before every numbered one: it counts
-    as skipped when it was modified after the one found, so that none is passed over unnamed.
+    ones skipped, each with the reason (unnumbered files modified after the one found included).
 
     Example::
 
@@ -294,11 +262,8 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
         >>> sorted(p.name for p in remove_stale_temporaries(folder)), [p.name for p in folder.iterdir()]
         (['.step-4.ckpt.123.tmp', 'gone.ckpt.sha256'], ['kept.ckpt'])
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
     removed = []
-    for path in folder.iterdir():
+    for path in Path(folder).glob("*"):  # hidden files too; none without the folder
         checkpoint = path.with_name(path.name[: -len(DIGEST_SUFFIX)])
         orphan = path.name.endswith(".ckpt" + DIGEST_SUFFIX) and not checkpoint.exists()
         if (is_temporary(path) or orphan) and path.is_file():

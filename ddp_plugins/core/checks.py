@@ -1,9 +1,5 @@
-"""Argument checks
-===============
-
-The validators every class and function of the pack uses: a wrong type raises
-:class:`ArgumentTypeError`, a wrong value :class:`ArgumentValueError`, both naming the argument.
-"""
+"""The pack's argument validators: a wrong type raises :class:`ArgumentTypeError`, a wrong value
+:class:`ArgumentValueError`, both naming the argument."""
 
 from __future__ import annotations
 
@@ -36,9 +32,8 @@ _UNSET: Any = _Unset()
 class ArgumentError(Exception):
     """A bad argument: ``argument`` (its name), ``got`` (what was received), ``allowed`` (what is).
 
-    ``problem`` says what is wrong in a few words ("got 'foo'" unless given). The message reads
-    "`<argument>` should be <allowed>, got <got>." plus an optional ``hint``. A caller that knows
-    where the argument came from (the training app knows the config key) restates it in its own words.
+    The message reads "`<argument>` should be <allowed>, <problem>." plus an optional ``hint``;
+    ``problem`` is "got <got>" unless given.
 
     Example::
 
@@ -50,11 +45,8 @@ class ArgumentError(Exception):
     """
 
     def __init__(self, argument: str, allowed: str, got: Any = _UNSET, *, problem: str | None = None, hint: str = ""):
-        self.argument = argument
-        self.allowed = allowed
-        self.got = got
+        self.argument, self.allowed, self.got, self.hint = argument, allowed, got, hint
         self.problem = problem if problem is not None else f"got {got!r}"
-        self.hint = hint
         text = f"`{argument}` should be {allowed}, {self.problem}."
         super().__init__(f"{text} {hint}" if hint else text)
 
@@ -77,16 +69,6 @@ class ArgumentValueError(ArgumentError, ValueError):
         >>> str(ArgumentValueError("timeout", "a positive finite number", -1))
         '`timeout` should be a positive finite number, got -1.'
     """
-
-
-def _is_int(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _num(value: float) -> str:
@@ -115,10 +97,6 @@ def check_int(
     """``value`` as an ``int`` when it is an integer in ``[minimum, maximum]`` (``bool`` is not an integer),
     or one of ``allowed_words`` (such as ``"auto"``) as it is.
 
-    Raises:
-        ArgumentTypeError: not an integer (nor ``None`` when ``allow_none``, nor one of ``allowed_words``).
-        ArgumentValueError: outside the bounds.
-
     Example::
 
         >>> check_int("world_size", 4, 1)
@@ -128,16 +106,18 @@ def check_int(
         ...
         ddp_plugins.core.checks.ArgumentValueError: `devices` should be an integer >= 1, got 0.
     """
-    allowed = " or ".join([*map(repr, allowed_words), f"an integer{_bounds(minimum, maximum)}"]) + (
-        " or None" if allow_none else ""
-    )
+    words = [*map(repr, allowed_words), f"an integer{_bounds(minimum, maximum)}", *(["None"] if allow_none else [])]
+    allowed = " or ".join(words)
     if value is None and allow_none:
         return None
     if isinstance(value, str) and value in allowed_words:
         return value
-    if not _is_int(value):
-        raise ArgumentTypeError(name, allowed, value)
-    value = operator.index(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(name, allowed, value) from None
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise ArgumentValueError(name, allowed, value)
     return value
@@ -156,17 +136,7 @@ def check_number(
 ) -> Any:
     """``value`` when it is a finite real number within the bounds (``bool`` is not a number).
 
-    Args:
-        name: the argument's name, for the message.
-        value: what was received.
-        minimum: the lowest allowed value (``exclusive_minimum``: the value must be above it).
-        maximum: the highest allowed value (``exclusive_maximum``: the value must be below it).
-        allow_none: ``None`` is allowed too.
-        what: a word for the unit or meaning, e.g. ``"seconds"``, in the message.
-
-    Raises:
-        ArgumentTypeError: not a real number (nor ``None`` when ``allow_none``).
-        ArgumentValueError: NaN, infinite, or outside the bounds.
+    ``what`` names the unit in the message, e.g. ``"seconds"``.
 
     Example::
 
@@ -180,12 +150,8 @@ def check_number(
     else:
         low = "" if minimum is None else f"{'>' if exclusive_minimum else '>='} {_num(minimum)}"
         high = "" if maximum is None else f"{'<' if exclusive_maximum else '<='} {_num(maximum)}"
-        span = (
-            "a finite number"
-            + (f" {low}" if low else "")
-            + (" and" if low and high else "")
-            + (f" {high}" if high else "")
-        )
+        bounds = " and ".join(bound for bound in (low, high) if bound)
+        span = f"a finite number {bounds}".rstrip()
     allowed = span + (f" of {what}" if what else "") + (" or None" if allow_none else "")
     if value is None and allow_none:
         return None
@@ -201,10 +167,7 @@ def check_number(
 
 
 def check_bool(name: str, value: Any) -> bool:
-    """``value`` when it is ``True`` or ``False``.
-
-    Raises:
-        ArgumentTypeError: anything else (``1``, ``"true"``, ``None``).
+    """``value`` when it is ``True`` or ``False`` (not ``1``, ``"true"`` or ``None``).
 
     Example::
 
@@ -221,10 +184,7 @@ def check_bool(name: str, value: Any) -> bool:
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
-    """``value`` when it is one of ``choices``.
-
-    Raises:
-        ArgumentValueError: ``value`` is not among them (the message lists them).
+    """``value`` when it is one of ``choices`` (of the same type: ``1`` is not ``True``).
 
     Example::
 

@@ -1,10 +1,4 @@
-"""Collectives
-===========
-
-:func:`distributed_concat` gathers every rank's rows (tensors, nested containers of them, lists of
-Python objects) in rank order, whatever each rank holds; the row helpers serve the adapter that
-collects step outputs. Plain torch.
-"""
+"""Every rank's rows gathered in rank order, whatever each rank holds, and the row helpers of step outputs."""
 
 from __future__ import annotations
 
@@ -42,26 +36,21 @@ def distributed_concat(
     nested dict / tuple / list of those. Ranks may hold different numbers of rows, including none;
     every rank gets the full result on the devices the tensors came from.
 
-    Tensors whose structure and dtypes agree on every rank take one collective round when they fit
-    the buffer size the group's previous call agreed on (at most 1 MiB per rank; the shapes travel
-    with the data), else a small round of shapes, then the data. Python rows, ranks that disagree and
-    ``local_error`` add one exchange of every rank's full metadata, whose errors name every rank's
-    shapes. The buffers are kept per process group between calls.
+    Tensors that agree in structure and dtypes take one round when they fit the group's buffer (the
+    shapes travel with the data; the protocol is described above ``_FITS``), else a round of shapes,
+    then the data. Python rows, ranks that disagree and ``local_error`` add one exchange of every
+    rank's full metadata, whose errors name every rank's shapes.
 
     Args:
-        data: this rank's rows.
         num_total_examples: keep only the first this many rows of the result (drops the padding of
             :class:`SequentialDistributedSampler`); ``None`` keeps everything.
         pad_value: when given, tensors whose trailing dimensions differ across ranks (variable
             length sequences) are padded to the largest with this value; when ``None`` they raise.
-        group: the process group; the default group when ``None``.
         local_error: a failure this rank found while preparing ``data`` (``data`` is then ignored):
-            it travels with the shapes, so every rank raises it together instead of the others
-            waiting in the gather.
+            every rank raises it together instead of the others waiting in the gather.
 
     Raises:
-        ValueError: structures, dtypes or trailing shapes differ across ranks (the message lists
-            every rank's shapes and is raised on every rank), or an argument is invalid.
+        ValueError: structures, dtypes or trailing shapes differ across ranks (raised on every rank).
         TypeError: ``data`` holds something that is neither a tensor, a container nor a list of rows.
 
     Example::
@@ -69,7 +58,29 @@ def distributed_concat(
         >>> distributed_concat({"preds": torch.arange(4), "ids": ["a", "b", "c", "d"]}, 3)
         {'preds': tensor([0, 1, 2]), 'ids': ['a', 'b', 'c']}
     """
-    return _concat(data, num_total_examples, pad_value=pad_value, group=group, error=local_error)
+    error = local_error
+    check_int("num_total_examples", num_total_examples, 0, allow_none=True)
+    check_number("pad_value", pad_value, allow_none=True)
+    spec: Any = None
+    leaves: list[tuple[str, Any]] = []
+    if error is None:
+        try:
+            spec, leaves = _flatten(data)
+        except TypeError as exc:
+            error = str(exc)
+    world = dist.get_world_size(group) if is_distributed() else 1
+    if world > 1:
+        outs = _gather_tensors(spec, leaves, error, pad_value, group, world)
+        if outs is None:  # Python rows, a local error or ranks that disagree: every rank's full metadata
+            outs = _gather_with_metadata(spec, leaves, error, pad_value, group)
+    else:
+        if error is not None:
+            raise ValueError(error)
+        names = [name for name, _ in leaves]
+        _check_consistent([_RankMeta(spec, [_describe(leaf) for _, leaf in leaves], [])], names, pad_value)
+        outs = [list(leaf) if _is_rows(leaf) else leaf for _, leaf in leaves]
+    result = _unflatten(data, iter(outs))
+    return result if num_total_examples is None else truncate_rows(result, num_total_examples)
 
 
 def _is_rows(value: Any) -> bool:
@@ -120,7 +131,7 @@ class _LeafMeta(NamedTuple):
 
 
 class _RankMeta(NamedTuple):
-    """What one rank sends in :func:`_concat`'s single metadata gather."""
+    """What one rank sends in :func:`_gather_with_metadata`'s single object gather."""
 
     spec: Any  # the structure of its data, from _flatten
     leaves: list[_LeafMeta]  # one per leaf, in _flatten's order
@@ -187,43 +198,6 @@ def num_rows(data: Any, step: str) -> int:
 def truncate_rows(data: Any, n: int) -> Any:
     """The first ``n`` rows of every leaf of ``data``."""
     return _unflatten(data, iter([leaf[:n] for _, leaf in _flatten(data)[1]]))
-
-
-def _concat(
-    data: Any,
-    num_total_examples: int | None,
-    *,
-    pad_value: float | None = None,
-    group: Any = None,
-    error: str | None = None,
-) -> Any:
-    """:func:`distributed_concat`, plus ``error``: a failure found on this rank, raised on every rank."""
-    if num_total_examples is not None:
-        check_int("num_total_examples", num_total_examples, 0, allow_none=True)
-    if pad_value is not None:
-        check_number("pad_value", pad_value, allow_none=True)
-    spec: Any = None
-    leaves: list[tuple[str, Any]] = []
-    if error is None:
-        try:
-            spec, leaves = _flatten(data)
-        except TypeError as exc:
-            error = str(exc)
-    world = dist.get_world_size(group) if is_distributed() else 1
-    if world == 1:
-        if error is not None:
-            raise ValueError(error)
-        names = [name for name, _ in leaves]
-        _check_consistent([_RankMeta(spec, [_describe(leaf) for _, leaf in leaves], [])], names, pad_value)
-        outs = [list(leaf) if _is_rows(leaf) else leaf for _, leaf in leaves]
-    else:
-        # None for Python rows, a local error or ranks that disagree: then every rank's full metadata
-        tensors_only = _gather_tensors(spec, leaves, error, pad_value, group, world)
-        outs = (
-            tensors_only if tensors_only is not None else _gather_with_metadata(spec, leaves, error, pad_value, group)
-        )
-    result = _unflatten(data, iter(outs))
-    return result if num_total_examples is None else truncate_rows(result, num_total_examples)
 
 
 def _gather_with_metadata(
@@ -427,12 +401,7 @@ def _check_consistent(all_meta: list[_RankMeta], names: list[str], pad_value: fl
 
 
 def _gather_tensor(tensor: Tensor, shapes: list[tuple], pad_value: float | None, group: Any) -> Tensor:
-    """Pad to the largest shape, gather into one buffer, trim each rank's rows, concatenate.
-
-    Gathering into one preallocated buffer (``all_gather_single``) instead of a list of tensors
-    saves the ``torch.cat`` copy of the anchor; when only trailing ranks hold fewer rows the
-    result is a view of that buffer.
-    """
+    """Pad to the largest shape, gather into one buffer (no ``torch.cat`` copy), trim each rank's rows."""
     filled = [shape for shape in shapes if shape[0] > 0] or shapes
     trailing = tuple(max(sizes) for sizes in zip(*(shape[1:] for shape in filled), strict=True))
     rows = [shape[0] for shape in shapes]

@@ -1,9 +1,4 @@
-"""DDP communication hooks
-========================
-
-Hooks by name for ``DistributedDataParallel.register_comm_hook``, and counters of what hooks and
-``torch.distributed`` collectives send. Plain torch.
-"""
+"""DDP communication hooks by name, and counters of what hooks and ``torch.distributed`` collectives send."""
 
 from __future__ import annotations
 
@@ -16,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_choice, check_int
@@ -53,34 +49,22 @@ def check_comm_hook(comm_hook: Any, backend: str | None = None) -> None:
     nccl = torch.cuda.nccl.version() if backend == "nccl" and torch.cuda.is_available() else None
     if nccl is None or tuple(nccl)[:2] < (2, 10):
         found = f"NCCL {'.'.join(map(str, nccl))}" if nccl else f"the {backend} backend"
-        raise ArgumentValueError(
-            "comm_hook",
-            "'none', 'fp16' or 'powersgd' (any backend), or 'bf16' with the nccl backend and NCCL 2.10+",
-            problem=f"got 'bf16' with {found}",
-        )
+        allowed = "'none', 'fp16' or 'powersgd' (any backend), or 'bf16' with the nccl backend and NCCL 2.10+"
+        raise ArgumentValueError("comm_hook", allowed, problem=f"got 'bf16' with {found}")
 
 
 def build_comm_hook(
-    name: str,
-    process_group: Any = None,
-    powersgd_rank: int = 1,
-    powersgd_start_iter: int = 1000,
+    name: str, process_group: Any = None, powersgd_rank: int = 1, powersgd_start_iter: int = 1000
 ) -> tuple[Any, Callable[..., Any] | None]:
-    """The ``(state, hook)`` pair for a communication hook name, for ``DistributedDataParallel``.
+    """The ``(state, hook)`` pair of torch's hook for a name: ``ddp.register_comm_hook(*build_comm_hook("fp16"))``.
 
-    ``ddp_model.register_comm_hook(*build_comm_hook("fp16"))``; torch's own hooks. Build one pair
-    per DDP model: PowerSGD keeps per-model state.
+    Build one pair per DDP model: PowerSGD keeps per-model state.
 
     Args:
-        name: ``"none"`` (DDP's default all-reduce; returns ``(None, None)``), ``"fp16"``,
-            ``"bf16"`` or ``"powersgd"``.
-        process_group: the group to reduce over; ``None`` is the default group.
+        name: one of :data:`COMM_HOOKS`; ``"none"`` (DDP's default all-reduce) returns ``(None, None)``.
         powersgd_rank: PowerSGD's ``matrix_approximation_rank`` (>= 1).
-        powersgd_start_iter: PowerSGD's ``start_powerSGD_iter``: plain all-reduce before it
-            (>= 2, PowerSGD's error feedback needs two warm-up iterations).
-
-    Raises:
-        ValueError: an unknown name or a PowerSGD argument out of range.
+        powersgd_start_iter: PowerSGD's ``start_powerSGD_iter`` (>= 2: its error feedback needs two
+            warm-up iterations).
 
     Example::
 
@@ -91,51 +75,36 @@ def build_comm_hook(
     check_comm_hook(name)
     check_int("powersgd_rank", powersgd_rank, 1)
     check_int("powersgd_start_iter", powersgd_start_iter, 2)
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
     if name == "none":
         return None, None
     if name == "fp16":
         return process_group, default_hooks.fp16_compress_hook
     if name == "bf16":
         return process_group, default_hooks.bf16_compress_hook
-    state = powerSGD_hook.PowerSGDState(
-        process_group=process_group,
-        matrix_approximation_rank=powersgd_rank,
-        start_powerSGD_iter=powersgd_start_iter,
-    )
+    state = powerSGD_hook.PowerSGDState(process_group, powersgd_rank, start_powerSGD_iter=powersgd_start_iter)
     return state, _powersgd_hook
 
 
 def _powersgd_hook(state, bucket):
     """torch's ``powerSGD_hook``; on backends other than NCCL it returns once the bucket is reduced.
 
-    PowerSGD issues its second and third all-reduce from a future callback. On NCCL these are
-    ordered on the stream; on gloo the callbacks run on gloo's own threads whenever the previous
-    collective completes, so they can interleave differently on each rank with the next bucket's
-    all-reduce or with any other collective of the backward pass (SyncBatchNorm's), and gloo then
-    aborts on a collective mismatch. Waiting here keeps every rank's collectives in one order, at the
-    price of not overlapping this bucket's reduction with the rest of the backward pass. No type
-    annotations: DDP compares them with the real classes.
+    PowerSGD issues its later all-reduces from future callbacks, which gloo runs on its own threads:
+    they could interleave differently on each rank with other collectives (SyncBatchNorm's), and
+    gloo aborts on the mismatch. Waiting keeps one order. No annotations: DDP compares them.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
-
     if not bucket.buffer().is_cuda and torch.cuda.is_available():
         _let_cuda_synchronize_skip_the_cpu()
-    future = powerSGD_hook(state, bucket)
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
     if dist.get_backend(state.process_group) != "nccl":
         future.wait()
     return future
 
 
 def _let_cuda_synchronize_skip_the_cpu() -> None:
-    """Make ``torch.cuda.synchronize(<cpu device>)`` return at once (nothing to wait for) instead of raising.
+    """Make ``torch.cuda.synchronize(<cpu device>)`` return at once instead of raising, process-wide.
 
-    torch's ``powerSGD_hook`` (checked on 2.11 and 2.13) calls ``torch.cuda.synchronize(device)`` with
-    the bucket's device whenever CUDA is available, so a CPU bucket (gloo, CPU model) on a machine
-    with a GPU fails with ``ValueError: Expected a cuda device, but got: cpu``, from a future callback
-    on gloo's thread. The wrapper changes only that call, which always raised; it is installed once
-    per process, process-wide, since the callback runs on another thread.
+    torch's ``powerSGD_hook`` (checked on 2.11 and 2.13) calls it with a CPU bucket's device whenever
+    CUDA is available ("Expected a cuda device, but got: cpu"), from a callback on gloo's thread.
     """
     synchronize = torch.cuda.synchronize
     if getattr(synchronize, "skips_the_cpu", False):
@@ -153,18 +122,12 @@ def _let_cuda_synchronize_skip_the_cpu() -> None:
 class CountingCommHook:
     """A DDP communication hook that counts what another hook sends, then returns its result.
 
-    ``calls`` and ``bytes`` count the ``all_reduce`` calls the wrapped hook issues on its own thread
-    while it runs, at the size actually sent (a compression hook's compressed size);
-    ``all_reduce`` is patched only for the call. Not seen: collectives of a future's ``then``
-    (PowerSGD's second all-reduce), calls on a ``ProcessGroup`` object, and DDP's own bookkeeping.
-    ``rounds`` counts synchronized backward passes. torch offers no per-hook traffic counter.
+    ``calls`` and ``bytes`` count the ``all_reduce`` calls the hook issues on its own thread, at the
+    size actually sent; collectives of a future's ``then`` (PowerSGD's second all-reduce) are not
+    seen. ``rounds`` counts synchronized backward passes.
 
     Args:
-        hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` means DDP's default,
-            torch's ``allreduce_hook`` (divide by the world size, all-reduce the bucket).
-
-    Raises:
-        TypeError: If ``hook`` is neither ``None`` nor callable.
+        hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` means torch's ``allreduce_hook``.
 
     Example::
 
@@ -178,13 +141,9 @@ class CountingCommHook:
         if hook is not None and not callable(hook):
             raise ArgumentTypeError("hook", "a DDP communication hook (callable) or None", hook)
         self.hook = hook if hook is not None else allreduce_hook
-        inner = getattr(self.hook, "__qualname__", type(self.hook).__name__)
-        # DDP and Lightning read these names when registering a hook
-        self.__name__ = "counting_comm_hook"
-        self.__qualname__ = f"CountingCommHook({inner})"
-        self.calls = 0
-        self.bytes = 0
-        self.rounds = 0
+        self.__name__ = "counting_comm_hook"  # DDP and Lightning read these names
+        self.__qualname__ = f"CountingCommHook({getattr(self.hook, '__qualname__', type(self.hook).__name__)})"
+        self.calls = self.bytes = self.rounds = 0
 
     def __call__(self, state, bucket):
         # no annotations: DDP compares them with the real classes, and this module's are strings
@@ -227,24 +186,24 @@ _originals: dict[str, Callable[..., Any]] = {}
 _lock = threading.Lock()
 
 
-# Collectives whose first argument is the output: what they send is their second argument.
+# Collectives whose first argument is the output: what they send is their second argument, by this keyword.
 _SENT_ARGUMENT = {
-    "all_gather": (1, "tensor"),
-    "all_gather_into_tensor": (1, "input_tensor"),
-    "reduce_scatter": (1, "input_list"),
-    "all_gather_single": (1, "input_tensor"),
-    "reduce_scatter_single": (1, "input"),
-    "reduce_scatter_tensor": (1, "input"),
-    "all_to_all_single": (1, "input"),
-    "all_to_all": (1, "input_tensor_list"),
+    "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "reduce_scatter": "input_list",
+    "all_gather_single": "input_tensor",
+    "reduce_scatter_single": "input",
+    "reduce_scatter_tensor": "input",
+    "all_to_all_single": "input",
+    "all_to_all": "input_tensor_list",
 }
 
 
 def sent_tensors(args: tuple, kwargs: dict, name: str = "") -> list[torch.Tensor]:
     """The tensors a collective sends: its input (the first tensor argument, or list of tensors)."""
     if name in _SENT_ARGUMENT:
-        index, key = _SENT_ARGUMENT[name]
-        args, kwargs = ((args[index],) if len(args) > index else ()), {key: kwargs[key]} if key in kwargs else {}
+        key = _SENT_ARGUMENT[name]
+        args, kwargs = args[1:2], {key: kwargs[key]} if key in kwargs else {}
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             return [value]
@@ -279,11 +238,8 @@ def count_collectives(
 ) -> Iterator[CollectiveCounts]:
     """Count the calls of ``torch.distributed`` collectives (and the bytes they send) while the body runs.
 
-    The named functions of ``torch.distributed`` are replaced by counting pass-throughs for the
-    duration of the outermost active counter, then restored; counters nest and may overlap across
-    threads. ``this_thread`` counts only calls from the calling thread. Calls made directly on a
-    ``ProcessGroup`` object, or through a reference taken before the body started, are not seen.
-    Written by hand: torch offers no per-call collective counter (its profiler records far more).
+    The functions are patched while any counter is active; counters nest and may overlap across
+    threads. Calls on a ``ProcessGroup`` object, or through a reference taken earlier, are not seen.
 
     Example::
 

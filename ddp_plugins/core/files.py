@@ -1,10 +1,4 @@
-"""Atomic files
-============
-
-The one atomic write every file of the pack goes through (:func:`open_atomic`: a temporary name in
-the same folder, fsync, rename), its ``torch.save`` and text forms, and the small readers of files
-written that way (a JSON ledger, the rows of a metrics CSV). Plain torch and the standard library.
-"""
+"""The one atomic write every file of the pack goes through, and small readers of files written that way."""
 
 from __future__ import annotations
 
@@ -30,12 +24,7 @@ __all__ = [
     "write_text_atomic",
 ]
 
-_TEMPORARY = re.compile(r"^\..+\.\d+\.tmp$")  # the names _temporary_path gives
-
-
-def _temporary_path(path: Path) -> Path:
-    """Where :func:`open_atomic` writes ``path`` before renaming it: hidden, same folder, per process."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+_TEMPORARY = re.compile(r"^\..+\.\d+\.tmp$")  # the names open_atomic writes to before the rename
 
 
 def is_temporary(path: str | os.PathLike) -> bool:
@@ -51,21 +40,12 @@ def is_temporary(path: str | os.PathLike) -> bool:
 
 @contextlib.contextmanager
 def open_atomic(
-    path: str | os.PathLike,
-    mode: str = "wb",
-    before_rename: Callable[[Path], None] | None = None,
-    **open_kwargs: Any,
+    path: str | os.PathLike, mode: str = "wb", before_rename: Callable[[Path], None] | None = None, **open_kwargs: Any
 ) -> Iterator[IO[Any]]:
-    """Open ``path`` for writing so that it is never seen half-written.
+    """Open ``path`` (``mode`` ``"wb"`` or ``"w"``) for writing so that it is never seen half-written.
 
-    The block writes a temporary file in the same folder, fsynced and renamed over ``path`` on
-    leaving; on failure it is removed and ``path`` is untouched.
-
-    Args:
-        path: the file to write.
-        mode: ``"wb"`` or ``"w"``.
-        before_rename: called with the complete, fsynced temporary file before the rename.
-        open_kwargs: passed to ``open`` (``newline=""``, ``encoding=...``).
+    The block writes a hidden temporary file in the same folder, fsynced, passed to ``before_rename``
+    (a digest of the bytes, say) and renamed over ``path``; on failure ``path`` is untouched.
 
     Example::
 
@@ -79,7 +59,7 @@ def open_atomic(
     check_choice("mode", mode, ("wb", "w"))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary_path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, mode, **open_kwargs) as file:
             yield file
@@ -94,12 +74,7 @@ def open_atomic(
 
 
 def save_atomic(obj: Any, path: str | os.PathLike, before_rename: Callable[[Path], None] | None = None) -> Path:
-    """``torch.save`` to ``path`` without ever leaving a half-written file there.
-
-    Writes through :func:`open_atomic`: to a temporary name in the same folder (created if
-    missing), flushed to disk, ``before_rename`` called with the temporary file's path (a digest of
-    the bytes, say), then renamed over ``path`` (atomic on POSIX); on failure the temporary file is
-    removed and ``path`` is untouched.
+    """``torch.save`` to ``path`` through :func:`open_atomic`: never half-written.
 
     Example::
 

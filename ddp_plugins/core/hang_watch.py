@@ -1,11 +1,5 @@
-"""Hang dumps
-==========
-
-:class:`HangWatch` publishes each rank's progress (its last collective and the source line its
-training thread is at) to the process group's store, and when this rank has waited in one
-collective too long, dumps its last collectives and names the ranks that never arrived, with the
-line where each was last seen. Plain torch.
-"""
+"""Hang dumps: each rank publishes its last collective and source line to the store; a rank that waited
+in one collective too long dumps its last collectives and names the ranks that never arrived."""
 
 from __future__ import annotations
 
@@ -30,17 +24,13 @@ _KEY = "ddp_plugins/hang_watch/"
 class HangWatch:
     """Name the rank that stopped, and where, while the others wait for it in a collective.
 
-    A daemon thread publishes this rank's last collective and source line to the store every
-    ``interval_s``. After ``stall_after_s`` in one collective it dumps, once, the ranks that never
-    reached it with the line each was last seen at, then this rank's last collectives and stack
-    (stderr and ``dump_dir/hang_rank<r>.txt``). torch's Flight Recorder names no source line and
-    is NCCL-only.
+    After ``stall_after_s`` in one collective it dumps, once, the ranks that never reached it with
+    the line each was last seen at, then this rank's last collectives and stack (stderr and
+    ``dump_dir/hang_rank<r>.txt``).
 
     Args:
         timeline: the installed :class:`Timeline` whose collectives are watched.
         stall_after_s: seconds in one collective before the dump (keep it under the group's timeout).
-        interval_s: seconds between heartbeats.
-        dump_dir: where the dump files go; ``None`` writes to stderr only.
         store: the store to publish to; the default process group's when ``None``.
 
     Example::
@@ -59,11 +49,9 @@ class HangWatch:
         dump_dir: str | Path | None = None,
         store: Any = None,
     ) -> None:
-        check_number("stall_after_s", stall_after_s, 0.0, exclusive_minimum=True)
-        check_number("interval_s", interval_s, 0.0, exclusive_minimum=True)
+        self.stall_after_s = float(check_number("stall_after_s", stall_after_s, 0.0, exclusive_minimum=True))
+        self.interval_s = float(check_number("interval_s", interval_s, 0.0, exclusive_minimum=True))
         self.timeline = timeline
-        self.stall_after_s = float(stall_after_s)
-        self.interval_s = float(interval_s)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.store = store
         self.dumps: list[str] = []
@@ -103,21 +91,14 @@ class HangWatch:
             except Exception:  # noqa: BLE001 - the store is gone with its host: nothing left to watch
                 return
 
-    def _where(self) -> tuple[str, str]:
-        frame = sys._current_frames().get(self.timeline._main)
-        if frame is None:
-            return "?", "?"
-        stack = call_stack(frame, 60)
-        inner = stack[0]
-        return call_site(stack), f"{inner[0]}:{inner[1]} in {inner[2]}"
-
     def _beat(self) -> None:
-        site, innermost = self._where()
+        stack = call_stack(sys._current_frames().get(self.timeline._main), 60)
+        innermost = "{}:{} in {}".format(*stack[0]) if stack else "?"
         record = self.timeline.in_flight
         beat = {
             "seq": self.timeline.seq,
             "in": record.seq if record is not None else 0,
-            "site": site,
+            "site": call_site(stack),
             "innermost": innermost,
             "t": self.timeline.now(),
         }

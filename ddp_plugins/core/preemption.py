@@ -1,6 +1,6 @@
-"""Preemption: signal flags, the ranks' agreement on them at a step boundary, the exit, and run names
-that a requeued or restarted job finds again. Plain torch; rationale in docs/design.md ("Preemption").
-"""
+"""Preemption: signal flags, the ranks' agreement on them at a step boundary, the exit, stable run names.
+
+Rationale in docs/design.md ("Preemption")."""
 
 from __future__ import annotations
 
@@ -59,8 +59,6 @@ def exit_code(signum: int) -> int:
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is written; exits with ``128 + signum``.
 
-    A ``SystemExit``: an uncaught one ends the script with the code the signal would have given.
-
     Example::
 
         >>> err = Preempted(signal.SIGTERM, "/tmp/ckpt")
@@ -94,7 +92,7 @@ def check_signals(signals: Iterable[str | int]) -> tuple[signal.Signals, ...]:
     allowed = "signal names that can be caught (such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP)"
     if isinstance(signals, (str, bytes)) or not isinstance(signals, Iterable):
         raise ArgumentTypeError("signals", f"a list of {allowed}", signals)
-    out: list[signal.Signals] = []
+    out: dict[signal.Signals, None] = {}  # in order, each once
     for item in signals:
         try:
             if isinstance(item, bool) or not isinstance(item, (str, int)):
@@ -108,8 +106,7 @@ def check_signals(signals: Iterable[str | int]) -> tuple[signal.Signals, ...]:
             raise ArgumentValueError("signals", allowed, item) from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ArgumentValueError("signals", allowed, sig.name)
-        if sig not in out:
-            out.append(sig)
+        out[sig] = None
     return tuple(out)
 
 
@@ -139,10 +136,6 @@ class SignalFlag:
         self._clock = clock or time.monotonic
         self._at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
 
     def install(self) -> SignalFlag:
         """Take over the signals (main thread only; elsewhere a no-op, as signals go to the main thread)."""
@@ -205,15 +198,9 @@ AUTO_CHECK_MAX_STEPS = 1000
 class SignalAgreement:
     """The ranks' agreement on a stop flag, one step behind, so that no rank waits for it.
 
-    :meth:`poll` returns what the previous poll's ``all_reduce(MAX)`` agreed (0 before the first)
-    and starts the next one with ``async_op``, so it runs while the next step computes.
-    :meth:`settle` waits and agrees at once (an epoch's end); :meth:`cancel` forgets the exchange
-    in flight. Every rank must call them in the same order.
-
-    :meth:`at_boundary` polls every ``every``-th boundary, or with ``every="auto"`` about every
-    :data:`AUTO_CHECK_SECONDS` (at most :data:`AUTO_CHECK_MAX_STEPS` apart): each exchange also
-    carries the rank's microseconds per boundary, and every rank derives the next exchange's boundary
-    from that agreed integer alone, so all ranks exchange at the same boundaries.
+    :meth:`poll` returns what the previous poll's async ``all_reduce(MAX)`` agreed and starts the
+    next; every rank must call the methods in the same order. With ``every="auto"`` each exchange
+    also carries the microseconds per boundary, from which every rank derives the same next boundary.
 
     Example::
 
@@ -222,12 +209,7 @@ class SignalAgreement:
         (0, 15, 0)
     """
 
-    def __init__(
-        self,
-        group: Any = None,
-        every: int | str = 1,
-        clock: Callable[[], float] | None = None,
-    ) -> None:
+    def __init__(self, group: Any = None, every: int | str = 1, clock: Callable[[], float] | None = None) -> None:
         self.group = group
         self.every = check_int("every", every, 1, allowed_words=("auto",))
         self._clock = clock or time.monotonic
@@ -270,8 +252,7 @@ class SignalAgreement:
     def settle(self, signum: int) -> int:
         """The largest flag of the exchange in flight and of ``signum`` on every rank, waited for.
 
-        A boundary for :meth:`at_boundary`'s count; the ``"auto"`` schedule starts measuring again
-        after it (an epoch's end: validation's time is not a step's)."""
+        The ``"auto"`` schedule measures afresh after it (validation's time is not a step's)."""
         self._boundary += 1
         self._started, self._next = None, self._boundary + 1
         return max(self._read(), agree_on_signal(signum, self.group))
@@ -290,8 +271,7 @@ class SignalAgreement:
 
 
 def _steps_between_checks(pace_us: int) -> int:
-    """Boundaries between two ``"auto"`` exchanges for the agreed microseconds per boundary (0:
-    not measured yet). Integer arithmetic: every rank gets the same number from the same input.
+    """Boundaries between two ``"auto"`` exchanges (integer arithmetic: the same on every rank).
 
     Example::
 
@@ -327,8 +307,7 @@ def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
 def slurm_requeue(job_id: str | None = None) -> bool:
     """``scontrol requeue <job>``, as Lightning's SLURMEnvironment does; True when Slurm accepted it.
 
-    Call it from one rank, after the checkpoint is on disk (never from a signal handler). Outside
-    Slurm, or when Slurm refuses, it logs a warning and returns False.
+    Call it from one rank, after the checkpoint is on disk (never from a signal handler).
 
     Example::
 
@@ -352,10 +331,8 @@ def slurm_requeue(job_id: str | None = None) -> bool:
 
 
 def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = None) -> dist.Store | None:
-    """A store for the process group of this torchrun restart round alone; None outside torchrun's agent store.
-
-    torchrun's agent store outlives a restart and torch adds no per-round prefix, so a restarted
-    group could connect to the dead round's gloo addresses ("Gloo connectFullMesh failed").
+    """A store for this torchrun restart round alone (None outside the agent store), so a restarted
+    group does not meet the dead round's gloo addresses ("Gloo connectFullMesh failed").
 
     Example::
 
@@ -374,8 +351,7 @@ def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = Non
 def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | None:
     """The signal a submitit job gets before its time limit or a preemption; None outside submitit.
 
-    USR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` names another. submitit's own handler requeues on rank 0
-    in the middle of a collective; a run that takes the signal itself stops every rank at one step.
+    USR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` names another.
 
     Example::
 
@@ -392,8 +368,7 @@ def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | No
 def stable_run_name(env: Mapping[str, str] | None = None) -> str | None:
     """A run name that a restarted or requeued job finds again, or None when there is none.
 
-    ``slurm-<job id>`` or ``torchrun-<rendezvous id>``; for torchrun's default id ``none``, the
-    agent's process id, stable across the restarts of one torchrun.
+    For torchrun's default rendezvous id ``none``, the agent's process id stands in.
 
     Example::
 

@@ -1,10 +1,4 @@
-"""Process exit
-============
-
-The clean exit every process of a DDP run goes through (:func:`run_main`, :func:`exit_process`),
-the parent-death signal that ends a child rank with its launcher, and the forkserver started deaf
-to a job's stop signals. The atomic write lives in :mod:`ddp_plugins.core.files`.
-"""
+"""The clean exit every DDP process goes through, the parent-death signal, a forkserver deaf to stop signals."""
 
 from __future__ import annotations
 
@@ -12,6 +6,7 @@ import atexit
 import contextlib
 import ctypes
 import logging
+import multiprocessing
 import os
 import sys
 import traceback
@@ -39,10 +34,9 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def exit_process(code: int = 0) -> NoReturn:
     """End the process with ``code``, skipping interpreter finalization.
 
-    A DDP process that finalizes the interpreter can abort after its work is done (the gloo abort
-    at exit, ``docs/design.md``). Everything that a normal exit would do for the user still
-    happens: ``atexit`` handlers run, logging is shut down and stdout and stderr are flushed before
-    ``os._exit``. Daemonic ``multiprocessing`` children left running (DataLoader workers) are killed.
+    Finalizing can abort a DDP process after its work is done (the gloo abort at exit,
+    ``docs/design.md``). ``atexit`` handlers still run, logging shuts down, streams are flushed, and
+    daemonic children (DataLoader workers) are killed.
 
     Example::
 
@@ -53,7 +47,11 @@ def exit_process(code: int = 0) -> NoReturn:
         (4, 'flushed')
     """
     try:
-        _kill_daemonic_children()
+        # our DataLoader workers ignore SIGTERM, which multiprocessing's exit handler would send, then wait on forever
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+                child.join(5)
         _compat.run_exit_functions()
         logging.shutdown()
     except BaseException:  # noqa: BLE001 - a failing handler must not change a clean exit code silently
@@ -66,31 +64,11 @@ def exit_process(code: int = 0) -> NoReturn:
         os._exit(code)
 
 
-def _kill_daemonic_children() -> None:
-    """Kill this process's daemonic ``multiprocessing`` children (DataLoader workers) before exit.
-
-    Under ``DDPPluginsStrategy`` DataLoader workers ignore SIGTERM, so that a preemption signal sent
-    to the whole process group does not kill them mid-batch. ``multiprocessing``'s own exit handler
-    ends daemonic children with SIGTERM and then joins them: a rank that exits while its workers
-    still run (after an error in a batch) would wait forever. Workers hold nothing to flush.
-    """
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-            child.join(5)
-
-
 def parent_death_signal(sig: int) -> Callable[[], None] | None:
     """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when this process dies.
 
-    Linux's ``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``; a child whose parent died before it
-    set it signals itself at once. ``parent_death_signal(0)()`` clears it in the calling process.
+    Linux's ``prctl(PR_SET_PDEATHSIG)`` (None elsewhere); ``parent_death_signal(0)()`` clears it.
     The signal follows the *thread* that started the child: start it from one that lives long enough.
-
-    Returns:
-        The function, or None off Linux (nothing to do there).
 
     Example::
 
@@ -124,10 +102,8 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 def start_forkserver() -> None:
     """Start multiprocessing's forkserver and resource tracker deaf to a job's stop signals.
 
-    Slurm and a terminal signal a whole job step or process group; a preemption signal that killed
-    the forkserver failed the rank's next loader ("DataLoader worker exited unexpectedly") while the
-    ranks were stopping. Both start with SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP blocked, which they
-    inherit; this thread's mask is restored after. Nothing happens when they already run.
+    Slurm signals a whole job step: a killed forkserver failed the next loader while the ranks
+    were stopping ("DataLoader worker exited unexpectedly"). They inherit the blocked mask.
     """
     import signal
     from multiprocessing import forkserver, resource_tracker
@@ -158,8 +134,7 @@ def system_exit_code(exc: SystemExit) -> int:
 def run_main(main: Callable[[], Any]) -> NoReturn:
     """Run ``main()`` and leave through :func:`exit_process` with the usual exit code.
 
-    ``SystemExit`` keeps its code (a message goes to stderr with code 1, as Python does), an
-    uncaught exception prints its traceback and exits 1, ``KeyboardInterrupt`` exits 130.
+    As Python does: ``SystemExit`` keeps its code, an uncaught exception exits 1, Ctrl-C 130.
 
     Example::
 
@@ -191,14 +166,8 @@ def owns_exit() -> bool:
 
 
 def exit_at_interpreter_exit(code: int) -> None:
-    """Leave through :func:`exit_process` when the interpreter exits, for a process whose entry
-    point is not ours (a submitit task runs the job inside ``python -m submitit.core._submit``).
-
-    At interpreter exit, before finalization begins, the other ``atexit`` handlers run, streams
-    are flushed and the process ends with ``code`` (the last call's), or with 1 when an uncaught
-    exception was reported after the call. The caller passes what the interpreter would have
-    exited with: 0 after a job returned (or failed inside Hydra's ``run_job``, which exits 0),
-    the code of a ``SystemExit`` it lets through.
+    """Leave through :func:`exit_process` with ``code`` (the last call's; 1 after an uncaught exception)
+    when the interpreter exits, for a process whose entry point is not ours (a submitit task).
 
     Example::
 

@@ -1,10 +1,4 @@
-"""Ranks and rank-aware logging
-=============================
-
-The one rank lookup of the pack (:func:`get_rank`, before and after the process group starts),
-:func:`get_world_size`, :func:`rank_zero_first`, :func:`setup_rank_logging`, and the one rule for
-where a collective's tensors go (:func:`collective_device`, :func:`for_collective`). Plain torch.
-"""
+"""The pack's one rank lookup, rank-aware logging, and the one rule for where a collective's tensors go."""
 
 from __future__ import annotations
 
@@ -43,10 +37,8 @@ def is_distributed() -> bool:
 def get_rank() -> int:
     """The global rank: the process group's, else what the launcher put in the environment, else 0.
 
-    Before the process group starts, the rank comes from ``RANK`` (torchrun, Lightning's
-    spawners), ``SLURM_PROCID`` or ``JSM_NAMESPACE_RANK``; Lightning's own child ranks get only
-    ``LOCAL_RANK`` and ``NODE_RANK``, which give the global rank on node 0 and, elsewhere, with
-    ``LOCAL_WORLD_SIZE``. Without any of those the process is rank 0.
+    Before the process group starts: ``RANK``, ``SLURM_PROCID`` or ``JSM_NAMESPACE_RANK``, else
+    ``LOCAL_RANK`` and ``NODE_RANK`` (all Lightning's child ranks get) with ``LOCAL_WORLD_SIZE``.
 
     Example::
 
@@ -75,25 +67,18 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def _backends(group: Any = None) -> str:
-    """The group's backend name: ``nccl``, ``gloo``, or a per-device spec such as ``cpu:gloo,cuda:nccl``."""
-    return str(dist.get_backend(group)).lower()
-
-
 def collective_device(group: Any = None) -> torch.device:
     """The device whose tensors the group's backend takes: the rank's CUDA device for nccl, else the CPU.
 
-    The one rule of the pack for where a tensor of its own making goes before a collective (stop
-    flags, plan counts, clock stamps, gathers). A group that has nccl (``nccl``, or a per-device
-    backend such as ``cpu:gloo,cuda:nccl``) runs on ``cuda:<current device>``; gloo, mpi and any
-    other backend on the CPU, which every backend takes. Without a process group: the CPU.
+    Where the pack's own tensors (stop flags, plan counts, clock stamps) go before a collective; a
+    per-device backend such as ``cpu:gloo,cuda:nccl`` has nccl.
 
     Example::
 
         >>> collective_device()
         device(type='cpu')
     """
-    if is_distributed() and "nccl" in _backends(group):
+    if is_distributed() and "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -101,9 +86,8 @@ def collective_device(group: Any = None) -> torch.device:
 def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """``tensor`` where the group's backend takes it: unchanged when it already does, else moved.
 
-    nccl takes CUDA tensors only (moved to :func:`collective_device`); gloo takes CPU and CUDA
-    tensors (a caller's CUDA tensor stays put); other backends take CPU tensors. The caller moves the
-    result back with ``.to(tensor.device)`` where it hands it on: results come back where they were.
+    gloo takes CUDA tensors too, nccl only those. The caller moves the result back with
+    ``.to(tensor.device)``.
 
     Example::
 
@@ -112,23 +96,20 @@ def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """
     if not is_distributed():
         return tensor
-    backends = _backends(group)
+    backends = str(dist.get_backend(group)).lower()
     if tensor.is_cuda and ("nccl" in backends or "gloo" in backends):
         return tensor
-    target = collective_device(group)
-    return tensor if tensor.device == target else tensor.to(target)
+    return tensor.to(collective_device(group))  # the same tensor when it is there already
 
 
 @contextlib.contextmanager
 def rank_zero_first(timeout: float | None = None) -> Iterator[None]:
     """Run the body on rank 0 first while the other ranks wait, then on the others.
 
-    Use it for work that must happen once before the others read it, such as preparing a data
-    cache. Without a process group it simply runs the body.
+    For work that must happen once before the others read it, such as preparing a data cache.
 
     Args:
-        timeout: seconds to wait at each barrier; ``None`` uses the process group's timeout.
-            A rank that waits longer raises instead of hanging.
+        timeout: seconds a rank waits at each barrier before it raises; ``None``: the group's timeout.
 
     Example::
 
@@ -176,12 +157,8 @@ def setup_rank_logging(
 ) -> logging.Logger:
     """Log ``level`` and above on rank 0 and ``other_ranks_level`` and above on the other ranks.
 
-    Adds one stderr handler to the logger ``name`` (``None``: the root logger) whose lines start
-    with the rank. The rank is read when a record is emitted, so it is right whether this is called
-    before or after the process group starts. Calling it again replaces the handler.
-
-    Returns:
-        The configured logger.
+    Adds (or replaces) one stderr handler on the logger ``name`` (``None``: the root logger); the
+    rank is read when a record is emitted, so it is right before and after the process group starts.
 
     Example::
 

@@ -1,9 +1,4 @@
-"""Samplers
-========
-
-Contiguous shards for exact distributed evaluation (:class:`SequentialDistributedSampler`) and a
-training sampler that resumes in the middle of an epoch (:class:`ResumableSampler`). Plain torch.
-"""
+"""Contiguous shards for exact distributed evaluation, and a training sampler that resumes mid-epoch."""
 
 from __future__ import annotations
 
@@ -25,19 +20,14 @@ __all__ = ["ResumableSampler", "SequentialDistributedSampler"]
 class SequentialDistributedSampler(DistributedSampler):
     """Contiguous, equal-length shards: rank ``r`` gets ``dataset[r * n : (r + 1) * n]`` in order.
 
-    ``n = ceil(len(dataset) / num_replicas)``; the last shard is padded with its last index, so the
-    shards in rank order, cut to ``len(dataset)``, are the dataset. ``num_real_samples`` counts this
-    rank's real samples. A ``DistributedSampler`` subclass, so Lightning leaves it in place.
+    ``n = ceil(len(dataset) / num_replicas)``; the last shard is padded with its last index, and
+    ``num_real_samples`` counts this rank's real samples. A ``DistributedSampler`` subclass, so
+    Lightning leaves it in place.
 
     Args:
         dataset: a map-style dataset (with ``__len__``).
-        num_replicas: number of ranks; the world size of the default process group when ``None``.
-        rank: this rank; the rank in the default process group when ``None``.
         align: each shard's length is a multiple of this (the loader's batch size), so that
             every batch holds the same rows on any number of ranks (the reproducible mode).
-
-    Raises:
-        TypeError: ``dataset`` is an ``IterableDataset`` or has no length.
 
     Example::
 
@@ -70,10 +60,6 @@ class SequentialDistributedSampler(DistributedSampler):
         padding = [self.dataset_length - 1] * (self.num_samples - self.num_real_samples)
         return iter(list(range(start, start + self.num_real_samples)) + padding)
 
-    @override
-    def __len__(self) -> int:
-        return self.num_samples
-
 
 _LOADER_SEED_TAG = 0xD47A  # spawn-key tag: the loader streams never equal a rank's own stream
 
@@ -81,19 +67,14 @@ _LOADER_SEED_TAG = 0xD47A  # spawn-key tag: the loader streams never equal a ran
 class ResumableSampler(Sampler):
     """A sampler that starts its first iteration ``skip`` indices in, at epoch ``epoch``.
 
-    A run resumed mid-epoch continues at the next unseen batch without loading or drawing for the
-    skipped ones. With ``seed`` it owns the DataLoader's :attr:`generator`, reseeded per
-    ``(seed, rank, epoch)``, so making an iterator never draws from the global torch stream.
+    With ``seed`` it owns the DataLoader's :attr:`generator`, reseeded per ``(seed, rank, epoch)``,
+    so making an iterator never draws from the global torch stream. ``len()`` stays the full
+    length: the training loop counts the skipped batches as done.
 
     Args:
-        sampler: the sampler to wrap (any; ``set_epoch`` is passed on when it has one).
+        sampler: the sampler to wrap (``set_epoch`` is passed on when it has one).
         skip: indices to leave out of the first iteration only (batches done x batch size).
-        epoch: the epoch of the first iteration, set on ``sampler`` at once.
-        seed: base seed of :attr:`generator`, reseeded per ``(seed, rank, epoch)`` in
-            :meth:`set_epoch`; ``None`` leaves generator seeding to the caller.
-        rank: the global rank, part of the generator's seed.
-
-    ``len()`` stays the full length: the training loop counts the skipped batches as done.
+        seed: base seed of :attr:`generator`; ``None`` leaves generator seeding to the caller.
 
     Example::
 

@@ -1,9 +1,4 @@
-"""Rank-aware seeding
-===================
-
-A distinct, reproducible random stream per rank (:func:`seed_everything_rank_aware`), and every
-generator's state collected, restored and stored in checkpoints. Plain torch and NumPy.
-"""
+"""A distinct, reproducible random stream per rank, and every generator's state collected and restored."""
 
 from __future__ import annotations
 
@@ -39,7 +34,7 @@ MAX_SEED = 2**32 - 1  # NumPy's legacy generator takes a uint32 seed; Python and
 def seed_everything_rank_aware(
     seed: int, workers: bool = True, deterministic: bool = False, *, rank: int | None = None
 ) -> int:
-    """Seed Python, NumPy and torch in this process with a seed derived from ``(seed, rank)``.
+    """Seed Python, NumPy and torch in this process with a seed derived from ``(seed, rank)``; return that seed.
 
     ``PL_GLOBAL_SEED`` stays ``seed`` (``DistributedSampler`` must shuffle alike on all ranks). With a
     Lightning Trainer use :class:`RankAwareSeed`: the DDP strategy reseeds every rank at setup.
@@ -47,16 +42,9 @@ def seed_everything_rank_aware(
     Args:
         seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.
         workers: set ``PL_SEED_WORKERS`` so the Trainer seeds DataLoader workers per
-            (seed, rank, worker id, epoch) with ``pl_worker_init_function``.
-        deterministic: also make torch use deterministic algorithms (and cuBLAS's workspace setting).
+            (seed, rank, worker id, epoch).
+        deterministic: also call :func:`set_deterministic`.
         rank: the global rank; by default :func:`ddp_plugins.core.get_rank`.
-
-    Returns:
-        The seed this process was seeded with.
-
-    Raises:
-        TypeError: ``seed`` or ``rank`` not an integer, ``workers``/``deterministic`` not a bool.
-        ValueError: ``seed`` or ``rank`` out of range.
 
     Example::
 
@@ -94,11 +82,8 @@ def rank_seed(seed: int, *key: int) -> int:
 
 
 def seed_process(base_seed: int, process_seed: int, workers: bool) -> None:
-    """Seed Python, NumPy and torch with ``process_seed``; ``PL_GLOBAL_SEED`` keeps ``base_seed``.
-
-    ``PL_GLOBAL_SEED`` is shared by every rank (``DistributedSampler`` and Lightning's
-    ``reset_seed()`` read it); ``PL_SEED_WORKERS`` makes a Lightning Trainer seed DataLoader workers.
-    """
+    """Seed Python, NumPy and torch with ``process_seed``; ``PL_GLOBAL_SEED``, which every rank shares
+    (``DistributedSampler`` and Lightning's ``reset_seed()`` read it), keeps ``base_seed``."""
     random.seed(process_seed)
     np.random.seed(process_seed)
     torch.manual_seed(process_seed)  # every CUDA device too
@@ -156,9 +141,7 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def encode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
-    """:func:`collect_rng_states` with NumPy's state as tensors and plain numbers (``weights_only``-loadable).
-
-    ``torch.load(weights_only=True)`` refuses NumPy arrays, so a checkpoint stores this form.
+    """:func:`collect_rng_states` with NumPy's state as tensors and plain numbers, for ``weights_only`` loads.
 
     Example::
 
@@ -194,13 +177,8 @@ def decode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
     numpy_state = states.get("numpy")
     if isinstance(numpy_state, dict):
         keys = numpy_state["keys"].numpy().astype(np.uint32)
-        states["numpy"] = (
-            numpy_state["name"],
-            keys,
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        )
+        rest = (numpy_state[key] for key in ("pos", "has_gauss", "cached_gaussian"))
+        states["numpy"] = (numpy_state["name"], keys, *rest)
     cuda_states = states.get("torch.cuda") or []
     if len(cuda_states) != (torch.cuda.device_count() if torch.cuda.is_available() else 0):
         states.pop("torch.cuda", None)  # saved with other CUDA devices: keep the torch.manual_seed ones

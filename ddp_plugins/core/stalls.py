@@ -1,9 +1,5 @@
-"""Which rank stopped
-==================
-
-When a collective fails, the rank that stopped progressing is named (from the process group's own
-store: each rank whose collective failed records itself); a failed rendezvous is one line.
-"""
+"""When a collective fails, name the rank that stopped progressing (each rank whose collective failed
+records itself in the process group's store); a failed rendezvous is one line."""
 
 from __future__ import annotations
 
@@ -135,7 +131,7 @@ def describe_collective_failure(
     if not is_collective_failure(error):
         return None
     if store is None or rank is None or world_size is None:
-        if not (is_distributed()):
+        if not is_distributed():
             return None
         store = default_store() if store is None else store
         rank = dist.get_rank() if rank is None else rank
@@ -150,10 +146,8 @@ def _ask_store(store: Any, rank: int, world_size: int, tag: str, grace_s: float)
     answer: list[list[int]] = []
 
     def ask() -> None:
-        try:
+        with contextlib.suppress(Exception):  # the store is gone with its host: no diagnosis, the error stands
             answer.append(stalled_ranks(store, rank, world_size, tag, grace_s))
-        except Exception:  # noqa: BLE001 - the store is gone with its host: no diagnosis, the error stands
-            pass
 
     helper = threading.Thread(target=ask, name="ddp_plugins-stalled-ranks", daemon=True)
     helper.start()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypedDict, overload
 
 import torch.distributed as dist
 from torch import Tensor, nn
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from ddp_plugins._compat import BatchNormBase as _BatchNorm
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool, check_int
@@ -28,17 +28,8 @@ __all__ = [
 
 # What a layer must have for the synchronized forward (declared BN-like classes are checked).
 _REQUIRED_ATTRIBUTES = (
-    "num_features",
-    "eps",
-    "momentum",
-    "affine",
-    "track_running_stats",
-    "weight",
-    "bias",
-    "running_mean",
-    "running_var",
-    "num_batches_tracked",
-    "training",
+    *"num_features eps momentum affine track_running_stats weight bias".split(),
+    *"running_mean running_var num_batches_tracked training".split(),
 )
 # Attributes that conversion sets on a layer and revert removes (or restores).
 _ADDED_ATTRIBUTES = ("process_group",)
@@ -52,17 +43,8 @@ class SyncBatchNorm(_BatchNorm):
     CUDA with nccl). Without a process group, or in a group of one, it is plain batch norm. A rank
     must run backward through every synchronized layer whose forward it ran, as with torch's.
 
-    Args:
-        num_features: ``C`` of an input of size ``(N, C, *)``.
-        eps: added to the variance for numerical stability.
-        momentum: weight of the new batch in the running statistics; ``None`` for a cumulative
-            average.
-        affine: learn a per-channel weight and bias.
-        track_running_stats: keep running statistics (used in eval mode).
-        process_group: the group to synchronize over; ``None`` means the whole world.
-        device: device of the parameters and buffers.
-        dtype: dtype of the parameters and buffers.
-        bias: learn a bias when ``affine`` (``False`` keeps only the weight).
+    The arguments are :class:`torch.nn.SyncBatchNorm`'s, plus ``bias`` (``False`` keeps only the
+    weight when ``affine``).
 
     Example::
 
@@ -122,35 +104,25 @@ class SyncBatchNormReport:
         return text
 
 
+class _Options(TypedDict, total=False):
+    """The keyword arguments of :func:`convert_sync_batchnorm` its overloads pass through."""
+
+    group_size: int | None
+    skip_frozen: bool
+    extra_classes: Sequence[type | str] | Mapping[Any, str]
+
+
 @overload
 def convert_sync_batchnorm(
-    module: nn.Module,
-    process_group: Any = None,
-    *,
-    group_size: int | None = None,
-    skip_frozen: bool = True,
-    extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
-    return_report: Literal[False] = False,
+    module: nn.Module, process_group: Any = None, *, return_report: Literal[False] = False, **kw: Unpack[_Options]
 ) -> nn.Module: ...
 @overload
 def convert_sync_batchnorm(
-    module: nn.Module,
-    process_group: Any = None,
-    *,
-    group_size: int | None = None,
-    skip_frozen: bool = True,
-    extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
-    return_report: Literal[True],
+    module: nn.Module, process_group: Any = None, *, return_report: Literal[True], **kw: Unpack[_Options]
 ) -> tuple[nn.Module, SyncBatchNormReport]: ...
 @overload
 def convert_sync_batchnorm(
-    module: nn.Module,
-    process_group: Any = None,
-    *,
-    group_size: int | None = None,
-    skip_frozen: bool = True,
-    extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
-    return_report: bool = False,
+    module: nn.Module, process_group: Any = None, *, return_report: bool = False, **kw: Unpack[_Options]
 ) -> nn.Module | tuple[nn.Module, SyncBatchNormReport]: ...
 def convert_sync_batchnorm(
     module: nn.Module,
@@ -163,29 +135,22 @@ def convert_sync_batchnorm(
 ) -> nn.Module | tuple[nn.Module, SyncBatchNormReport]:
     """Synchronize every batch-norm layer of ``module`` in place, keeping each layer's class.
 
-    Each ``_BatchNorm`` layer's class is swapped for a generated subclass of both its class and
-    :class:`SyncBatchNorm` (``BatchNorm2d`` becomes ``SyncBatchNorm2d``, still a ``BatchNorm2d``), so
-    the layer keeps its ``forward``, attributes, hooks and tensors. BN-like classes outside
-    ``_BatchNorm`` are declared in ``extra_classes``: their named method is replaced by synchronized
-    batch norm, and they need ``_BatchNorm``'s attributes.
+    Each layer's class becomes a generated subclass of it and :class:`SyncBatchNorm`
+    (``BatchNorm2d`` becomes ``SyncBatchNorm2d``, still a ``BatchNorm2d``), so the layer keeps its
+    ``forward``, attributes, hooks and tensors.
 
     Args:
         module: the model (or a single layer); converted in place and returned.
         process_group: the group to synchronize over; ``None`` means the whole world.
-        group_size: synchronize within consecutive groups of this many ranks (for example the
-            devices of one node) instead of the whole world; must divide the world size. Every rank
-            must call the conversion (the groups are created collectively).
-        skip_frozen: leave frozen layers alone: those in eval mode and those whose parameters
-            all have ``requires_grad=False``.
-        extra_classes: BN-like classes to convert as well: classes or import paths
-            (``"pkg.module.Class"``), or a mapping from them to the name of the method to replace.
-        return_report: also return a :class:`SyncBatchNormReport`.
-
-    Returns:
-        ``module``, or ``(module, report)`` with ``return_report=True``.
+        group_size: synchronize within consecutive groups of this many ranks (the devices of a
+            node); must divide the world size, and every rank must call the conversion.
+        skip_frozen: leave layers in eval mode or without trainable parameters alone.
+        extra_classes: BN-like classes to convert as well (with ``_BatchNorm``'s attributes):
+            classes or import paths, or a mapping from them to the name of the method to replace.
+        return_report: return ``(module, SyncBatchNormReport)``.
 
     Raises:
-        ValueError: for an invalid argument, a declared class without what SyncBatchNorm needs, or a
+        ValueError: an invalid argument, a declared class without what SyncBatchNorm needs, or a
             ``group_size`` that does not divide the world size.
 
     Example::
@@ -209,7 +174,7 @@ def convert_sync_batchnorm(
     plan = []  # checked in full before any layer changes, so an error leaves the model untouched
     for name, layer in module.named_modules():
         name = name or type(layer).__name__
-        method = _declared_method(type(layer), declared)
+        method = next((declared[base] for base in type(layer).__mro__ if base in declared), None)
         if "_sync_batchnorm_original" in type(layer).__dict__ or (method is None and isinstance(layer, SyncBatchNorm)):
             report.skipped[name] = "already synchronized"
             continue
@@ -228,9 +193,8 @@ def convert_sync_batchnorm(
         else:
             plan.append((name, layer, method))
     for name, layer, method in plan:
-        synced = _synced_class(type(layer), method)
         saved = {key: layer.__dict__[key] for key in _ADDED_ATTRIBUTES if key in layer.__dict__}
-        layer.__class__ = synced
+        layer.__class__ = _synced_class(type(layer), method)
         layer.__dict__["process_group"] = process_group
         layer.__dict__["_sync_batchnorm_saved"] = saved
         report.converted.append(name)
@@ -238,9 +202,7 @@ def convert_sync_batchnorm(
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Undo :func:`convert_sync_batchnorm` in place: every converted layer gets its original class back.
-
-    Nothing else changes, so the round trip is bit-exact; other layers are left as they are.
+    """Undo :func:`convert_sync_batchnorm` in place, bit-exactly: converted layers get their class back.
 
     Example::
 
@@ -261,10 +223,6 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     return module
 
 
-def _declared_forward(self: Any, input: Tensor) -> Tensor:
-    return sync_batch_norm(self, input)
-
-
 _SYNCED_CLASSES: dict[tuple[type, str | None], type[nn.Module]] = {}
 
 
@@ -280,14 +238,13 @@ def _synced_class(original: type, method: str | None) -> type[nn.Module]:
             "__reduce_ex__": lambda self, protocol: (_new_synced, (original, method), self.__getstate__()),
         }
         if method is not None:  # declared class: replace its normalizing method
-            namespace[method] = _declared_forward
+            namespace[method] = sync_batch_norm  # called as a method: sync_batch_norm(layer, input)
             bases: tuple[type, ...] = (original,)
         elif issubclass(original, nn.SyncBatchNorm):  # its forward bypasses _BatchNorm.forward
             bases = (SyncBatchNorm, original)
         else:  # SyncBatchNorm lands right before _BatchNorm in the MRO
             bases = (original, SyncBatchNorm)
-        metaclass: type = type(original)  # the metaclass of the original class (usually `type`)
-        _SYNCED_CLASSES[key] = metaclass(name, bases, namespace)
+        _SYNCED_CLASSES[key] = type(original)(name, bases, namespace)  # the original's metaclass
     return _SYNCED_CLASSES[key]
 
 
@@ -298,8 +255,7 @@ def _new_synced(original: type, method: str | None) -> nn.Module:
 
 
 def _skip_reason(layer: nn.Module, skip_frozen: bool) -> str | None:
-    lazy = isinstance(layer, nn.modules.lazy.LazyModuleMixin) and layer.has_uninitialized_params()
-    if lazy:
+    if isinstance(layer, nn.modules.lazy.LazyModuleMixin) and layer.has_uninitialized_params():
         return "uninitialized lazy module: run one forward first"
     if not skip_frozen:
         return None
@@ -308,13 +264,6 @@ def _skip_reason(layer: nn.Module, skip_frozen: bool) -> str | None:
     params = list(layer.parameters(recurse=False))
     if params and not any(p.requires_grad for p in params):
         return "frozen: no trainable parameters"
-    return None
-
-
-def _declared_method(cls: type, declared: Mapping[type, str]) -> str | None:
-    for base in cls.__mro__:
-        if base in declared:
-            return declared[base]
     return None
 
 
@@ -332,22 +281,18 @@ def normalize_extra_classes(extra: Any) -> dict[type, str]:
     elif isinstance(extra, Sequence) or extra is None:
         items = [(entry, "forward") for entry in (extra or ())]
     else:
-        raise ArgumentTypeError(
-            "extra_classes",
-            "a list of classes or import paths, or a mapping from them to a method name",
-            problem=f"got {type(extra).__name__}",
-        )
+        allowed = "a list of classes or import paths, or a mapping from them to a method name"
+        raise ArgumentTypeError("extra_classes", allowed, problem=f"got {type(extra).__name__}")
     declared: dict[type, str] = {}
     for entry, method in items:
         cls = _import_class(entry) if isinstance(entry, str) else entry
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ArgumentValueError("extra_classes", "torch.nn.Module classes or their import paths", entry)
         if not isinstance(method, str) or not callable(getattr(cls, method, None)):
-            raise ArgumentValueError(
-                "extra_classes",
-                f"the name of a method of {cls.__qualname__} that normalizes its tensor argument, such as 'forward'",
-                method,
+            allowed = (
+                f"the name of a method of {cls.__qualname__} that normalizes its tensor argument, such as 'forward'"
             )
+            raise ArgumentValueError("extra_classes", allowed, method)
         declared[cls] = method
     return declared
 
@@ -363,12 +308,7 @@ def _import_class(path: str) -> Any:
 
 
 def check_sync_batchnorm_args(process_group: Any, group_size: Any, skip_frozen: Any) -> None:
-    """The argument checks of :func:`convert_sync_batchnorm`, shared with the Lightning plugin and callback.
-
-    Raises:
-        ArgumentTypeError: ``skip_frozen`` not a bool, ``group_size`` not an integer.
-        ArgumentValueError: ``group_size`` below 1, or given together with ``process_group``.
-    """
+    """The argument checks of :func:`convert_sync_batchnorm`, shared with the Lightning plugin and callback."""
     check_bool("skip_frozen", skip_frozen)
     check_int("group_size", group_size, 1, allow_none=True)
     if group_size is not None and process_group is not None:
@@ -379,9 +319,6 @@ def check_sync_batchnorm_args(process_group: Any, group_size: Any, skip_frozen: 
 
 def check_group_divides(group_size: int | None, world_size: int) -> None:
     """Check that groups of ``group_size`` ranks tile a world of ``world_size`` ranks.
-
-    Raises:
-        ArgumentValueError: ``group_size`` does not divide ``world_size``.
 
     Example::
 
@@ -395,7 +332,7 @@ def check_group_divides(group_size: int | None, world_size: int) -> None:
 
 
 def _new_group_of_size(group_size: int) -> Any:
-    if not (is_distributed()):
+    if not is_distributed():
         raise ValueError(f"`group_size` needs an initialized process group, got group_size={group_size} without one.")
     world_size = dist.get_world_size()
     check_group_divides(group_size, world_size)

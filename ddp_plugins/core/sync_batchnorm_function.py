@@ -1,9 +1,5 @@
-"""The synchronized batch-norm autograd function
-===============================================
-
-:class:`SyncBatchNormFunction`, built from ops every device has, and :func:`sync_batch_norm`, the
-``_BatchNorm.forward`` that uses it. Plain torch.
-"""
+"""The synchronized batch-norm autograd function, built from ops every device has, and the
+``_BatchNorm.forward`` that uses it."""
 
 from __future__ import annotations
 
@@ -24,9 +20,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over a process group: one all_reduce forward, one backward.
 
     Built from sums, elementwise ops and ``native_batch_norm_backward``, so it runs on every device,
-    with few ops per layer (each small op costs microseconds on CPU, as much as a small layer's
-    arithmetic). Forward all-reduces the per-channel sums, sums of squares and the count
-    in one tensor, backward ``sum(dy)`` and ``sum(dy * x_hat)``: per-rank batch sizes may differ,
+    in few ops (no no-op casts, no tensor unpacking: each small op costs microseconds on CPU, as much
+    as a small layer's arithmetic). Forward all-reduces the per-channel sums, sums of squares and the
+    count in one tensor, backward ``sum(dy)`` and ``sum(dy * x_hat)``: per-rank batch sizes may differ,
     down to 0. float16 and bfloat16 inputs are normalized in float32 and returned in their own dtype.
 
     Example::
@@ -48,8 +44,6 @@ class SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         process_group: Any,
     ) -> Tensor:
-        # Every small-tensor op costs microseconds on CPU, as much as the arithmetic of a small layer:
-        # the per-channel math below is written in few ops (no no-op casts, no tensor unpacking).
         channels = input.size(1)
         local = input.numel() // channels
         low_precision = input.dtype in (torch.float16, torch.bfloat16)

@@ -1,12 +1,12 @@
 """Where DDP time goes: per-rank step phases and collectives on one clock, blame, one Chrome trace.
 
-Plain torch; rationale in docs/design.md ("Where time goes").
-"""
+Plain torch; rationale in docs/design.md ("Where time goes")."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -14,6 +14,7 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,14 @@ _LIBRARY_ROOTS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "pureli
 
 _active: Timeline | None = None
 _originals: dict[str, Callable[..., Any]] = {}
-_local = threading.local()  # depth: > 0 inside a timed call (nested calls are not timed again); label
+
+
+class _Local(threading.local):
+    depth = 0  # > 0 inside a timed call: its collectives are not timed again
+    label: str | None = None  # collective_kind's
+
+
+_local = _Local()
 
 
 class _Window(NamedTuple):
@@ -148,7 +156,7 @@ def collective_kind(kind: str) -> Iterator[None]:
     """
     if not isinstance(kind, str) or not kind:
         raise ArgumentTypeError("kind", "a non-empty str", kind)
-    before = getattr(_local, "label", None)
+    before = _local.label
     _local.label = kind
     try:
         yield
@@ -162,7 +170,6 @@ class TimedCommHook:
     Times from when DDP hands the bucket to the hook to when the hook's future completes.
 
     Args:
-        timeline: where to record.
         hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` is DDP's default all-reduce.
 
     Example::
@@ -188,11 +195,8 @@ class TimedCommHook:
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
         record = self.timeline._start("ddp_bucket", "all_reduce", nbytes, (), cuda=buffer.is_cuda)
-        _local.depth = _depth() + 1
-        try:
+        with _untimed():
             future = self.hook(state, bucket)
-        finally:
-            _local.depth -= 1
         if record is None:
             return future
 
@@ -208,24 +212,19 @@ class TimedCommHook:
 class Timeline:
     """Per-rank step phases and collectives, their blame, and one Chrome trace for all ranks.
 
-    :meth:`install` replaces the ``torch.distributed`` collectives of :data:`TIMED` by timing
-    pass-throughs (one timeline at a time); DDP's gradient buckets are timed by :meth:`comm_hook`.
-    A collective's kind comes from the module that called it (``syncbn``, ``ddp_bucket``,
-    ``agreement``, ``gather``, ``barrier``, else ``other``); :func:`collective_kind` names your own.
-    CUDA collectives are timed by events on the calling stream. :meth:`sync_clocks` puts the ranks on
-    rank 0's clock, and :meth:`collect` blames each step on the rank whose late arrivals exceed the
-    others' (the rule: docs/design.md). Collectives torch issues in C++ are not seen. Written by hand:
-    torch's profiler and Flight Recorder neither put the ranks on one clock nor blame a rank.
+    :meth:`install` times the ``torch.distributed`` collectives of :data:`TIMED` (one timeline at a
+    time), :meth:`comm_hook` DDP's buckets; a collective's kind comes from the module that called it,
+    or :func:`collective_kind`. :meth:`sync_clocks` puts the ranks on rank 0's clock, and
+    :meth:`collect` blames each step on the rank whose late arrivals exceed the others' (the rule,
+    and why not torch's profiler: docs/design.md). Collectives torch issues in C++ are not seen.
 
     Args:
         history: collectives kept for a hang dump (the last ones).
         blame_threshold_s: the least excess in a step that blames the step on a rank.
         score_decay: weight of the newest step in the moving straggler score (0 < decay <= 1).
         max_trace_events: records kept for the trace, about (the oldest windows are dropped first).
-        group: the process group; the default one when ``None``.
-        module_kinds: ``(module prefix, kind)`` pairs for the collectives of code above the core
-            (a metrics library, a trainer's own agreements), tried before the core's and torch's
-            own; code may also label its collectives with :func:`collective_kind`.
+        module_kinds: ``(module prefix, kind)`` pairs for the collectives of code above the core,
+            tried before the core's and torch's own.
 
     Example::
 
@@ -249,23 +248,19 @@ class Timeline:
         group: Any = None,
         module_kinds: Sequence[tuple[str, str]] = (),
     ) -> None:
-        check_int("history", history, 1)
-        check_number("blame_threshold_s", blame_threshold_s, 0.0)
-        check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
-        check_int("max_trace_events", max_trace_events, 0)
+        self.recent: deque[CollectiveRecord] = deque(maxlen=check_int("history", history, 1))
+        self.blame_threshold_ns = int(check_number("blame_threshold_s", blame_threshold_s, 0.0) * 1e9)
+        self.score_decay = check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
+        self.max_trace_events = check_int("max_trace_events", max_trace_events, 0)
         self.group = group
         self.module_kinds = tuple((str(prefix), str(kind)) for prefix, kind in module_kinds)
-        self.blame_threshold_ns = int(blame_threshold_s * 1e9)
-        self.score_decay = score_decay
         self.offset_ns = 0  # this rank's clock minus rank 0's
         self.clock_residual_ns = 0
         self.origin_ns = time.perf_counter_ns()  # time 0 of the trace, on rank 0's clock after sync_clocks
-        self.recent: deque[CollectiveRecord] = deque(maxlen=history)
         self.in_flight: CollectiveRecord | None = None  # the main thread's collective now, if any
         self.seq = 0
         self.step = -1  # the step under way; -1 between steps
         self.scores: dict[int, float] = {}
-        self.max_trace_events = max_trace_events
         self._windows: deque[_Window] = deque()  # rank 0: the gathered records, for the trace
         self._window_rows = 0
         self._pending: list[CollectiveRecord] = []
@@ -276,8 +271,6 @@ class Timeline:
         self._left_ns: dict[int, float] = {}  # rank: when it left its last collective collected
         self._gpu = _GpuClock()
         self._main = threading.get_ident()
-
-    # clocks
 
     def now(self) -> int:
         """Now, in ns on rank 0's clock."""
@@ -303,11 +296,9 @@ class Timeline:
             spread = torch.tensor([(max(estimates) - min(estimates)) // 2], dtype=torch.int64, device=device)
             dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
             origin = torch.tensor([time.perf_counter_ns() - offset], dtype=torch.int64, device=device)
-            dist.broadcast(origin, _group_rank_zero(self.group), group=self.group)
+            dist.broadcast(origin, 0 if self.group is None else dist.get_global_rank(self.group, 0), group=self.group)
         self.offset_ns, self.clock_residual_ns, self.origin_ns = offset, int(spread), int(origin)
         return self.offset_ns, self.clock_residual_ns
-
-    # installing
 
     def install(self) -> Timeline:
         """Time the collectives of :data:`TIMED` from now on (this process; replaces another timeline)."""
@@ -334,8 +325,6 @@ class Timeline:
     def comm_hook(self, hook: Callable[..., Any] | None = None) -> TimedCommHook:
         """A :class:`TimedCommHook` recording here, wrapping ``hook`` (``None``: DDP's all-reduce)."""
         return TimedCommHook(self, hook)
-
-    # steps and phases
 
     def begin_step(self, step: int) -> None:
         """A training step starts: the time since the previous one ended is its data wait."""
@@ -375,12 +364,10 @@ class Timeline:
         self._last_step_end = now
         self.step = -1
 
-    # records
-
     def _start(self, kind: str, op: str, nbytes: int, stack: tuple, cuda: bool = False) -> CollectiveRecord | None:
-        if _active is not self or _depth():
+        if _active is not self or _local.depth:
             return None
-        label = getattr(_local, "label", None)
+        label = _local.label
         self.seq += 1
         record = CollectiveRecord(self.seq, self.step, label or kind, op, nbytes, stack, self.now())
         if cuda:
@@ -422,8 +409,7 @@ class Timeline:
             ).reshape(-1, 6),
             "text": [(r.kind, r.op, r.site) for r in records],
             "phase": torch.tensor(
-                [[rank, s, PHASES.index(p), a - origin, b - origin] for s, p, a, b in phases],
-                dtype=torch.float64,
+                [[rank, s, PHASES.index(p), a - origin, b - origin] for s, p, a, b in phases], dtype=torch.float64
             ).reshape(-1, 5),
         }
         with _untimed():
@@ -508,8 +494,6 @@ class Timeline:
             "scores": dict(self.scores),
         }
 
-    # results
-
     def summary(self) -> dict[str, Any]:
         """The run so far: the slowest rank, its excess per step, the share of step time per collective kind.
 
@@ -538,7 +522,6 @@ class Timeline:
         site, wait for the last arrival and who it was), and a counter of the straggler score; µs.
         """
         events: list[dict[str, Any]] = []
-        ranks: set[int] = set()
         for coll, text, phase, last, score_points, blamed in self._windows:
             for (r, step, seq, start, end, nbytes), (kind, op, site) in zip(coll, text, strict=True):
                 last_start, last_rank = last[int(seq)]
@@ -551,16 +534,13 @@ class Timeline:
                 args = {"step": int(step), "blamed": blamed.get(int(step))} if PHASES[int(p)] == "step" else {}
                 events.append(_span(PHASES[int(p)], "phase", int(r), 0, start, end, {"step": int(step), **args}))
             for r, end, score in score_points:
-                score_args = {"score": round(score, 3)}
-                events.append(
-                    {"name": "straggler score (ms)", "ph": "C", "pid": r, "ts": end / 1e3, "args": score_args}
-                )
-                ranks.add(r)
-        ranks |= {int(event["pid"]) for event in events}
-        names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in sorted(ranks)]
+                args = {"score": round(score, 3)}
+                events.append({"name": "straggler score (ms)", "ph": "C", "pid": r, "ts": end / 1e3, "args": args})
+        ranks = sorted({int(event["pid"]) for event in events})
+        names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in ranks]
         names += [
             {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}}
-            for r in sorted(ranks)
+            for r in ranks
             for tid, name in ((0, "step phases"), (1, "collectives"))
         ]
         return {"traceEvents": names + events, "displayTimeUnit": "ms", "otherData": self.summary()}
@@ -592,20 +572,10 @@ def _span(name: str, cat: str, pid: int, tid: int, start: float, end: float, arg
     return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
-def _depth() -> int:
-    """How many timed calls this thread is inside (their collectives are not timed again)."""
-    return int(getattr(_local, "depth", 0))
-
-
-def _group_rank_zero(group: Any) -> int:
-    """The global rank of ``group``'s rank 0 (``broadcast`` takes global ranks)."""
-    return 0 if group is None else dist.get_global_rank(group, 0)
-
-
 @contextlib.contextmanager
 def _untimed() -> Iterator[None]:
-    """Collectives of the body are not recorded (the timeline's own)."""
-    _local.depth = _depth() + 1
+    """Collectives of the body are not recorded (the timeline's own, and those inside a timed call)."""
+    _local.depth += 1
     try:
         yield
     finally:
@@ -613,12 +583,9 @@ def _untimed() -> Iterator[None]:
 
 
 def call_stack(frame: Any, limit: int = 12) -> tuple[tuple[str, int, str], ...]:
-    """``(file, line, function)`` of ``frame`` and its callers, innermost first."""
-    out: list[tuple[str, int, str]] = []
-    while frame is not None and len(out) < limit:
-        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return tuple(out)
+    """``(file, line, function)`` of ``frame`` and its callers, innermost first (none for ``None``)."""
+    frames = itertools.islice(traceback.walk_stack(frame), limit) if frame is not None else ()
+    return tuple((f.f_code.co_filename, line, f.f_code.co_name) for f, line in frames)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -648,35 +615,30 @@ def _kind_of_module(module: str, extra: Sequence[tuple[str, str]]) -> str | None
 def _kind(name: str, frame: Any, extra: Sequence[tuple[str, str]] = ()) -> str:
     if "barrier" in name:
         return "barrier"
-    for _ in range(8):
-        if frame is None:
-            break
-        kind = _kind_of_module(frame.f_globals.get("__name__", ""), extra)
+    for caller, _ in itertools.islice(traceback.walk_stack(frame), 8):
+        kind = _kind_of_module(caller.f_globals.get("__name__", ""), extra)
         if kind is not None:
             return kind
-        frame = frame.f_back
     return "other"
 
 
 def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
         timeline = _active
-        if timeline is None or _depth():
+        if timeline is None or _local.depth:
             return original(*args, **kwargs)
         caller = sys._getframe(1)
         sent = sent_tensors(args, kwargs, name)
         cuda = bool(sent) and sent[0].is_cuda  # an nccl collective: timed by CUDA events
         kind = _kind(name, caller, timeline.module_kinds)
         record = timeline._start(kind, name, sent_nbytes(sent), call_stack(caller), cuda)
-        _local.depth = _depth() + 1
         try:
-            out = original(*args, **kwargs)
+            with _untimed():
+                out = original(*args, **kwargs)
         except BaseException:
             if record is not None:
                 timeline._end(record)
             raise
-        finally:
-            _local.depth -= 1
         if record is not None:
             if kwargs.get("async_op") and out is not None:
                 # on CUDA `then` runs on streams that wait for the work: the end event marks its completion

@@ -1,10 +1,5 @@
-"""Nested data
-===========
-
-The pack's one walker over nested batches and results: dicts, namedtuples, tuples and lists, down to
-their leaves (tensors, by default). Written by hand because torch's pytree is private
-(``torch.utils._pytree``) and Lightning's ``apply_to_collection`` is not in the core's reach.
-"""
+"""The pack's one walker over nested batches and results (dicts, namedtuples, tuples, lists), by hand:
+torch's pytree is private and Lightning's ``apply_to_collection`` is not in the core's reach."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Progress watchdog
-=================
-
-:class:`ProgressWatchdog` names a rank that stopped progressing within a minute, whatever stopped
-it, and ends the job with one line, independently of the collective timeout. Plain torch.
-"""
+"""A watchdog that names a rank that stopped progressing within a minute, whatever stopped it, and
+ends the job with one line, independently of the collective timeout."""
 
 from __future__ import annotations
 
@@ -72,11 +68,9 @@ def find_stall(
     """The verdict on a job's heartbeats, from one observer's clock (``None``: nothing to report).
 
     ``published_at[i]`` is when the observer last saw rank ``i``'s ``seq`` change, ``progressed_at[i]``
-    when it last saw its ``beats`` change. A rank whose process has published nothing for ``after_s``
-    is frozen (SIGSTOP, killed, swapped out). Otherwise, when no rank has begun a step for
-    ``after_s`` and some ranks began fewer steps than the others, those are stuck (a loader, I/O,
-    a lock) and the others wait for them in a collective. All ranks at the same count is no verdict:
-    one long step, or a first step that compiles, looks the same.
+    when it last saw its ``beats`` change. A rank that published nothing for ``after_s`` is frozen;
+    else, when no rank began a step for ``after_s``, the ranks that began fewer steps are stuck. All
+    ranks at the same count is no verdict: one long step looks the same.
 
     Example::
 
@@ -105,20 +99,13 @@ class ProgressWatchdog:
     The training thread calls :meth:`beat` at each step; a daemon thread publishes the rank's
     :class:`Heartbeat` to the store every ``interval_s`` and :func:`find_stall` judges everyone's.
     On a verdict the lowest progressing rank prints one line, writes the stopped ranks' stacks to
-    ``dump_dir/stall.txt`` and kills them on its host, and every rank left exits with
-    :data:`STALL_EXIT`, long before the collective timeout. Independent of collectives, so it tells a
-    frozen rank from one stuck in a loader; torch and Lightning offer no progress watchdog.
+    ``dump_dir/stall.txt`` and kills them on its host, and every rank exits with :data:`STALL_EXIT`.
 
     Args:
-        store: the process group's store (``torch.distributed``'s default store).
-        rank: this rank.
-        world_size: the number of ranks.
-        after_s: seconds without progress before the verdict.
-        interval_s: seconds between heartbeats.
+        store: the process group's store.
         dump_dir: where ``stall.txt`` goes (a callable is asked at the verdict); ``None``: stderr only.
         rescue: called on the reporting rank before the job ends, while its training thread waits
-            in a collective; it returns what it saved (a checkpoint's path) or ``None``. The
-            Lightning strategy writes the last completed step's checkpoint there.
+            in a collective; returns what it saved (a checkpoint's path) or ``None``.
         exit: how a rank ends the job (``os._exit`` by default; a test passes its own).
 
     Example::
@@ -144,23 +131,18 @@ class ProgressWatchdog:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.after_s = check_number("after_s", after_s, 0, exclusive_minimum=True)
         self.interval_s = check_number("interval_s", interval_s, 0, exclusive_minimum=True)
-        self.dump_dir = dump_dir
-        self.rescue = rescue
-        self._exit = exit
+        self.dump_dir, self.rescue, self._exit = dump_dir, rescue, exit
         self.beats, self.phase = 0, "starting"
         self.stall: Stall | None = None
         self._main = threading.main_thread().ident
-        self._halt = threading.Event()
-        self._wake = threading.Event()
+        self._halt, self._wake = threading.Event(), threading.Event()
         self._published = self._beat_at = 0.0
         self._thread: threading.Thread | None = None
         self._seq = 0
 
     def beat(self, phase: str) -> None:
-        """The training thread begins a step (called by the strategy before each one).
-
-        Wakes the watchdog's thread to publish at most 4 times a second, so that a rank that freezes
-        is known by about its last step; the training thread itself never waits on the store."""
+        """The training thread begins a step; the watchdog's thread publishes it (at most 4 times a
+        second), so the training thread never waits on the store."""
         self.beats += 1
         self.phase = phase
         self._beat_at = time.monotonic()

@@ -1,7 +1,5 @@
-"""DataLoader workers of a DDP rank: set-up, seeding and leaving with the rank.
-
-Plain torch, so that a worker started by a forkserver imports neither Lightning nor the app.
-"""
+"""DataLoader workers of a DDP rank: set-up, seeding and leaving with the rank (plain torch, so a worker
+started by a forkserver imports neither Lightning nor the app)."""
 
 from __future__ import annotations
 
@@ -26,9 +24,7 @@ def seed_worker(worker_id: int, rank: int) -> None:
     """Seed torch, ``random`` and numpy in a DataLoader worker, exactly as Lightning's
     ``pl_worker_init_function(worker_id, rank)`` does (``seed_everything(workers=True)``).
 
-    Restated because importing Lightning's function imports all of Lightning (about 6 s of CPU) in
-    every forkserver a rank starts for its workers. ``tests/lightning/test_worker_seeding.py``
-    checks that both leave the same generator states, on every Lightning version the matrix runs.
+    Restated: importing Lightning's costs about 6 s of CPU per forkserver (a test holds the two equal).
 
     Example::
 
@@ -41,42 +37,32 @@ def seed_worker(worker_id: int, rank: int) -> None:
         True
     """
     base_seed = torch.initial_seed() - worker_id  # torch seeds worker i with base_seed + i
-    seeds = _seed_sequence(base_seed, worker_id, rank, count=4)
+    # MurmurHash3's finalizer on (base seed, worker, rank), then a 64-bit LCG (Knuth's constant)
+    mixed = (base_seed << 32) | (worker_id << 16) | rank
+    for multiplier in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
+        mixed ^= mixed >> 33
+        mixed = (mixed * multiplier) & _MASK64
+    mixed ^= mixed >> 33
+    seeds = []
+    for _ in range(3):
+        mixed = (mixed * 6364136223846793005 + 1) & _MASK64
+        seeds.append(mixed)
     torch.manual_seed(seeds[0])
     random.seed((seeds[1] << 32) | seeds[2])
     np.random.seed(np.random.SeedSequence([base_seed, worker_id, rank]).generate_state(4))
-
-
-def _seed_sequence(base_seed: int, worker_id: int, rank: int, count: int) -> list[int]:
-    # MurmurHash3's finalizer on (base seed, worker, rank), then a 64-bit LCG (Knuth's constant)
-    mixed = (base_seed << 32) | (worker_id << 16) | rank
-    mixed ^= mixed >> 33
-    mixed = (mixed * 0xFF51AFD7ED558CCD) & _MASK64
-    mixed ^= mixed >> 33
-    mixed = (mixed * 0xC4CEB9FE1A85EC53) & _MASK64
-    mixed ^= mixed >> 33
-    seeds = []
-    for _ in range(count):
-        mixed = (mixed * 6364136223846793005 + 1) & _MASK64
-        seeds.append(mixed)
-    return seeds
 
 
 class WorkerInit:
     """A DataLoader ``worker_init_fn`` for a DDP rank: stop signals ignored, a watch on the rank,
     then the seeding and the user's function.
 
-    A stop signal sent to the whole step or process group must not kill workers before the ranks
-    stop at a step boundary; a forkserver's worker, whose parent is not its rank, watches the rank
-    through a pidfd and leaves when it dies. Lightning's seeding function is replaced by
-    :func:`seed_worker`.
+    A stop signal sent to the whole process group must not kill workers before the ranks stop at a
+    step boundary; a forkserver's worker watches its rank through a pidfd and leaves when it dies.
 
     Args:
         user_fn: the loader's ``worker_init_fn`` (None, the user's, or a trainer's seeding function).
-        rank: this rank's global rank.
-        restates: tells whether a function (the ``func`` of a ``functools.partial`` with a ``rank``
-            keyword) is a seeding function that :func:`seed_worker` restates, such as Lightning's
-            ``pl_worker_init_function``; the Lightning adapter passes it, the core names no trainer.
+        restates: tells whether a function (a ``functools.partial``'s ``func`` with a ``rank``
+            keyword) is one :func:`seed_worker` restates, such as Lightning's ``pl_worker_init_function``.
 
     Example::
 

@@ -1,8 +1,6 @@
 """Accumulation-aware ``no_sync``, in automatic and manual optimization.
 
-:class:`AccumulationNoSync`; :class:`~ddp_plugins.lightning.AllReduceCounter` shows what it saves.
-Rationale in docs/design.md ("Gradient accumulation and communication").
-"""
+Rationale in docs/design.md ("Gradient accumulation and communication")."""
 
 from __future__ import annotations
 
@@ -24,11 +22,8 @@ __all__ = ["AccumulationNoSync"]
 def is_step_boundary(trainer: pl.Trainer, accumulate_grad_batches: int | None = None) -> bool:
     """Whether the current training batch ends an accumulation window (the optimizer steps after it).
 
-    Lightning's own rule (``_TrainingEpochLoop._should_accumulate``), from public progress
-    counters: a full window, or the epoch's last batch unless the strategy accumulates across
-    epochs itself (DeepSpeed). A callback that runs its own window in manual optimization
-    (:class:`~ddp_plugins.lightning.contracts.OwnsAccumulationWindow`, such as
-    :class:`AccumulationNoSync`) sets the window that counts.
+    Lightning's own rule, from public progress counters; a callback that runs its own window
+    (:class:`~ddp_plugins.lightning.contracts.OwnsAccumulationWindow`) sets the window that counts.
     """
     if accumulate_grad_batches is None:
         accumulate_grad_batches = current_accumulation(trainer)
@@ -56,26 +51,20 @@ def _callbacks(trainer: pl.Trainer) -> list[Callback]:
 class AccumulationNoSync(Callback):
     """Skip the gradient all-reduce on non-boundary micro-batches of gradient accumulation.
 
-    A batch is a *boundary* when it is the K-th, 2K-th, ... batch of its epoch or the epoch's last
-    batch (Lightning's own rule, so a short last window still steps and synchronizes).
-
-    * Manual optimization: on non-boundary batches DDP's ``require_backward_grad_sync`` is off
-      (what ``no_sync()`` does) and ``requires_grad`` is never changed, unlike Lightning's
-      ``toggle_model(sync_grad=False)``; the module steps when ``is_boundary`` is true.
-    * Automatic optimization: K goes to ``trainer.accumulate_grad_batches`` at each epoch start (as
-      ``GradientAccumulationScheduler`` does), whose loop already uses ``no_sync``.
+    A batch is a *boundary* when it is the K-th, 2K-th, ... batch of its epoch or the epoch's last.
+    In manual optimization DDP's ``require_backward_grad_sync`` is off on other batches (without
+    touching ``requires_grad``, unlike ``toggle_model``); in automatic optimization K goes to
+    ``trainer.accumulate_grad_batches`` at each epoch start, whose loop already uses ``no_sync``.
 
     Args:
         accumulate_grad_batches: micro-batches per optimizer step, a positive int or a schedule
-            ``{epoch: K}`` (zero-indexed epochs; epochs before the first key use 1). With 1 (no
-            accumulation asked here) in automatic optimization, ``Trainer(accumulate_grad_batches)``
-            decides and this callback only reports it.
+            ``{epoch: K}`` (zero-indexed; epochs before the first key use 1). With 1 in automatic
+            optimization, ``Trainer(accumulate_grad_batches)`` decides.
 
     Raises:
-        ValueError: If ``accumulate_grad_batches`` is not a positive int or a non-empty schedule
-            of non-negative int epochs to positive ints; at ``setup`` if
-            ``Trainer(accumulate_grad_batches)`` or a ``GradientAccumulationScheduler`` also sets K,
-            or if manual optimization runs on a parallel strategy that is not DDP.
+        ValueError: at ``setup``, if ``Trainer(accumulate_grad_batches)`` or a
+            ``GradientAccumulationScheduler`` also sets K, or manual optimization runs on a
+            parallel strategy that is not DDP.
 
     Example::
 
@@ -128,12 +117,7 @@ class AccumulationNoSync(Callback):
         return self.scheduling[max(keys)] if keys else 1
 
     def check_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The run-dependent checks of ``setup``: clashing accumulation settings, the strategy.
-
-        Raises:
-            ValueError: a ``GradientAccumulationScheduler`` or ``Trainer(accumulate_grad_batches)``
-                also sets K, or manual optimization runs on a parallel strategy that is not DDP.
-        """
+        """The run-dependent checks of ``setup``: clashing accumulation settings, the strategy."""
         schedules = of_kind(_callbacks(trainer), AccumulationSchedule)
         others = [c for c in schedules if not isinstance(c, AccumulationNoSync)]
         if others:
@@ -145,14 +129,10 @@ class AccumulationNoSync(Callback):
         strategy = trainer.strategy
         if pl_module.automatic_optimization:
             if trainer.accumulate_grad_batches not in (1, self._applied_to_trainer) and self.scheduling != {0: 1}:
-                raise ArgumentValueError(
-                    "accumulate_grad_batches",
-                    "1 here when `Trainer(accumulate_grad_batches)` sets K (set it in one place)",
-                    problem=(
-                        f"got {self._describe()} with"
-                        f" Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})"
-                    ),
-                )
+                ours = self.scheduling[0] if list(self.scheduling) == [0] else self.scheduling
+                problem = f"got {ours} with Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})"
+                allowed = "1 here when `Trainer(accumulate_grad_batches)` sets K (set it in one place)"
+                raise ArgumentValueError("accumulate_grad_batches", allowed, problem=problem)
         elif isinstance(strategy, ParallelStrategy) and not isinstance(strategy, DDPStrategy):
             raise ValueError(
                 "`AccumulationNoSync` with manual optimization supports DDP strategies ('ddp', 'ddp_spawn',"
@@ -224,9 +204,6 @@ class AccumulationNoSync(Callback):
         if self._manual and ddp is not None:
             ddp.require_backward_grad_sync = True
 
-    def _describe(self) -> Any:
-        return self.scheduling[0] if list(self.scheduling) == [0] else self.scheduling
-
 
 def _ddp_model(trainer: pl.Trainer) -> DistributedDataParallel | None:
     model = trainer.strategy.model
@@ -234,15 +211,13 @@ def _ddp_model(trainer: pl.Trainer) -> DistributedDataParallel | None:
 
 
 def _parse_schedule(value: Any) -> dict[int, int]:
-    def positive_int(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+    def int_from(x: Any, low: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
-    if positive_int(value):
+    if int_from(value, 1):
         return {0: value}
-    if isinstance(value, Mapping) and value:
-        keys_ok = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in value)
-        if keys_ok and all(positive_int(v) for v in value.values()):
-            return dict(sorted((int(k), int(v)) for k, v in value.items()))
+    if isinstance(value, Mapping) and value and all(int_from(k, 0) and int_from(v, 1) for k, v in value.items()):
+        return dict(sorted((int(k), int(v)) for k, v in value.items()))
     allowed = "a positive int or a non-empty dict {epoch (int >= 0): K (int >= 1)}"
     if isinstance(value, Mapping) or (isinstance(value, int) and not isinstance(value, bool)):
         raise ArgumentValueError("accumulate_grad_batches", allowed, value)

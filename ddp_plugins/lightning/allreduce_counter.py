@@ -1,8 +1,4 @@
-"""All-reduce counter
-==================
-
-:class:`AllReduceCounter` logs the gradient all-reduce calls and bytes of every optimizer step.
-"""
+"""A callback that logs the gradient all-reduce calls and bytes of every optimizer step."""
 
 from __future__ import annotations
 
@@ -30,26 +26,12 @@ def _minus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, 
     return (a[0] - b[0], a[1] - b[1], a[2] - b[2])
 
 
-def _plus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
-    """``a + b``, element by element."""
-    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
-
-
 class AllReduceCounter(Callback):
     """Count gradient all-reduce calls and bytes per optimizer step and log them.
 
-    The strategy's communication hook is wrapped in a :class:`CountingCommHook` in ``setup`` (and
-    registered at ``on_fit_start`` where Lightning registers none: off CUDA). When the loggers write,
-    ``{prefix}/allreduce_calls``, ``_bytes``, ``_rounds`` and their ``_total`` go to the Trainer's
-    loggers (not ``LightningModule.log``: a millisecond a call). Totals are also attributes, and
-    ``history`` holds ``(calls, bytes, rounds)`` per optimizer step.
-
-    Args:
-        log: write the counts to the Trainer's loggers.
-        prefix: metric name prefix.
-
-    Raises:
-        TypeError: If ``log`` is not a bool or ``prefix`` is not a non-empty str.
+    The strategy's hook is wrapped in a :class:`CountingCommHook`; ``{prefix}/allreduce_calls``,
+    ``_bytes``, ``_rounds`` and their ``_total`` go to the Trainer's loggers (when ``log``). Totals
+    are also attributes, and ``history`` holds ``(calls, bytes, rounds)`` per optimizer step.
 
     Example::
 
@@ -72,7 +54,7 @@ class AllReduceCounter(Callback):
         self.hook: CountingCommHook | None = None
         self.optimizer_steps = 0
         self.history: list[tuple[int, int, int]] = []
-        self._offset = (0, 0, 0)  # counts restored from a checkpoint
+        self._behind = (0, 0, 0)  # the live counts minus a restored checkpoint's
         self._last = (0, 0, 0)
         self._strategy: DDPStrategy | None = None
         self._user_hook: Callable | None = None
@@ -109,7 +91,7 @@ class AllReduceCounter(Callback):
             return
         self._strategy, self._user_hook = strategy, current
         self.hook = wrap_comm_hook(strategy, CountingCommHook)
-        self._last = (self.hook.calls, self.hook.bytes, self.hook.rounds)
+        self._last = self._live()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -122,7 +104,7 @@ class AllReduceCounter(Callback):
     ) -> None:
         if self.hook is None:
             return
-        now = (self.hook.calls, self.hook.bytes, self.hook.rounds)
+        now = self._live()
         step = _minus(now, self._last)
         self._last = now
         self.optimizer_steps += 1
@@ -147,9 +129,8 @@ class AllReduceCounter(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        live = (self.hook.calls, self.hook.bytes, self.hook.rounds) if self.hook is not None else (0, 0, 0)
         saved = (state_dict.get("calls", 0), state_dict.get("bytes", 0), state_dict.get("rounds", 0))
-        self._offset = _minus(saved, live)
+        self._behind = _minus(self._live(), saved)
         self.optimizer_steps = state_dict.get("optimizer_steps", 0)
 
     def _logs_now(self, trainer: pl.Trainer) -> bool:
@@ -162,6 +143,9 @@ class AllReduceCounter(Callback):
         last_step = trainer.max_steps > 0 and step >= trainer.max_steps
         return step % every == 0 or trainer.is_last_batch or last_step
 
+    def _live(self) -> tuple[int, int, int]:
+        hook = self.hook
+        return (hook.calls, hook.bytes, hook.rounds) if hook is not None else (0, 0, 0)
+
     def _totals(self) -> tuple[int, int, int]:
-        live = (self.hook.calls, self.hook.bytes, self.hook.rounds) if self.hook is not None else (0, 0, 0)
-        return _plus(live, self._offset)
+        return _minus(self._live(), self._behind)

@@ -1,9 +1,4 @@
-"""Atomic checkpoint IO
-====================
-
-:class:`AtomicCheckpointIO`: checkpoint files that are whole or absent, verified, and loaded with
-``weights_only=True``.
-"""
+"""Checkpoint files that are whole or absent, verified, and loaded with ``weights_only=True``."""
 
 from __future__ import annotations
 
@@ -24,10 +19,8 @@ def _remote(path: Any) -> bool:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local checkpoints are atomic and verified, loaded with ``weights_only=True``.
 
-    Local files are written by :func:`ddp_plugins.core.checkpoints.save_checkpoint_file`: a
-    temporary name in the checkpoint's own folder, fsync, a SHA-256 sidecar, then a rename, so a
-    checkpoint is whole or absent; the sidecar is removed with its checkpoint. Loading passes
-    ``weights_only=True`` unless the caller asks otherwise. Remote (fsspec) paths stay Lightning's.
+    Local files go through :func:`ddp_plugins.core.checkpoints.save_checkpoint_file` (whole or absent,
+    with a SHA-256 sidecar removed with them); remote (fsspec) paths stay Lightning's.
     ``DDPPluginsStrategy``'s default.
 
     Example::

@@ -1,11 +1,7 @@
-"""Communication hooks layered on a strategy's hook
-================================================
+"""Communication hooks layered on a strategy's hook, whatever order the callbacks come in.
 
-Callbacks that observe DDP's gradient buckets (:class:`~ddp_plugins.lightning.AllReduceCounter`,
-:class:`~ddp_plugins.lightning.CommTimeline`) wrap the strategy's hook in ``setup``, make sure the
-DDP model has it registered in ``on_fit_start``, and take their layer out again in ``teardown``,
-whatever order the callbacks come in. Each layer keeps the hook it wraps as ``.hook``.
-"""
+A callback wraps the strategy's hook in ``setup``, registers it in ``on_fit_start`` and takes its layer
+out in ``teardown``; each layer keeps the hook it wraps as ``.hook``."""
 
 from __future__ import annotations
 

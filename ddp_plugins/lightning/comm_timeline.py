@@ -1,9 +1,5 @@
-"""Where DDP time goes
-===================
-
-:class:`CommTimeline` records every rank's step phases and collectives, blames stragglers, logs
-``time/*`` and ``straggler/*`` metrics, writes one Chrome trace for all ranks and dumps hangs.
-"""
+"""A callback that records every rank's step phases and collectives, blames stragglers, logs metrics,
+writes one Chrome trace for all ranks and dumps hangs."""
 
 from __future__ import annotations
 
@@ -47,12 +43,9 @@ _MODULE_KINDS = (
 class CommTimeline(Callback):
     """Time every rank's steps and collectives, blame the slow rank, and trace it all on one timeline.
 
-    A :class:`ddp_plugins.core.timeline.Timeline` per rank: every ``every_n_steps`` batches the
-    ranks gather their records and the callback writes ``time/*`` and ``straggler/*`` metrics to the
-    Trainer's loggers (not through ``LightningModule.log``, which costs about a millisecond a
-    metric). At the end of fit rank 0 writes the Chrome trace and prints a summary; a rank stuck in
-    one collective for ``stall_after_s`` dumps its last collectives and names the ranks that never
-    arrived. Metrics and files: docs/plugins.md ("Where time goes").
+    A :class:`ddp_plugins.core.timeline.Timeline` per rank, gathered every ``every_n_steps``
+    batches into ``time/*`` and ``straggler/*`` metrics; at the end of fit rank 0 writes the Chrome
+    trace. Metrics and files: docs/plugins.md ("Where time goes").
 
     Args:
         every_n_steps: batches between two gathers of the records (and the logged metrics).
@@ -60,14 +53,9 @@ class CommTimeline(Callback):
         history: collectives kept per rank for a hang dump.
         stall_after_s: seconds in one collective before a hang dump; ``None`` for half the process
             group's timeout, at most 300.
-        blame_threshold_ms: the least excess in a batch (a rank's lead at the batch's collectives over
-            the other ranks') that blames the batch on the rank.
+        blame_threshold_ms: the least excess in a batch that blames the batch on a rank.
         score_decay: weight of the newest batch in the moving straggler score.
         log: write the metrics to the Trainer's loggers.
-
-    Raises:
-        ValueError: an argument out of range.
-        TypeError: an argument of the wrong type.
 
     Example::
 
@@ -203,8 +191,8 @@ class CommTimeline(Callback):
             return
         if is_collective_failure(exception):
             first = next(iter(str(exception).splitlines()), "")
-            text = self.timeline.dump(f"rank {trainer.global_rank}: a collective failed: {first}")
             rank = trainer.global_rank
+            text = self.timeline.dump(f"rank {rank}: a collective failed: {first}")
             if self.trace_path is not None:
                 write_text_atomic(self.trace_path.parent / f"hang_rank{rank}.txt", text + "\n")
             print(text, flush=True)

@@ -1,9 +1,6 @@
-"""Contracts between the Lightning adapters, checked with ``isinstance``.
+"""Contracts between the Lightning adapters, checked with ``isinstance``, as torch's ``Joinable``.
 
-The strategy and the callbacks find each other only through these protocols (no callback imports the
-strategy's module), the way torch's ``Joinable`` / ``JoinHook`` and Lightning's ``LayerSync`` do; the
-launchers are the strategy's own parts. Rationale in docs/design.md ("Contracts between the adapters").
-"""
+Rationale in docs/design.md ("Contracts between the adapters")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Resumable CSV logger
-====================
-
-:class:`ResumableCSVLogger`: a ``CSVLogger`` whose ``metrics.csv`` a resumed run continues.
-"""
+"""A ``CSVLogger`` whose ``metrics.csv`` a resumed run continues."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ class _AppendingWriter(ExperimentWriter):
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
         with open(self.metrics_file_path, newline="") as file:
             rows = list(csv.DictReader(file))
-        keys = sorted(set(fieldnames).union(*(row.keys() for row in rows)))
-        self.metrics_keys = keys
+        self.metrics_keys = keys = sorted(set(fieldnames).union(*(row.keys() for row in rows)))
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=keys)
         writer.writeheader()
@@ -50,12 +45,9 @@ class _AppendingWriter(ExperimentWriter):
 class ResumableCSVLogger(CSVLogger):
     """``CSVLogger`` whose ``metrics.csv`` survives a resume (same arguments as ``CSVLogger``).
 
-    Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when it opens its log folder, and
-    rewrites the file with the header of the keys this process logged, which fails on rows with
-    other keys. This one keeps the file, starts from its header and widens the header when new keys
-    appear, so a run resumed from a checkpoint appends to the rows of the run it continues
-    (:class:`~ddp_plugins.lightning.PreemptionCheckpoint` first cuts the file back to the rows
-    logged before the checkpoint).
+    Lightning's deletes an existing ``metrics.csv`` and rewrites it with this process's keys only;
+    this one keeps the file and widens its header, so a resumed run appends to the rows it continues
+    (:class:`~ddp_plugins.lightning.PreemptionCheckpoint` first cuts them back to the checkpoint's).
 
     Example::
 

@@ -1,14 +1,13 @@
 """Launchers of the DDP strategy: a child command of the caller's choice, a rank watcher, no orphans.
 
-Both subclass Lightning's launchers (private classes, see :mod:`ddp_plugins._compat`); rationale in
-docs/design.md ("When a rank fails or stops").
-"""
+Rationale in docs/design.md ("When a rank fails or stops")."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -40,22 +39,15 @@ REFUSAL_EXIT = 2
 every rank decides alike and rank 0 prints the line, so it is no crash to report."""
 
 
-def _preempted_code(code: int | None) -> bool:
-    """An exit code of :class:`Preempted` (128 + a signal number): a child that stopped on agreement."""
-    return code is not None and 128 < code < 128 + signal.NSIG
-
-
 def _agreed_code(code: int | None) -> bool:
-    """An exit every rank reaches alike (a preemption stop or a refusal): rank 0 ends the same way."""
-    return _preempted_code(code) or code == REFUSAL_EXIT
+    """An exit every rank reaches alike (:class:`Preempted`'s 128 + signal, or a refusal): rank 0 ends the same way."""
+    return code is not None and (128 < code < 128 + signal.NSIG or code == REFUSAL_EXIT)
 
 
 class _RankWatcher(threading.Thread):
-    """Watches the child ranks; when one fails, says which and how, and stops every rank.
+    """Watches the child ranks; when one fails, says which and how on stderr, and stops every rank.
 
-    Lightning's ``_ChildProcessObserver`` does the same every 5 s but reports at INFO level,
-    which is usually hidden; this one prints to stderr, names the signal, and can be stopped
-    (when rank 0 itself failed and stops its children).
+    Unlike Lightning's ``_ChildProcessObserver`` (INFO level, usually hidden), it can be stopped.
     """
 
     def __init__(self, procs: list[Any], period: float = 1.0, halt: threading.Event | None = None) -> None:
@@ -74,22 +66,14 @@ class _RankWatcher(threading.Thread):
     def run(self) -> None:
         while not self._halt.wait(self.period):
             codes = [proc.poll() for proc in self.procs]
-            if all(code == 0 for code in codes):
-                return
             if all(code == 0 or _agreed_code(code) for code in codes):
-                return  # every child stopped for a preemption signal or refused: rank 0 does the same
-            failed = [
-                (rank, proc, code)
-                for rank, (proc, code) in enumerate(zip(self.procs, codes, strict=True), 1)
-                if code and not _agreed_code(code)
-            ]
+                return  # every child ended, or stopped for a preemption signal or refused: rank 0 does the same
+            failed = [(rank, code) for rank, code in enumerate(codes, 1) if code and not _agreed_code(code)]
             if failed and not self._halt.is_set():
-                rank, proc, code = failed[0]
-                print(
-                    f"[ddp_plugins] rank {rank} (PID {proc.pid}) {_describe_exit(code)}; stopping every rank.",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                rank, code = failed[0]
+                pid = self.procs[rank - 1].pid
+                message = f"[ddp_plugins] rank {rank} (PID {pid}) {_describe_exit(code)}; stopping every rank."
+                print(message, file=sys.stderr, flush=True)
                 for other in self.procs:
                     if other.poll() is None:
                         other.send_signal(signal.SIGKILL)
@@ -100,9 +84,8 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
     """Lightning's subprocess launcher with a rank watcher, and no orphans.
 
     ``child_command(local_rank)`` gives each child rank's command and working folder (default:
-    Lightning's). Unlike Lightning's, it stops the child ranks when rank 0 raises (not only on
-    ``KeyboardInterrupt``), and holds SIGTERM and SIGINT from before the first child starts until
-    :meth:`startup_done` (:class:`_StartupSignals`).
+    Lightning's). It stops the child ranks when rank 0 raises (not only on ``KeyboardInterrupt``),
+    and holds SIGTERM and SIGINT from before the first child starts until :meth:`startup_done`.
     """
 
     _startup: _StartupSignals | None = None
@@ -134,34 +117,27 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 watcher.start()
             _compat.set_num_threads_if_needed(self.num_processes)
             return function(*args, **kwargs)
-        except (Preempted, ResumeMismatch):
-            # every rank agreed to stop at this step and wrote its part, or refuses the same resume
-            # with rank 0's one line: let the children finish
-            if watcher is not None:
-                watcher.stop()
-                watcher = None
-                self._wait_children()
-            raise
         except BaseException as error:
-            if watcher is not None:
-                watcher.stop()
-                watcher = None
+            if watcher is None:
+                raise
+            watcher.stop()
+            if isinstance(error, (Preempted, ResumeMismatch)):
+                # every rank agreed to stop at this step and wrote its part, or refuses the same resume
+                # with rank 0's one line: let the children finish
+                _wait_then_kill(self.procs, _PREEMPT_GRACE_S)
+            else:
                 # which rank stopped, asked before the children are stopped (then they cannot answer)
                 module = trainer.lightning_module if trainer is not None else None
                 self._stop_children(describe_collective_failure(error, tag=failure_tag(module)))
             raise
         finally:
             self.startup_done()  # a start-up that failed gives the handlers back all the same
-            if watcher is not None:  # fit returned: no thread outlives it
+            if watcher is not None:  # no thread outlives fit (stopping twice is harmless)
                 watcher.stop()
 
     def startup_done(self) -> None:
-        """The ranks have met (the strategy calls this once set up): signals are the run's again.
-
-        In the launcher, SIGTERM and SIGINT get back the handlers they had; from here on Lightning's
-        and :class:`~ddp_plugins.lightning.PreemptionCheckpoint`'s handlers take them. In a child rank
-        that this launcher started, the parent-death signal is cleared (see ``_call_children_scripts``).
-        """
+        """The ranks have met (the strategy calls this once set up): SIGTERM and SIGINT get their
+        handlers back, and a child rank's parent-death signal is cleared."""
         if self._startup is not None:
             self._startup.restore()
             self._startup = None
@@ -171,55 +147,28 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 clear()
 
     def _stop_startup(self, signum: int) -> None:
-        """SIGTERM or SIGINT reached the launcher while the ranks start: forward it to the child ranks,
-        give them :data:`_CHILD_GRACE_S` to exit, kill the rest, and exit ``128 + signal``.
-
-        Runs in :class:`_StartupSignals`' thread while the main thread may be blocked in the
-        rendezvous, so it leaves with ``os._exit`` (streams flushed) rather than through ``atexit``
-        handlers that could wait for the main thread. A child started while this runs is not in
-        ``procs`` yet: its parent-death signal ends it.
-        """
+        """SIGTERM or SIGINT while the ranks start: forward it to the child ranks, kill those left after
+        :data:`_CHILD_GRACE_S`, exit ``128 + signal`` with ``os._exit`` (the main thread may be blocked
+        in the rendezvous: ``atexit`` handlers could wait for it)."""
         if self._halt is not None:
             self._halt.set()  # the rank watcher must not take the children's exit for a failure
         procs = list(self.procs)
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
-        deadline = time.monotonic() + _CHILD_GRACE_S
-        while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
-            time.sleep(0.05)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        _wait_then_kill(procs, _CHILD_GRACE_S)
         code = 128 + signum
-        print(
-            f"[ddp_plugins] {signal.Signals(signum).name} while the ranks were starting: stopped child ranks"
-            f" {[proc.pid for proc in procs]}; exit code {code}.",
-            file=sys.stderr,
-            flush=True,
-        )
+        message = f"{signal.Signals(signum).name} while the ranks were starting: stopped child ranks"
+        print(f"[ddp_plugins] {message} {[proc.pid for proc in procs]}; exit code {code}.", file=sys.stderr, flush=True)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
 
-    def _wait_children(self) -> None:
-        deadline = time.monotonic() + _PREEMPT_GRACE_S
-        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
-            time.sleep(0.05)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-
     def _stop_children(self, stalled: str | None = None) -> None:
         """Stop the child ranks that still run after rank 0 failed, and say which rank failed first
         (or, for a collective that failed on rank 0, which rank stopped progressing: ``stalled``)."""
-        deadline = time.monotonic() + _CHILD_GRACE_S
-        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
-            time.sleep(0.1)
-        running = [proc for proc in self.procs if proc.poll() is None]
-        for proc in running:
-            proc.send_signal(signal.SIGKILL)
+        running = _wait_then_kill(self.procs, _CHILD_GRACE_S)
         failed_first = [
             f"rank {rank} (PID {proc.pid}) {_describe_exit(proc.returncode)}"
             for rank, proc in enumerate(self.procs, 1)
@@ -228,22 +177,16 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         cause = f"{'; '.join(failed_first)} first, then rank 0 failed" if failed_first else "rank 0 failed"
         if stalled and not failed_first:
             cause += f" in a collective: {stalled.split(':')[0]}"
-        print(
-            f"[ddp_plugins] {cause}; stopped child ranks {[proc.pid for proc in running]}.",
-            file=sys.stderr,
-            flush=True,
-        )
+        stopped = [proc.pid for proc in running]
+        print(f"[ddp_plugins] {cause}; stopped child ranks {stopped}.", file=sys.stderr, flush=True)
 
     @override
     def _call_children_scripts(self) -> None:
         """Lightning's, with ``child_command``'s command, and a parent-death signal for each child rank.
 
-        Until its start-up is done (:meth:`startup_done`), a child gets ``SIGKILL`` when the launcher
-        dies, however it dies: alone in the rendezvous it would wait out the whole timeout, where no
-        Python handler runs. After start-up its next collective tells it (docs/design.md).
+        Until :meth:`startup_done`, a child gets ``SIGKILL`` when the launcher dies: alone in the
+        rendezvous it would wait out the whole timeout (docs/design.md).
         """
-        import subprocess
-
         self._check_can_spawn_children()
         self.procs = []  # reset in case it is called twice, as Lightning's does
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
@@ -255,8 +198,6 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         for local_rank in range(1, self.num_processes):
             env_copy = os.environ.copy()
             env_copy["LOCAL_RANK"] = f"{local_rank}"
-            if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env_copy:
-                del env_copy["PL_GLOBAL_SEED"]
             if dies_with_launcher is not None:
                 env_copy[_DIES_WITH_LAUNCHER] = "1"
             command, cwd = self.child_command(local_rank)
@@ -325,10 +266,8 @@ def _startup_handler(signum: int, frame: Any) -> None:
 class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
     """Spawned children leave through :func:`exit_process` once their results are queued.
 
-    A ``spawn``/``forkserver`` child is a fresh interpreter that would otherwise finalize and risk
-    the gloo abort; ``fork`` children already leave with ``os._exit`` (and must not run the
-    parent's ``atexit`` handlers), so they are left as they are. A failing child is handled by
-    torch's ``ProcessContext.join``: it stops the others and raises with the child's traceback.
+    A ``spawn``/``forkserver`` child would otherwise finalize and risk the gloo abort; ``fork``
+    children already leave with ``os._exit`` (and must not run the parent's ``atexit`` handlers).
     """
 
     def __init__(self, *args: Any, before_launch: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
@@ -349,8 +288,7 @@ class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
 
     @override
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:
-        # Lightning's channel from spawned rank 0 to the calling process (it carries
-        # `callback_metrics`); callbacks' results (SequentialEvaluation's) travel on it as file paths
+        # Lightning's channel from spawned rank 0 to the caller: callbacks' results travel on it as file paths
         extra = super().get_extra_results(trainer)
         payload = {cb.spawn_results_key: cb.export_results() for cb in of_kind(trainer.callbacks, CarriesSpawnResults)}
         if payload:
@@ -370,6 +308,17 @@ def failure_tag(module: Any) -> str:
     """The tag under which the ranks whose collective failed record themselves: the global step,
     the same on every rank in one collective (a fit that failed earlier left other tags)."""
     return str(getattr(module, "global_step", ""))
+
+
+def _wait_then_kill(procs: list[Any], grace_s: float) -> list[Any]:
+    """Give ``procs`` ``grace_s`` seconds to exit, then kill those still running; returns them."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
+        time.sleep(0.05)
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.kill()
+    return running
 
 
 def _describe_exit(code: int | None) -> str:

@@ -1,9 +1,4 @@
-"""SyncBatchNorm plugin
-===================
-
-:class:`SyncBatchNormPlugin`: :func:`ddp_plugins.core.convert_sync_batchnorm` as a Lightning
-``LayerSync`` plugin.
-"""
+""":func:`ddp_plugins.core.convert_sync_batchnorm` as a Lightning ``LayerSync`` plugin."""
 
 from __future__ import annotations
 
@@ -31,13 +26,7 @@ class SyncBatchNormPlugin(LayerSync):
 
     The strategy calls :meth:`apply` only when fitting and :meth:`revert` in its teardown. Pass it
     as ``Trainer(plugins=[SyncBatchNormPlugin()])`` (not together with ``sync_batchnorm=True``), or
-    use :class:`~ddp_plugins.lightning.SyncBatchNormCallback`.
-
-    Args:
-        process_group: the group to synchronize over; ``None`` means the whole world.
-        group_size: synchronize within consecutive groups of this many ranks.
-        skip_frozen: leave layers in eval mode or without trainable parameters alone.
-        extra_classes: BN-like classes to convert as well (see :func:`convert_sync_batchnorm`).
+    use :class:`~ddp_plugins.lightning.SyncBatchNormCallback`. The arguments are :func:`convert_sync_batchnorm`'s.
 
     Example::
 

@@ -1,9 +1,5 @@
-"""Network presets
-===============
-
-A preset of the ``network`` config group (NCCL/gloo timeouts, sockets, InfiniBand settings) into
-the environment before the process group starts and back out, and gloo pinned to loopback.
-"""
+"""A ``network`` preset (NCCL/gloo timeouts, sockets, InfiniBand) into the environment before the
+process group starts and back out, and gloo pinned to loopback."""
 
 from __future__ import annotations
 
@@ -30,11 +26,7 @@ def apply_network_env(env: Mapping[str, Any] | None) -> dict[str, str]:
         >>> apply_network_env({"EXAMPLE_TIMEOUT": 22, "EXAMPLE_RETRY": 7})
         {'EXAMPLE_TIMEOUT': '5', 'EXAMPLE_RETRY': '7'}
     """
-    effective = {}
-    for key, value in (env or {}).items():
-        os.environ.setdefault(str(key), str(value))
-        effective[str(key)] = os.environ[str(key)]
-    return effective
+    return {str(key): os.environ.setdefault(str(key), str(value)) for key, value in (env or {}).items()}
 
 
 def restore_env(before: Mapping[str, str]) -> None:

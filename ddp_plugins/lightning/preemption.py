@@ -49,19 +49,12 @@ class PreemptionCheckpoint(Callback):
         every_n_train_steps: also write a checkpoint every this many optimizer steps (0: only on
             a signal).
         keep: how many of this callback's step checkpoints to keep (the newest), at least 1.
-        signals: the signals that stop the run (names or numbers); a second Ctrl-C ends the
-            process at once.
+        signals: the signals that stop the run; a second Ctrl-C ends the process at once.
         check_every_n_steps: agree on the flag every this many optimizer steps, or ``"auto"``:
-            about every half second of training (:class:`~ddp_plugins.core.SignalAgreement`; the
-            ranks never wait for a check, and stop one step after the one that saw the flag).
-        requeue: ``"auto"`` (under Slurm, requeue the job after a ``requeue_signal``), ``"always"``
-            (after any of the signals) or ``"never"``.
+            about every half second (:class:`~ddp_plugins.core.SignalAgreement`).
+        requeue: ``"auto"`` (under Slurm, requeue the job after a ``requeue_signal``, or submitit's
+            ``SIGUSR2``), ``"always"`` (after any of the signals) or ``"never"``.
         requeue_signal: the signal Slurm sends before preempting (``--signal=USR1@90``).
-
-    Inside a submitit job, submitit's signal (``SIGUSR2``) is taken too, as a requeue signal.
-
-    Raises:
-        TypeError, ValueError: an argument of the wrong type or out of range.
 
     Example::
 
@@ -97,8 +90,6 @@ class PreemptionCheckpoint(Callback):
         self._requeue_signals = {self.requeue_signal}
         self.resumed_from: str | None = None
 
-    # ---------------------------------------------------------------- set-up and signals
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -115,8 +106,7 @@ class PreemptionCheckpoint(Callback):
         if submitit and submitit not in self._flag.signals:
             self._flag = SignalFlag((*self.signals, submitit))
         # Installed from the sanity check / train start on: Lightning registers its own handlers
-        # after `on_fit_start` and restores what it found then when fit ends; taking over earlier
-        # would make it "restore" ours.
+        # after `on_fit_start`, and taking over earlier would make it "restore" ours.
 
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -138,16 +128,12 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, Preempted):
-            # Our handlers stay until Lightning's teardown puts back the ones it found: the signals
-            # Slurm sends for the requeue reach ranks that are tearing down, and Lightning's handler
-            # would broadcast from inside the handler (with the other rank gone, the gloo error
-            # replaced the stop: no "preempted by" line, exit 0).
+            # Our handlers stay until Lightning's teardown: Slurm's requeue signals reach ranks that
+            # are tearing down, and Lightning's handler would broadcast from inside the handler.
             self._finish_rows(trainer)
             return
         self._agreement.cancel()  # a peer may be gone: never wait for the exchange in flight
         self._flag.restore()
-
-    # ---------------------------------------------------------------- the step boundary
 
     @override
     def on_train_batch_end(
@@ -209,8 +195,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._agreement.poll(0, start=False)  # the run is complete: a flag agreed only now changes nothing
         if self._stop is not None:
-            # A stop agreed at the last step: training and its final validation are done, the
-            # checkpoint holds the end. Nothing is left to resume, so the run ends as a finished one.
+            # A stop agreed at the last step: nothing is left to resume, the run ends as a finished one.
             stop, self._stop = self._stop, None
             if trainer.is_global_zero:
                 log.warning("signal %d came at the last step: the run is complete (%s)", stop.signum, stop.checkpoint)
@@ -231,8 +216,6 @@ class PreemptionCheckpoint(Callback):
             return False
         return self.requeue == "always" or signum in self._requeue_signals
 
-    # ---------------------------------------------------------------- checkpoint files
-
     def _save(self, trainer: pl.Trainer, name: str) -> Path:
         assert self.dirpath is not None
         path = Path(self.dirpath) / name
@@ -252,8 +235,6 @@ class PreemptionCheckpoint(Callback):
         ours.sort(key=write_order)
         for path in ours[: max(len(ours) - (self.keep - 1), 0)]:
             remove_checkpoint_file(path)
-
-    # ---------------------------------------------------------------- metrics rows
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -278,9 +259,9 @@ class PreemptionCheckpoint(Callback):
         if self.resumed_from is not None:
             ledger = read_json(Path(self.resumed_from).parent / ROWS_LEDGER)
             rows = ledger.get(Path(self.resumed_from).name, rows)
-        csv_path = _csv_path(trainer)
-        if rows is not None and csv_path is not None:
-            dropped = truncate_csv_rows(csv_path, int(rows))
+        logger = _csv_logger(trainer)
+        if rows is not None and logger is not None:
+            dropped = truncate_csv_rows(Path(logger.log_dir) / ExperimentWriter.NAME_METRICS_FILE, int(rows))
             if dropped:
                 log.info("metrics: dropped %d row(s) logged after the checkpoint", dropped)
 
@@ -291,14 +272,10 @@ class PreemptionCheckpoint(Callback):
         strategy = trainer.strategy
         path = strategy.last_checkpoint_path if implements(strategy, SavesCheckpoints) else self._pending_path
         self._pending_path = None
-        if not trainer.is_global_zero or path is None:
-            return
-        rows = _logged_rows(trainer)
-        if rows is None:
+        if path is None or (rows := _logged_rows(trainer)) is None:  # None on every rank but 0
             return
         ledger_path = Path(path).parent / ROWS_LEDGER
-        ledger = read_json(ledger_path)
-        ledger = {name: n for name, n in ledger.items() if (Path(path).parent / name).exists()}
+        ledger = {name: n for name, n in read_json(ledger_path).items() if (Path(path).parent / name).exists()}
         ledger[Path(path).name] = rows
         write_text_atomic(ledger_path, json.dumps(ledger, indent=1, sort_keys=True))
 
@@ -312,17 +289,10 @@ def _csv_logger(trainer: pl.Trainer) -> CSVLogger | None:
     return next((logger for logger in trainer.loggers if isinstance(logger, CSVLogger)), None)
 
 
-def _csv_path(trainer: pl.Trainer) -> Path | None:
-    logger = _csv_logger(trainer)
-    if logger is None:
-        return None
-    return Path(logger.log_dir) / ExperimentWriter.NAME_METRICS_FILE
-
-
 def _logged_rows(trainer: pl.Trainer) -> int | None:
     """Rows the CSV logger has been given so far (written out first), on rank 0; None elsewhere."""
-    logger, path = _csv_logger(trainer), _csv_path(trainer)
-    if logger is None or path is None or not trainer.is_global_zero:
+    logger = _csv_logger(trainer)
+    if logger is None or not trainer.is_global_zero:
         return None
     logger.save()
-    return count_csv_rows(path)
+    return count_csv_rows(Path(logger.log_dir) / ExperimentWriter.NAME_METRICS_FILE)

@@ -1,7 +1,4 @@
-"""Rank-aware seeding callback, the Lightning adapter of :mod:`ddp_plugins.core.seeding`.
-
-:class:`RankAwareSeed`; rationale in docs/design.md ("Seeding per rank").
-"""
+"""Rank-aware seeding callback; rationale in docs/design.md ("Seeding per rank")."""
 
 from __future__ import annotations
 
@@ -36,22 +33,15 @@ __all__ = ["RankAwareSeed"]
 class RankAwareSeed(Callback):
     """Identical model initialization on every rank, then a distinct random stream per rank.
 
-    ``setup`` seeds every rank with ``seed`` (what ``setup``/``configure_model`` draw is alike, and
-    DDP broadcasts rank 0's weights anyway); at ``on_fit_start``, after that broadcast and before the
-    first DataLoader iterator, each rank switches to its own stream (:func:`seed_everything_rank_aware`).
-    Checkpoints hold every rank's RNG states (``state_dict`` stays local; the strategy gathers them)
-    and a resume restores each rank's own; from another world size the run warns and starts fresh
-    streams keyed by ``(seed, rank, global_step)``. Rationale: docs/design.md ("Seeding per rank").
+    ``setup`` seeds every rank with ``seed``; at ``on_fit_start``, after DDP's broadcast, each rank
+    switches to its own stream (:func:`seed_everything_rank_aware`). Checkpoints hold every rank's
+    RNG states and a resume restores each rank's own; from another world size the run warns and
+    starts fresh streams keyed by ``(seed, rank, global_step)`` (docs/design.md, "Seeding per rank").
 
     Args:
         seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.
-        workers: seed DataLoader workers per (seed, rank, worker id, epoch), see
-            :func:`seed_everything_rank_aware`.
+        workers: seed DataLoader workers per (seed, rank, worker id, epoch).
         deterministic: also set torch's deterministic-algorithm flags in ``setup``.
-
-    Raises:
-        TypeError: ``seed`` not an integer, ``workers``/``deterministic`` not a bool.
-        ValueError: ``seed`` out of range.
 
     Example::
 
@@ -121,15 +111,13 @@ class RankAwareSeed(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # No collective here: this rank's states go under PER_RANK, gathered when the checkpoint is
-        # saved, a point every rank reaches in step (contracts.GathersPerRankState).
+        # no collective: PER_RANK is gathered when the checkpoint is saved, with every rank in step
         states = encode_rng_states(collect_rng_states(include_cuda=True))
         return {"seed": self.seed, "world_size": get_world_size(), PER_RANK: states}
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # A strategy that gathers per-rank parts does it when it saves; under any other they are
-        # gathered here (every rank dumps the checkpoint, in step)
+        # under a strategy that does not gather per-rank parts when it saves (every rank dumps, in step)
         if not implements(trainer.strategy, GathersPerRankState):
             gather_per_rank(checkpoint)
 
@@ -143,27 +131,23 @@ class RankAwareSeed(Callback):
         loaded, self._loaded = self._loaded, None
         rank, world_size, step = trainer.global_rank, trainer.world_size, self._resume_step or 0
         if loaded is None:
-            if step > 0:
+            problem = f"no `{type(self).__name__}` random states" if step > 0 else ""
+        elif len(states := _rank_states(loaded)) != world_size:
+            problem = f"random states for {len(states)} ranks, this run has {world_size}"
+        else:
+            if loaded.get("seed", self.seed) != self.seed:
                 rank_zero_warn(
-                    f"The checkpoint holds no `{type(self).__name__}` random states; starting fresh"
-                    f" per-rank streams (seed {self.seed}, step {step}), not an exact continuation."
+                    f"Resuming the random streams of seed {loaded.get('seed')} from the checkpoint;"
+                    f" `seed`={self.seed} applies to fresh runs only."
                 )
-            self._seed_rank(rank, step)
+            set_rng_states(decode_rng_states(states[rank]))
             return
-        states = _rank_states(loaded)
-        if len(states) != world_size:
+        if problem:
             rank_zero_warn(
-                f"The checkpoint holds random states for {len(states)} ranks, this run has {world_size};"
-                f" starting fresh per-rank streams (seed {self.seed}, step {step}), not an exact continuation."
+                f"The checkpoint holds {problem}; starting fresh per-rank streams (seed {self.seed}, step {step}),"
+                " not an exact continuation."
             )
-            self._seed_rank(rank, step)
-            return
-        if loaded.get("seed", self.seed) != self.seed:
-            rank_zero_warn(
-                f"Resuming the random streams of seed {loaded.get('seed')} from the checkpoint;"
-                f" `seed`={self.seed} applies to fresh runs only."
-            )
-        set_rng_states(decode_rng_states(states[rank]))
+        self._seed_rank(rank, step)
 
     def _seed_rank(self, rank: int, step: int) -> None:
         key = (rank,) if step == 0 else (rank, step)

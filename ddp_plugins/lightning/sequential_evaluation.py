@@ -1,9 +1,6 @@
 """Sequential distributed evaluation: every sample once, in dataset order, exact metrics.
 
-:class:`SequentialEvaluation`, the Lightning adapter of
-:class:`ddp_plugins.core.SequentialDistributedSampler` and :func:`ddp_plugins.core.distributed_concat`;
-rationale in docs/design.md ("Exact distributed evaluation").
-"""
+Rationale in docs/design.md ("Exact distributed evaluation")."""
 
 from __future__ import annotations
 
@@ -39,6 +36,7 @@ __all__ = ["SequentialEvaluation"]
 _STAGES = ("validate", "test", "predict")
 _PREFIX = {"validate": "val", "test": "test", "predict": "predict"}
 _STEP = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
+_EVALUATED_IN = {"fit": "validate", "validate": "validate", "test": "test", "predict": "predict"}
 
 
 class SequentialEvaluation(Callback):
@@ -50,11 +48,9 @@ class SequentialEvaluation(Callback):
     are exactly the dataset's samples in dataset order. Step outputs must have one row per sample
     (dim 0 is the batch): a tensor, a dict / tuple of tensors, lists of ids.
 
-    After ``trainer.validate/test/predict`` (and after each validation during ``fit``) the
-    results are in ``results["validate" | "test" | "predict"]`` (a list per dataloader when there
-    are several), or written to ``output_dir/<stage>.pt`` with the path in ``paths[stage]``; the
-    computed metrics are in ``metric_values[stage]``. They are kept on global rank 0 under
-    ``ddp`` and sent to the calling process under ``ddp_spawn`` / ``ddp_notebook``.
+    After each stage the results are in ``results[stage]`` (a list per dataloader when there are
+    several), or in the file ``paths[stage]`` under ``output_dir``, and the metrics in
+    ``metric_values[stage]``: on global rank 0, or in the calling process under ``ddp_spawn``.
 
     Args:
         metrics: torchmetrics metrics by name, computed on the gathered ``preds_key`` and
@@ -63,10 +59,9 @@ class SequentialEvaluation(Callback):
         preds_key: key of the predictions in the step output dict.
         target_key: key of the targets in the step output dict.
         stages: which of ``'validate'``, ``'test'``, ``'predict'`` to handle.
-        output_dir: write each stage's results there (temporary name, then rename) on rank 0
-            instead of keeping them in memory.
-        pad_value: pad value for outputs whose trailing dimensions vary between batches or ranks
-            (variable length sequences); ``None`` makes such outputs an error.
+        output_dir: write each stage's results there on rank 0 instead of keeping them in memory.
+        pad_value: pad value for outputs whose trailing dimensions vary between batches or ranks;
+            ``None`` makes such outputs an error.
 
     Example::
 
@@ -90,11 +85,8 @@ class SequentialEvaluation(Callback):
             raise ArgumentTypeError("metrics", "a mapping of names to torchmetrics Metrics", metrics)
         for name, metric in (metrics or {}).items():
             if not isinstance(name, str) or not isinstance(metric, Metric):
-                raise ArgumentTypeError(
-                    "metrics",
-                    "a mapping of names (str) to torchmetrics.Metric instances",
-                    problem=f"got {name!r}: {type(metric).__name__}",
-                )
+                allowed = "a mapping of names (str) to torchmetrics.Metric instances"
+                raise ArgumentTypeError("metrics", allowed, problem=f"got {name!r}: {type(metric).__name__}")
         for arg, value in (("preds_key", preds_key), ("target_key", target_key)):
             if not isinstance(value, str):
                 raise ArgumentTypeError(arg, "a str", value)
@@ -122,15 +114,10 @@ class SequentialEvaluation(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        loops: dict[str, list[tuple[str, Any]]] = {
-            "fit": [("validate", trainer.fit_loop.epoch_loop.val_loop)],
-            "validate": [("validate", trainer.validate_loop)],
-            "test": [("test", trainer.test_loop)],
-            "predict": [("predict", trainer.predict_loop)],
-        }
-        for name, loop in loops.get(stage, []):
-            if name in self.stages:
-                self._wrap_source(trainer, name, _compat.loop_data_source(loop))
+        name = _EVALUATED_IN.get(stage)  # a plain str: `stage` may be a TrainerFn
+        if name in self.stages:
+            loop = trainer.fit_loop.epoch_loop.val_loop if stage == "fit" else getattr(trainer, f"{name}_loop")
+            self._wrap_source(trainer, name, _compat.loop_data_source(loop))
         if self.output_dir is not None and trainer.is_global_zero:
             Path(self.output_dir).mkdir(parents=True, exist_ok=True)
 
@@ -182,20 +169,15 @@ class SequentialEvaluation(Callback):
         if "dataloader" in vars(source):
             return
         original = source.dataloader
-
-        def dataloader() -> Any:
-            return self._sequential_loaders(trainer, stage, original())
-
-        source.dataloader = dataloader
+        source.dataloader = lambda: self._sequential_loaders(trainer, stage, original())
         self._sources.append(source)
 
     def _sequential_loaders(self, trainer: Trainer, stage: str, dataloaders: Any) -> CombinedLoader:
         combined = dataloaders if isinstance(dataloaders, CombinedLoader) else CombinedLoader(dataloaders, "sequential")
         mode = _compat.combined_loader_mode(combined)
         if mode != "sequential":
-            raise ValueError(
-                f"SequentialEvaluation needs `CombinedLoader(mode='sequential')` for {stage}, got mode {mode!r}."
-            )
+            needs = "SequentialEvaluation needs `CombinedLoader(mode='sequential')`"
+            raise ValueError(f"{needs} for {stage}, got mode {mode!r}.")
         hook = f"{_PREFIX[stage]}_dataloader"
         swapped, self._samplers[stage] = [], []
         for dl in combined.flattened:
@@ -217,7 +199,7 @@ class SequentialEvaluation(Callback):
         if trainer.sanity_checking or stage not in self._samplers:
             return
         self._batches[dataloader_idx] += 1
-        self._buffers[dataloader_idx].append(apply_to_collection(outputs, Tensor, _detached_on_cpu))
+        self._buffers[dataloader_idx].append(apply_to_collection(outputs, Tensor, lambda t: t.detach().cpu()))
 
     def _finish(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.sanity_checking or stage not in self._samplers:
@@ -279,11 +261,10 @@ class SequentialEvaluation(Callback):
         for name, metric in self.metrics.items():
             local = metric.clone()
             local.reset()
-            local.distributed_available_fn = _never_distributed  # the data is already global
+            local.distributed_available_fn = lambda: False  # the data is already global
             local.update(gathered[self.preds_key], gathered[self.target_key])
-            value = local.compute()
             key = f"{_PREFIX[stage]}/{name}{suffix}"
-            values[key] = value
+            values[key] = value = local.compute()
             if isinstance(value, Tensor) and value.numel() == 1:
                 # every rank holds the same value; "max" keeps it bit-exact while keeping ranks in step.
                 # Computed on the gathered CPU rows, logged where the module is (nccl reduces CUDA tensors only)
@@ -293,17 +274,12 @@ class SequentialEvaluation(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         # copies sent to spawned workers start empty: results only ever travel back, never out
-        state = self.__dict__.copy()
-        state.update(results={}, paths={}, metric_values={}, _samplers={}, _sources=[])
-        state.update(_buffers=defaultdict(list), _batches=defaultdict(int))
-        return state
+        empty: dict[str, Any] = {"results": {}, "paths": {}, "metric_values": {}, "_samplers": {}, "_sources": []}
+        return {**self.__dict__, **empty, "_buffers": defaultdict(list), "_batches": defaultdict(int)}
 
     def export_results(self) -> str:
-        """Write this rank's results to a temporary file; the path travels, not the bytes.
-
-        Like Lightning's own weights hand-off: the launcher's queue is read only after every
-        worker has exited, so a payload larger than a pipe buffer would block rank 0 forever.
-        """
+        """Write this rank's results to a temporary file; the path travels, not the bytes (the
+        launcher's queue is read after the workers exit: a payload over a pipe buffer would block)."""
         fd, path = tempfile.mkstemp(prefix="ddp_plugins_eval_", suffix=".pt")
         with os.fdopen(fd, "wb") as file:
             torch.save({"results": self.results, "paths": self.paths, "metric_values": self.metric_values}, file)
@@ -350,11 +326,3 @@ def _check_replaceable(dl: Any, hook: str) -> Dataset:
             " DistributedSampler. Drop the sampler, or leave this stage out of `stages`."
         )
     return dataset
-
-
-def _never_distributed() -> bool:
-    return False
-
-
-def _detached_on_cpu(tensor: Tensor) -> Tensor:
-    return tensor.detach().cpu()

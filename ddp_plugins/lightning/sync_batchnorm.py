@@ -1,9 +1,4 @@
-"""SyncBatchNorm callback
-======================
-
-:class:`SyncBatchNormCallback` synchronizes batch norm while fitting, on CPU or GPU, with public
-Lightning hooks only.
-"""
+"""A callback that synchronizes batch norm while fitting, on CPU or GPU, with public Lightning hooks only."""
 
 from __future__ import annotations
 
@@ -27,24 +22,15 @@ __all__ = ["SyncBatchNormCallback"]
 class SyncBatchNormCallback(Callback):
     """Synchronize batch norm while fitting, on CPU or GPU: ``Trainer(callbacks=[SyncBatchNormCallback()])``.
 
-    At ``on_fit_start`` every batch-norm layer of the LightningModule is converted in place (see
-    :func:`ddp_plugins.core.convert_sync_batchnorm`); at ``teardown`` (or when fitting raises) the
-    original classes come back, so checkpoints (same keys) load into the original model. The
-    conversion keeps every parameter and buffer tensor, so it may happen after DDP has wrapped the
-    model. With a single-device strategy there is nothing to synchronize and it does nothing; in
-    the strategy's reproducible mode BatchNorm normalizes per virtual shard, and it says so instead.
+    At ``on_fit_start`` every batch-norm layer is converted in place
+    (:func:`ddp_plugins.core.convert_sync_batchnorm`, which keeps every tensor, so after DDP wrapped
+    the model is fine); at ``teardown`` the original classes come back. A single-device strategy, or
+    the reproducible mode (BatchNorm per virtual shard), leaves the model alone.
 
-    Args:
-        group_size: synchronize within consecutive groups of this many ranks (for example per
-            node) instead of the whole world; must divide the world size.
-        skip_frozen: leave layers in eval mode or without trainable parameters alone.
-        extra_classes: BN-like classes to convert as well: classes or import paths, or a mapping
-            from them to the method to replace (see :func:`convert_sync_batchnorm`).
+    ``group_size``, ``skip_frozen`` and ``extra_classes`` are :func:`~ddp_plugins.core.convert_sync_batchnorm`'s.
 
     Raises:
-        TypeError: an argument of the wrong type.
-        ValueError: an invalid value; in ``setup``, a ``group_size`` that does not divide the world
-            size; at ``on_fit_start``, a model already synchronized by ``Trainer(sync_batchnorm=True)``
+        ValueError: at ``on_fit_start``, a model already synchronized by ``Trainer(sync_batchnorm=True)``
             or a ``LayerSync`` plugin.
 
     Example::

@@ -1,8 +1,4 @@
-"""Resumable TensorBoard logger
-===========================
-
-:class:`ResumableTensorBoardLogger`: a ``TensorBoardLogger`` whose event stream a resumed run continues.
-"""
+"""A ``TensorBoardLogger`` whose event stream a resumed run continues."""
 
 from __future__ import annotations
 
@@ -33,11 +29,9 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
     """``TensorBoardLogger`` whose event stream a resumed run continues (``TensorBoardLogger``'s
     arguments, but ``default_hp_metric`` is off).
 
-    Every launch writes its own event file into one folder (``version=""``) and marks the first
-    step it logs with the restart event of ``SummaryWriter(purge_step=step)``, so TensorBoard drops
-    what an earlier launch logged from that step on: a resumed run shows each step once. The first
-    logged step, not the checkpoint's, because it needs no checkpoint and holds for manual
-    optimization too; ``hp_metric`` is off because it would log step 0 at every launch.
+    Every launch writes its own event file into one folder (``version=""``) and marks the first step
+    it logs with ``SummaryWriter(purge_step=step)``'s restart event, so a resumed run shows each step
+    once (docs/design.md). ``hp_metric`` is off: it would log step 0 at every launch.
 
     Raises:
         ModuleNotFoundError: neither ``tensorboard`` nor ``tensorboardX`` is installed.
@@ -56,11 +50,7 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
     """
 
     def __init__(
-        self,
-        save_dir: str | Path,
-        name: str | None = "lightning_logs",
-        version: int | str | None = None,
-        **kwargs: Any,
+        self, save_dir: str | Path, name: str | None = "lightning_logs", version: int | str | None = None, **kwargs: Any
     ) -> None:
         self._suffix = str(kwargs.pop("filename_suffix", ""))
         super().__init__(save_dir, name=name, version=version, default_hp_metric=False, **kwargs)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugins.core import count_collectives
-from ddp_plugins.core.collectives import _concat, _flatten, _gather_with_metadata, _unflatten, distributed_concat
+from ddp_plugins.core.collectives import _flatten, _gather_with_metadata, _unflatten, distributed_concat
 
 SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 PAD = -7
@@ -66,7 +66,7 @@ def _test_fast_path_against_full_exchange(rank, world_size):
         out[name] = {
             "fast": _counted(distributed_concat, data, pad_value=pad_value),
             "full": _counted(_full_exchange, data, pad_value),
-            "truncated": _counted(_concat, data, 3, pad_value=pad_value),
+            "truncated": _counted(distributed_concat, data, 3, pad_value=pad_value),
         }
     still_in_step = torch.ones(1)
     dist.all_reduce(still_in_step)

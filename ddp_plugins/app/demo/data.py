@@ -13,18 +13,12 @@ from ddp_plugins.core.process import start_forkserver
 
 
 def _worker_context() -> multiprocessing.context.BaseContext:
-    """Start loader workers from a forkserver, never by forking a rank.
+    """Start loader workers from a forkserver, never by forking a rank (docs/design.md).
 
-    A rank has threads when its loaders start (gloo's, the queue feeders of a loader whose
-    workers persist). A fork copies the locks those threads hold: under load on 2 cores about one
-    run in 25 had a new worker stuck inside ``os.fork()`` before its first batch, its rank
-    waiting for it and the other rank in a collective (torch issue 130610 is the same class of
-    hang). The forkserver is a fresh single-threaded process that imports, once per rank, what a
-    worker unpickles (torch, the strategy's ``worker_init_fn`` from ``core.workers``); none of it
-    imports Lightning. It is started in ``setup`` so that this overlaps the rank's own start. The
-    main module is not preloaded: each worker runs it again by name as ``__mp_main__`` anyway
-    (``python -m ddp_plugins.train`` imports nothing at the top), and a preloaded one made each
-    worker warn "found in sys.modules after import of package" on stderr.
+    A fork copies the locks a rank's threads hold (gloo's, persistent workers' queue feeders): on 2
+    cores about one run in 25 had a worker stuck in ``os.fork()`` (torch issue 130610's class of hang).
+    The main module is not preloaded: each worker re-runs it as ``__mp_main__`` anyway, and a preloaded
+    one made each worker warn "found in sys.modules after import of package".
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "ddp_plugins.core.workers"])
@@ -90,11 +84,7 @@ class _TensorDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+    test_dataloader = predict_dataloader = val_dataloader  # the validation split serves all three
 
 
 class DigitsDataModule(_TensorDataModule):
@@ -133,12 +123,7 @@ class SyntheticDataModule(_TensorDataModule):
     """
 
     def __init__(
-        self,
-        num_samples: int = 4096,
-        num_classes: int = 10,
-        image_size: int = 8,
-        data_seed: int = 0,
-        **kwargs,
+        self, num_samples: int = 4096, num_classes: int = 10, image_size: int = 8, data_seed: int = 0, **kwargs
     ):
         super().__init__(**kwargs)
         check_int("num_samples", num_samples, 1)
