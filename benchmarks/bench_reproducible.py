@@ -9,8 +9,8 @@ rounds, and the median time between consecutive ``on_train_batch_end`` is compar
 * the default mode on 1 rank with one thread (the mode's own cost without the thread pinning);
 * ``reproducible=True`` (8 virtual shards, one thread per rank; and 4 shards, which allow 4 ranks).
 
-Memory: what a rank holds beyond the default mode at the peak of a step (its shards' gradients,
-float32; the int64 sums; the BatchNorm updates), measured on the live tensors.
+Memory: what a rank holds beyond the default mode at the peak of a step (its shards' gradients in
+float32, their float64 working copy and the sums, the BatchNorm updates), from the live tensors.
 
     .venv/bin/python benchmarks/bench_reproducible.py
 """
@@ -53,8 +53,10 @@ def worker(ranks: int, shards: int) -> None:
     finish = core.ShardedStep.finish
 
     def measured_finish(self, *args, **kwargs):  # the mode's tensors at the step's peak
-        held = sum(row.nbytes for row in self._grads)  # this rank's shards, float32 rows
-        extra.append(held + 8 * sum(p.numel() for p in self.params) + self._stats.updates.nbytes)
+        numel = sum(p.numel() for p in self.params)
+        held = sum(row.nbytes for row in self._grads)  # this rank's shards' gradients, float32
+        working = 8 * numel * (len(self._grads) + 1)  # their float64 copy, scaled in place, and the sums
+        extra.append(held + working + self._stats.updates.nbytes)
         return finish(self, *args, **kwargs)
 
     core.ShardedStep.finish = measured_finish

@@ -157,11 +157,8 @@ class DDPPluginsStrategy(DDPStrategy):
             ``process_group_backend=`` (``DDPStrategy``'s name) is the same argument.
         timeout: timeout of collectives (and of the rendezvous, unless ``rendezvous_timeout`` is
             given), in seconds or a ``timedelta``.
-        rendezvous_timeout: how long the ranks wait for each other to meet at start-up (the store
-            and the group's connect), in seconds or a ``timedelta``; ``None``: ``timeout``. Longer
-            than ``timeout`` where ranks start far apart (nodes leaving a queue, a slow import) but
-            a rank that stops progressing should fail the others fast: ``timeout`` applies from the
-            moment the group is made.
+        rendezvous_timeout: how long the ranks wait for each other at start-up (``None``:
+            ``timeout``); longer where ranks start far apart, ``timeout`` applying once they met.
         start_method: ``"popen"`` (children re-run the script), ``"spawn"``, ``"fork"``
             (notebooks) or ``"forkserver"``.
         comm_hook: ``"none"``, ``"fp16"``, ``"bf16"`` (nccl 2.10+ only) or ``"powersgd"``;
@@ -172,28 +169,18 @@ class DDPPluginsStrategy(DDPStrategy):
         find_unused_parameters: let DDP find parameters that got no gradient.
         static_graph: tell DDP the graph is the same every iteration.
         gradient_as_bucket_view: gradients are views into DDP's buckets (saves a copy).
-        global_batch_size: train on one global plan per epoch (:mod:`ddp_plugins.core.plan`): every
-            optimizer step trains this many rows of one per-epoch order, split as evenly as possible
-            over however many ranks run (and into ``accumulate_grad_batches`` micro-batches), with no
-            padded row; losses are weighted by rows, so the gradient is one process's on the step's
-            rows. A run resumes on any number of ranks. ``None``: Lightning's ``DistributedSampler``.
+        global_batch_size: rows per optimizer step of one global plan per epoch, on any number of
+            ranks, losses weighted by rows (:mod:`ddp_plugins.core.plan`); ``None``: Lightning's
+            ``DistributedSampler``.
         drop_last: with ``global_batch_size``, leave out each epoch's short last step.
-        uneven_data: ranks whose training loaders yield different numbers of batches (per-rank
-            shards, iterable datasets, a sampler of your own) keep stepping together until the
-            longest ends, an exhausted rank training zero-row batches (:class:`~ddp_plugins.core.plan.EvenSteps`);
-            losses are weighted by rows. Loaders on Lightning's ``DistributedSampler`` or a global
-            plan are even already and left alone.
-        stall_timeout: seconds after which a rank that stopped progressing (frozen, or stuck in a
-            loader or I/O while the others wait for it) is named with its last step and stack, and
-            the job ends with one line (:class:`~ddp_plugins.core.watchdog.ProgressWatchdog`), long
-            before the collective ``timeout``; ``None`` turns the watchdog off. Raise it where a rank
-            may legitimately pause longer between steps (a slow first batch from remote storage).
+        uneven_data: ranks whose loaders yield different numbers of batches step together until
+            the longest ends, with rows weighted (:class:`~ddp_plugins.core.plan.EvenSteps`).
+        stall_timeout: seconds after which a rank that stopped progressing is named with its stack
+            and the job ends (:class:`~ddp_plugins.core.watchdog.ProgressWatchdog`); ``None``: off.
         child_command: ``local_rank -> (command, working folder)`` of each child rank under
             ``start_method="popen"`` (default: Lightning's; the app re-runs only the Hydra job).
-        reproducible: with ``global_batch_size``, the same bits on any number of ranks up to
-            ``virtual_shards``: each step runs as ``virtual_shards`` shards of fixed rows, summed
-            exactly (:mod:`ddp_plugins.core.reproducible`); BatchNorm normalizes per shard, random
-            numbers come per shard, logged means are exact. Limits in docs/design.md.
+        reproducible: with ``global_batch_size``, the same bits on 1 to ``virtual_shards`` ranks
+            (:mod:`ddp_plugins.core.reproducible`; limits in docs/design.md).
         virtual_shards: the reproducible mode's shards per step (the same for runs to compare).
         **kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel``.
