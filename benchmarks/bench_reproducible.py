@@ -10,7 +10,7 @@ rounds, and the median time between consecutive ``on_train_batch_end`` is compar
 * ``reproducible=True`` (8 virtual shards, one thread per rank; and 4 shards, which allow 4 ranks).
 
 Memory: what a rank holds beyond the default mode at the peak of a step (its shards' gradients in
-float32, their float64 working copy and the sums, the BatchNorm updates), from the live tensors.
+float32, one row widened to float64 and the sums, the BatchNorm updates), from the live tensors.
 
     .venv/bin/python benchmarks/bench_reproducible.py
 """
@@ -55,7 +55,7 @@ def worker(ranks: int, shards: int) -> None:
     def measured_finish(self, *args, **kwargs):  # the mode's tensors at the step's peak
         numel = sum(p.numel() for p in self.params)
         held = sum(row.nbytes for row in self._grads)  # this rank's shards' gradients, float32
-        working = 8 * numel * (len(self._grads) + 1)  # their float64 copy, scaled in place, and the sums
+        working = 8 * numel * 2  # one row widened to float64 at a time, and the sums
         extra.append(held + working + self._stats.updates.nbytes)
         return finish(self, *args, **kwargs)
 

@@ -15,7 +15,6 @@ to one exponent per tensor. Design and limits: docs/design.md ("The reproducible
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -127,17 +126,15 @@ def exact_sum(
     """
     sizes = [t.numel() for t in like]
     present = torch.zeros(len(like), dtype=torch.bool)
-    rows = torch.zeros(len(shards), sum(sizes), dtype=torch.float64)
-    for row, shard in zip(rows, shards, strict=True):
+    rows = []
+    for shard in shards:
         parts = []
         for i, (t, n) in enumerate(zip(shard, sizes, strict=True)):
             present[i] |= t is not None
             parts.append(torch.zeros(n, dtype=torch.float64) if t is None else t.detach().cpu().reshape(-1).double())
-        if parts:
-            row.copy_(torch.cat(parts))
-    if weights is not None:
-        rows *= torch.tensor(weights, dtype=torch.float64)[:, None]
-    flat, present, out_bits = exact_row_sum(rows, sizes, present, group, bits)
+        rows.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64))
+    weights = [1.0] * len(shards) if weights is None else [float(w) for w in weights]
+    flat, present, out_bits = exact_row_sum(rows, weights, sizes, present, group, bits)
     sums: list[Tensor | None] = [
         piece.to(t.dtype).reshape(t.shape).to(t.device) if there else None
         for piece, t, there in zip(flat.split(sizes), like, present.tolist(), strict=True)
@@ -146,23 +143,30 @@ def exact_sum(
 
 
 def exact_row_sum(
-    rows: Tensor, sizes: Sequence[int], present: Tensor, group: Any = None, bits: Sequence[Tensor] = ()
+    rows: Sequence[Tensor],
+    weights: Sequence[float],
+    sizes: Sequence[int],
+    present: Tensor,
+    group: Any = None,
+    bits: Sequence[Tensor] = (),
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """:func:`exact_sum` of float64 ``rows`` (one per local shard, the tensors laid end to end, weighted).
+    """:func:`exact_sum` of ``weights[s] * rows[s]`` (one flat row per local shard, the tensors laid end to end).
 
-    ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave. Returns
-    the float64 sums laid out alike, which tensors any rank gave, and ``bits`` reduced.
+    ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave. The rows
+    may be float32: each is widened to float64 one at a time. Returns the float64 sums laid out
+    alike, which tensors any rank gave, and ``bits`` reduced.
     """
-    count, ends = len(sizes), list(itertools.accumulate(sizes, initial=0))
-    tensors = [rows[:, a:b] for a, b in zip(ends, ends[1:], strict=False)]
+    count, total = len(sizes), sum(sizes)
     # per tensor: the largest finite magnitude (-1: absent), a non-finite flag; then this rank's shards
     top = torch.zeros(2 * count + 1, dtype=torch.float64)
-    if len(rows):
-        top[:count] = torch.stack([_largest(t) for t in tensors])
-        if not bool(torch.isfinite(top[:count]).all()):  # rare: find the tensors, keep the finite maxima
-            bad = torch.stack([(~torch.isfinite(t)).any() for t in tensors])
-            top[count : 2 * count] = bad.double()
-            top[:count] = torch.stack([t.abs().where(torch.isfinite(t), 0.0).amax() for t in tensors])
+    for row, weight in zip(rows, weights, strict=True):  # |w * x| = w * |x| exactly: w is a row count
+        top[:count] = torch.maximum(top[:count], torch.stack([_largest(t) for t in row.split(sizes)]).double() * weight)
+    if not bool(torch.isfinite(top[:count]).all()):  # rare: find the tensors, keep the finite maxima
+        for row, weight in zip(rows, weights, strict=True):
+            for i, t in enumerate(row.split(sizes)):
+                finite = torch.isfinite(t)
+                top[count + i] = max(float(top[count + i]), float((~finite).any()))
+                top[i] = max(float(top[i].nan_to_num(0.0, 0.0, 0.0)), float(t.abs().where(finite, 0.0).amax()) * weight)
     top[:count] = top[:count].where(present, -1.0)
     top[-1] = len(rows)
     distributed = is_distributed()
@@ -175,16 +179,19 @@ def exact_row_sum(
     room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
     exponents = [room - math.frexp(m)[1] if m > 0 else 0 for m in top[:count].tolist()]
     flags = top[count : 2 * count].tolist()
-    scaled = rows.nan_to_num_(0.0, 0.0, 0.0) if any(flags) else rows
-    for t, e in zip(scaled.split(sizes, dim=1), exponents, strict=True):
-        t.mul_(2.0 ** (e // 2)).mul_(2.0 ** (e - e // 2))  # exact: two powers of two, neither overflows
-    # integers below 2**53 in float64: every partial sum is exact, in any order and any grouping
-    payload = torch.cat([scaled.round_().sum(dim=0), *(b.detach().cpu().double().reshape(-1) for b in bits)])
+    sums, scaled = torch.zeros(total, dtype=torch.float64), torch.empty(total, dtype=torch.float64)
+    for row, weight in zip(rows, weights, strict=True):
+        scaled.copy_(row).mul_(weight)  # exact: a float32 value times a row count fits float64
+        if any(flags):
+            scaled.nan_to_num_(0.0, 0.0, 0.0)
+        for t, e in zip(scaled.split(sizes), exponents, strict=True):
+            t.mul_(2.0 ** (e // 2)).mul_(2.0 ** (e - e // 2))  # exact: two powers of two, neither overflows
+        sums += scaled.round_()  # integers below 2**53 in float64: exact, in any order and grouping
+    payload = torch.cat([sums, *(b.detach().cpu().double().reshape(-1) for b in bits)])
     if distributed:
         payload = payload.to(device)
         dist.all_reduce(payload, group=group)
         payload = payload.cpu()
-    total = sum(sizes)
     sums = payload[:total]
     for t, e, bad in zip(sums.split(sizes), exponents, flags, strict=True):
         if bad:
@@ -332,14 +339,14 @@ class ShardedStep:
         for generator, state in zip(self._generators, self._rng, strict=True):
             generator.set_state(state)
         stats, sizes = self._stats, [p.numel() for p in self.params]
-        rows = torch.stack(self._grads).double()
-        if values:
-            scalars = torch.tensor([[float(v) for v in shard] for shard in values], dtype=torch.float64)
-            rows = torch.cat([rows, scalars], dim=1)
-            sizes += [1] * scalars.shape[1]
-        rows *= torch.tensor(self._rows, dtype=torch.float64)[:, None]
+        for i, shard in enumerate(values):  # each row grows by its scalars, one row at a time
+            row = self._grads[i]
+            self._grads[i] = torch.cat([row, torch.tensor([float(v) for v in shard], dtype=row.dtype)])
+        sizes += [1] * (len(values[0]) if values else 0)
         present = torch.cat([self._present, torch.ones(len(sizes) - len(self.params), dtype=torch.bool)])
-        sums, present, (updates,) = exact_row_sum(rows, sizes, present, self.group, bits=[stats.updates])
+        sums, present, (updates,) = exact_row_sum(
+            self._grads, self._rows, sizes, present, self.group, bits=[stats.updates]
+        )
         stats.apply(updates)
         pieces = (sums / step_rows).split(sizes)
         self.grads = [
