@@ -26,7 +26,7 @@ from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.core.trees import tree_leaves, tree_map
 from ddp_plugins.lightning.data_plan import run_accumulation
 
-__all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
+__all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "reduction_name", "state_fingerprint"]
 
 FINGERPRINT_KEY = "ddp_plugins_state_fingerprint"  # in every checkpoint the strategy saves
 
@@ -101,8 +101,8 @@ class _LogRecorder:
         self.kwargs: dict[str, dict[str, Any]] = {}
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        fx = kwargs.get("reduce_fx", "mean")
-        mean = (fx if isinstance(fx, str) else getattr(fx, "__name__", "")).lower() in ("mean", "avg")
+        fx = reduction_name(kwargs)
+        mean = fx in ("mean", "avg")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = torch.tensor(float(value))
         keep = (
@@ -114,6 +114,18 @@ class _LogRecorder:
             raise _refuse(f"combines logged values by their mean, got reduce_fx={fx!r} for {name!r}", "Log a mean.")
         self.values[name] = value.detach().double().reshape(())
         self.kwargs[name] = {k: v for k, v in kwargs.items() if k not in ("sync_dist", "batch_size", "reduce_fx")}
+
+
+def reduction_name(log_kwargs: Mapping[str, Any]) -> str:
+    """The lower-case name of a ``self.log`` call's ``reduce_fx`` (a string or a function; ``"mean"`` by default).
+
+    Example::
+
+        >>> reduction_name({}), reduction_name({"reduce_fx": torch.max}), reduction_name({"reduce_fx": "SUM"})
+        ('mean', 'max', 'sum')
+    """
+    fx = log_kwargs.get("reduce_fx", "mean")
+    return (fx if isinstance(fx, str) else getattr(fx, "__name__", "")).lower()
 
 
 @contextmanager

@@ -63,6 +63,7 @@ from ddp_plugins.lightning.reproducible import (
     ReproducibleSteps,
     check_model,
     check_trainer,
+    reduction_name,
     state_fingerprint,
 )
 
@@ -296,7 +297,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self._powersgd_start_iter = powersgd_start_iter
         self.global_batch_size = global_batch_size
         self._repro = ReproducibleSteps(virtual_shards) if reproducible else None
-        self._threads = 1  # the CPU threads before the reproducible mode set one
+        self._threads: int | None = None  # the CPU threads before the reproducible mode set one
         self._planned = PlannedLoader(
             global_batch_size, drop_last, virtual_shards if reproducible else None
         )  # a global plan and each micro-batch's rows
@@ -461,9 +462,7 @@ class DDPPluginsStrategy(DDPStrategy):
         if callback is not None:
             folder = Path(callback.dirpath)
         checkpoint = _compat.dump_checkpoint(trainer)
-        record = self._resume.checkpoint_record(self.lightning_module, self._planned)
-        if record is not None:
-            checkpoint[CHECKPOINT_KEY] = record
+        self._add_records(checkpoint)
         path = folder / f"step-{trainer.global_step}-stalled.ckpt"
         self.checkpoint_io.save_checkpoint(checkpoint, path)
         return str(path)
@@ -718,14 +717,20 @@ class DDPPluginsStrategy(DDPStrategy):
         # per-rank parts of callback states (RankAwareSeed's RNG streams) are gathered, so that no
         # state_dict has to communicate (see ddp_plugins.core.checkpoints).
         self.gather_per_rank_state(checkpoint)
+        if self.is_global_zero:  # the rank that writes it (DDPStrategy.save_checkpoint)
+            self._add_records(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self.last_checkpoint_path = str(filepath)
+
+    def _add_records(self, checkpoint: dict[str, Any]) -> None:
+        """What every checkpoint this strategy writes carries beside Lightning's: the fingerprint of
+        its state, and the data layout a resume is checked against."""
         checkpoint[FINGERPRINT_KEY] = state_fingerprint(
             checkpoint.get("state_dict"), checkpoint.get("optimizer_states")
         )
         record = self._resume.checkpoint_record(self.lightning_module, self._planned)
         if record is not None:
             checkpoint[CHECKPOINT_KEY] = record
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        self.last_checkpoint_path = str(filepath)
 
     def gather_per_rank_state(self, checkpoint: dict[str, Any]) -> None:
         """Replace every callback's per-rank part with all ranks' (contracts.GathersPerRankState)."""
@@ -750,9 +755,11 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         trainer = self._trainer()
+        if self._threads is not None:  # the reproducible mode's one thread ends with the fit
+            torch.set_num_threads(self._threads)
+            self._threads = None
         if self._repro is not None and trainer is not None and self._repro.callback in trainer.callbacks:
             trainer.callbacks.remove(self._repro.callback)
-            torch.set_num_threads(self._threads)
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -802,9 +809,7 @@ class _EmptyBatchLog:
         self.log = log
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        reduce_fx = kwargs.get("reduce_fx", "mean")
-        fx = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
-        identity = self._IDENTITY.get(fx.lower())
+        identity = self._IDENTITY.get(reduction_name(kwargs))
         if identity is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
             value = torch.full_like(value, identity)
         self.log(name, value, *args, **kwargs)
