@@ -21,7 +21,15 @@ from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_int
 from ddp_plugins.core.ranks import collective_device
 from ddp_plugins.core.trees import tree_leaves, tree_map
 
-__all__ = ["EmptyShareCollate", "EvenSteps", "GlobalPlan", "PlanBatchSampler", "PlanOrder", "even_split"]
+__all__ = [
+    "EmptyShareCollate",
+    "EvenSteps",
+    "GlobalPlan",
+    "PlanBatchSampler",
+    "PlanOrder",
+    "even_split",
+    "first_tensor_rows",
+]
 
 
 def even_split(n: int, parts: int) -> list[int]:
@@ -307,8 +315,14 @@ def _no_rows(batch: Any) -> Any:
 _FLAGS = 65  # flag values 0..64 (signal numbers)
 
 
-def _first_tensor_rows(batch: Any) -> int:
-    """Rows of the batch's first tensor (1 for a scalar), -1 without one."""
+def first_tensor_rows(batch: Any) -> int:
+    """Rows of the batch's first tensor (1 for a scalar), -1 without one.
+
+    Example::
+
+        >>> first_tensor_rows({"x": torch.zeros(3, 2), "y": torch.zeros(3)}), first_tensor_rows(["no tensor"])
+        (3, -1)
+    """
     return next((len(t) if t.dim() else 1 for t in tree_leaves(batch)), -1)
 
 
@@ -361,7 +375,7 @@ class EvenSteps:
     ) -> None:
         self.batches = batches
         self.flag = flag
-        self.rows_of = rows_of or _first_tensor_rows
+        self.rows_of = rows_of or first_tensor_rows
         self.group = group
         self.device = None if device is None else torch.device(device)
         self.length = length

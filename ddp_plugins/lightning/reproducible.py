@@ -19,11 +19,11 @@ from lightning.pytorch import Callback
 from torch import Tensor, nn
 
 from ddp_plugins.core.checks import ArgumentValueError
-from ddp_plugins.core.plan import GlobalPlan
+from ddp_plugins.core.plan import GlobalPlan, first_tensor_rows
 from ddp_plugins.core.ranks import is_distributed
 from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint
 from ddp_plugins.core.samplers import SequentialDistributedSampler
-from ddp_plugins.core.trees import tree_leaves, tree_map
+from ddp_plugins.core.trees import tree_map
 from ddp_plugins.lightning.data_plan import run_accumulation
 
 __all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "reduction_name", "state_fingerprint"]
@@ -143,10 +143,6 @@ def _rows_of(a: int, b: int) -> Callable[[Any], Any]:
     return lambda t: t[a:b] if isinstance(t, Tensor) and t.dim() else t
 
 
-def _rows(batch: Any) -> int:
-    return next((len(t) for t in tree_leaves(batch) if isinstance(t, Tensor) and t.dim()), 0)
-
-
 class ReproducibleSteps:
     """The reproducible mode's state in a strategy: the shards of each step, the pending
     gradients, the evaluation's logged values and the callback that logs them at epoch end."""
@@ -197,7 +193,7 @@ class ReproducibleSteps:
     @contextmanager
     def evaluation_batch(self, module: Any, batch: Any, batch_idx: int, sampler: Any) -> Any:
         """Keep the mean values an evaluation step logs with ``sync_dist``, weighted by the batch's real rows."""
-        rows = _rows(batch)
+        rows = max(first_tensor_rows(batch), 0)
         if isinstance(sampler, SequentialDistributedSampler):  # the padding at a shard's end counts for nothing
             rows = max(0, min(rows, sampler.num_real_samples - batch_idx * rows))
         with _recording(module, training=False) as logs:
