@@ -112,9 +112,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
         channels = input.size(1)
         mean = coefs[0]
         if input.numel() > 0:
-            # Local sum(dy * x_hat) and sum(dy) in one fused kernel (eval mode: no batch terms).
+            # Local sum(dy * x_hat) and sum(dy) in one fused kernel (eval mode: no batch terms), as
+            # the gradients of a unit weight and a bias. CUDA's kernel needs the weight and the empty
+            # save_mean/save_invstd ("use the given statistics"): None fails there (seen on an H100).
+            unit, empty = torch.ones_like(mean), mean.new_empty(0)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad_output, input, None, mean, coefs[1], None, None, False, ctx.eps, [False, True, True]
+                grad_output, input, unit, mean, coefs[1], empty, empty, False, ctx.eps, [False, True, True]
             )
         else:
             sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=stat_dtype, device=input.device)
