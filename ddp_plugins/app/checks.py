@@ -241,7 +241,7 @@ def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
 
     trainer_args = resolved_trainer_args(cfg.trainer)
     accelerator = str(trainer_args.get("accelerator", "auto"))
-    precision = resolve_precision(str(cfg.precision.name), accelerator)
+    precision = resolve_precision(str(cfg.precision.name), accelerator, bool(cfg.get("reproducible")))
     env_before = dict(os.environ)
     try:
         with _quiet():

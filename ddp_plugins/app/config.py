@@ -342,8 +342,9 @@ def resolve_backend(backend: str, accelerator: str = "auto") -> str:
     return backend
 
 
-def resolve_precision(precision: str, accelerator: str = "auto") -> Precision:
-    """``auto`` -> ``bf16-mixed`` on CUDA (when supported), ``32-true`` otherwise.
+def resolve_precision(precision: str, accelerator: str = "auto", reproducible: bool = False) -> Precision:
+    """``auto`` -> ``bf16-mixed`` on CUDA (when supported), ``32-true`` otherwise and in the
+    reproducible mode (which takes no mixed precision).
 
     Raises:
         ConfigError: an unknown precision, ``16-mixed`` on CPU, ``bf16-mixed`` on a GPU without it.
@@ -357,7 +358,7 @@ def resolve_precision(precision: str, accelerator: str = "auto") -> Precision:
         raise ConfigError("precision", f"got {precision!r}", f"one of {quoted_choices(PRECISIONS)}")
     cuda = cuda_in_use(accelerator)
     if precision == "auto":
-        return "bf16-mixed" if cuda and torch.cuda.is_bf16_supported() else "32-true"
+        return "bf16-mixed" if cuda and not reproducible and torch.cuda.is_bf16_supported() else "32-true"
     if precision == "16-mixed" and not cuda:
         raise ConfigError(
             "precision",

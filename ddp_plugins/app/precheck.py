@@ -251,7 +251,7 @@ def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, A
     accelerator = str(trainer.get("accelerator", "auto"))
     with as_config_error("backend", raw):
         check_backend(resolved["backend"]["name"], accelerator)
-    resolve_precision(str(resolved["precision"]["name"]), accelerator)
+    resolve_precision(str(resolved["precision"]["name"]), accelerator, bool(resolved.get("reproducible")))
     check_trainer_args(trainer)
     _check_devices(trainer.get("devices", "auto"), accelerator)
     _check_global_batch(resolved.get("strategy") or {}, trainer)

@@ -59,7 +59,9 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    precision = resolve_precision(cfg.precision.name, str(cfg.trainer.get("accelerator", "auto")))
+    precision = resolve_precision(
+        cfg.precision.name, str(cfg.trainer.get("accelerator", "auto")), bool(cfg.get("reproducible"))
+    )
     strategy = instantiate(cfg.strategy, child_command=job_subprocess_cmd)  # child ranks re-run this job only
     plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     folder = Path(output_dir) / "checkpoints"

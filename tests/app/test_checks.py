@@ -77,6 +77,14 @@ def test_auto_choices_on_cpu():
     )
 
 
+def test_auto_precision_on_a_bf16_gpu_is_bf16_mixed_but_32_true_in_the_reproducible_mode(monkeypatch):
+    """Seen on an H100: ``reproducible=true`` alone was refused there, as ``auto`` had picked bf16-mixed."""
+    monkeypatch.setattr(config.torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert config.resolve_precision("auto", "gpu") == "bf16-mixed"
+    assert config.resolve_precision("auto", "gpu", reproducible=True) == "32-true"
+    assert config.resolve_precision("bf16-mixed", "gpu", reproducible=True) == "bf16-mixed"  # refused later
+
+
 def test_class_count_follows_the_model_everywhere():
     cfg = compose_config(["data=synthetic", "model.num_classes=5"])
     assert cfg.data.num_classes == 5
