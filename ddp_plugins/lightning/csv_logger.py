@@ -65,8 +65,7 @@ class ResumableCSVLogger(CSVLogger):
     @rank_zero_experiment
     @override
     def experiment(self) -> Any:
-        if self._experiment is not None:
-            return self._experiment
-        self._fs.makedirs(self.root_dir, exist_ok=True)
-        self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment

@@ -25,8 +25,7 @@ from ddp_plugins.lightning.data_plan import ResumeMismatch
 
 __all__ = ["REFUSAL_EXIT", "ChildCommand", "CleanExitMultiprocessingLauncher", "JobSubprocessLauncher", "failure_tag"]
 
-# Seconds a child rank gets to exit on its own once rank 0 failed, before it is killed.
-_CHILD_GRACE_S = 2.0
+_CHILD_GRACE_S = 2.0  # seconds a child rank gets to exit on its own once rank 0 failed, before it is killed
 _PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # In a child rank's environment: it got a parent-death signal, to clear once its start-up is done
@@ -57,7 +56,6 @@ class _RankWatcher(threading.Thread):
         self._halt = halt or threading.Event()
 
     def stop(self) -> None:
-        """Stop watching and wait for the thread to end (it checks every ``period`` seconds)."""
         self._halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join()
@@ -71,9 +69,8 @@ class _RankWatcher(threading.Thread):
             failed = [(rank, code) for rank, code in enumerate(codes, 1) if code and not _agreed_code(code)]
             if failed and not self._halt.is_set():
                 rank, code = failed[0]
-                pid = self.procs[rank - 1].pid
-                message = f"[ddp_plugins] rank {rank} (PID {pid}) {_describe_exit(code)}; stopping every rank."
-                print(message, file=sys.stderr, flush=True)
+                message = f"rank {rank} (PID {self.procs[rank - 1].pid}) {_describe_exit(code)}; stopping every rank."
+                print(f"[ddp_plugins] {message}", file=sys.stderr, flush=True)
                 for other in self.procs:
                     if other.poll() is None:
                         other.send_signal(signal.SIGKILL)
@@ -160,9 +157,8 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         code = 128 + signum
         message = f"{signal.Signals(signum).name} while the ranks were starting: stopped child ranks"
         print(f"[ddp_plugins] {message} {[proc.pid for proc in procs]}; exit code {code}.", file=sys.stderr, flush=True)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        with contextlib.suppress(Exception):  # stderr was flushed by print
+            sys.stdout.flush()
         os._exit(code)
 
     def _stop_children(self, stalled: str | None = None) -> None:
@@ -212,9 +208,8 @@ class _StartupSignals:
     back the handlers and wakeup fd. An ignored signal stays ignored; off the main thread, no-ops.
     """
 
-    def __init__(self, on_signal: Callable[[int], None], signals: tuple[int, ...] = _STARTUP_SIGNALS) -> None:
+    def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.on_signal = on_signal
-        self.signals = signals
         self._previous: dict[int, Any] = {}
         self._previous_fd = -1
         self._pipe: tuple[int, int] | None = None
@@ -223,7 +218,7 @@ class _StartupSignals:
     def install(self) -> _StartupSignals:
         if threading.current_thread() is not threading.main_thread() or self._thread is not None:
             return self
-        taken = tuple(sig for sig in self.signals if signal.getsignal(sig) not in (signal.SIG_IGN, None))
+        taken = tuple(sig for sig in _STARTUP_SIGNALS if signal.getsignal(sig) not in (signal.SIG_IGN, None))
         read, write = self._pipe = os.pipe()
         os.set_blocking(write, False)
         self._thread = threading.Thread(

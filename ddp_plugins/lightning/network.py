@@ -3,6 +3,7 @@ process group starts and back out, and gloo pinned to loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -52,7 +53,11 @@ def pin_gloo_to_loopback(main_address: str) -> str | None:
     """
     if "GLOO_SOCKET_IFNAME" in os.environ or not is_loopback(main_address):
         return None
-    loopback = _loopback_interface()
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)  # Linux's, macOS's
     if loopback is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
     return loopback
@@ -60,21 +65,10 @@ def pin_gloo_to_loopback(main_address: str) -> str | None:
 
 def is_loopback(address: str) -> bool:
     """Whether ``address`` (an IP or a host name) is a loopback address of this machine."""
-    try:
+    with contextlib.suppress(ValueError):  # a host name
         return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        pass
     try:
         infos = socket.getaddrinfo(address, None)
     except OSError:
         return False
     return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
-
-
-def _loopback_interface() -> str | None:
-    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), if there is one."""
-    try:
-        names = {name for _, name in socket.if_nameindex()}
-    except OSError:
-        return None
-    return next((name for name in ("lo", "lo0") if name in names), None)

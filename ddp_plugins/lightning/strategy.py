@@ -1,17 +1,16 @@
-"""Lightning's DDP strategy with hooks by name on every backend, timeouts in seconds, no hangs.
+""":class:`DDPPluginsStrategy`, registered as ``ddp_plugins``, ``ddp_plugins_spawn`` and ``ddp_plugins_notebook``.
 
-:class:`DDPPluginsStrategy`, registered as ``ddp_plugins``, ``ddp_plugins_spawn`` and
-``ddp_plugins_notebook``. Rationale in docs/design.md ("When a rank fails or stops", "Which
-interfaces listen (one node)").
-"""
+Rationale in docs/design.md ("When a rank fails or stops", "Which interfaces listen (one node)")."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import multiprocessing
 import os
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -29,13 +28,7 @@ from typing_extensions import override
 from ddp_plugins import _compat
 from ddp_plugins._compat import explicit_trainer_plugins
 from ddp_plugins.core.checkpoints import gather_per_rank
-from ddp_plugins.core.checks import (
-    ArgumentValueError,
-    check_bool,
-    check_choice,
-    check_int,
-    check_number,
-)
+from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_choice, check_int, check_number
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
 from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.process import start_forkserver
@@ -88,27 +81,22 @@ def check_backend(backend: Any, accelerator: str = "auto") -> None:
         ddp_plugins.core.checks.ArgumentValueError: `backend` should be one of 'auto', 'gloo', 'nccl', 'mpi', got 'foo'.
     """
     check_choice("backend", backend, BACKENDS)
-    allowed = "'auto' or 'gloo' (or a backend this machine can run)"
+    problem, hint = None, ""
     if backend == "nccl":
         cuda = torch.cuda.is_available()
         if not cuda or accelerator == "cpu":
-            raise ArgumentValueError(
-                "backend",
-                allowed,
-                problem=f"got 'nccl' without CUDA GPUs (cuda available: {cuda}, accelerator: {accelerator!r})",
-            )
-        if not dist.is_nccl_available():
-            raise ArgumentValueError("backend", allowed, problem="got 'nccl' with a torch built without NCCL")
-    if backend == "mpi" and not dist.is_mpi_available():
-        raise ArgumentValueError(
-            "backend",
-            allowed,
-            problem=(
-                f"got 'mpi' with a torch built without MPI ({torch.__version__};"
-                " torch.distributed.is_mpi_available() is False)"
-            ),
-            hint="Use backend=gloo, or build torch from source against your MPI.",
+            problem = f"got 'nccl' without CUDA GPUs (cuda available: {cuda}, accelerator: {accelerator!r})"
+        elif not dist.is_nccl_available():
+            problem = "got 'nccl' with a torch built without NCCL"
+    elif backend == "mpi" and not dist.is_mpi_available():
+        problem = (
+            f"got 'mpi' with a torch built without MPI ({torch.__version__};"
+            " torch.distributed.is_mpi_available() is False)"
         )
+        hint = "Use backend=gloo, or build torch from source against your MPI."
+    if problem is not None:
+        allowed = "'auto' or 'gloo' (or a backend this machine can run)"
+        raise ArgumentValueError("backend", allowed, problem=problem, hint=hint)
 
 
 def _registered_elsewhere(process_group_backend: Any) -> bool:
@@ -120,17 +108,6 @@ def _registered_elsewhere(process_group_backend: Any) -> bool:
         and process_group_backend not in BACKENDS
         and process_group_backend.lower() in known
     )
-
-
-def _backend_synonym(backend: str, process_group_backend: Any) -> Any:
-    """``backend``, or Lightning's ``process_group_backend`` when that is the one given."""
-    if process_group_backend is None:
-        return backend
-    if backend not in ("auto", process_group_backend):
-        raise ArgumentValueError(
-            "process_group_backend", f"the same as `backend` ({backend!r}) or left out", process_group_backend
-        )
-    return process_group_backend
 
 
 def _check_world_size(environment: Any, num_processes: int, num_nodes: int) -> None:
@@ -224,8 +201,12 @@ class DDPPluginsStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         process_group_backend = kwargs.pop("process_group_backend", None)
-        self._child_command = child_command
-        backend = _backend_synonym(backend, process_group_backend)
+        if process_group_backend is not None:  # Lightning's name for `backend`
+            if backend not in ("auto", process_group_backend):
+                raise ArgumentValueError(
+                    "process_group_backend", f"the same as `backend` ({backend!r}) or left out", process_group_backend
+                )
+            backend = process_group_backend
         if not _registered_elsewhere(process_group_backend):
             check_backend(backend, str(kwargs.get("accelerator") or "auto"))
         check_choice("start_method", start_method, _START_METHODS)
@@ -249,9 +230,13 @@ class DDPPluginsStrategy(DDPStrategy):
         check_int("powersgd_rank", powersgd_rank, 1)
         check_int("powersgd_start_iter", powersgd_start_iter, 2)
         check_number("bucket_cap_mb", bucket_cap_mb, 0, exclusive_minimum=True, what="MiB", allow_none=True)
-        check_bool("find_unused_parameters", find_unused_parameters)
-        check_bool("static_graph", static_graph)
-        check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+        ddp_kwargs: dict[str, Any] = {
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+        }
+        for name, value in ddp_kwargs.items():
+            check_bool(name, value)
         check_int("global_batch_size", global_batch_size, 1, allow_none=True)
         check_bool("drop_last", drop_last)
         check_number("stall_timeout", stall_timeout, 0, exclusive_minimum=True, what="seconds", allow_none=True)
@@ -270,11 +255,6 @@ class DDPPluginsStrategy(DDPStrategy):
                 comm_hook,
                 hint="Give one: a name in `comm_hook`, or a callable in `ddp_comm_hook`.",
             )
-        ddp_kwargs: dict[str, Any] = {
-            "find_unused_parameters": find_unused_parameters,
-            "static_graph": static_graph,
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-        }
         if bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         super().__init__(
@@ -285,6 +265,7 @@ class DDPPluginsStrategy(DDPStrategy):
             **kwargs,
         )
         self._backend = backend
+        self._child_command = child_command
         self._stall_timeout = stall_timeout
         self._watchdog: ProgressWatchdog | None = None
         self._timeout_s = float(timeout)
@@ -298,9 +279,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self.global_batch_size = global_batch_size
         self._repro = ReproducibleSteps(virtual_shards) if reproducible else None
         self._threads: int | None = None  # the CPU threads before the reproducible mode set one
-        self._planned = PlannedLoader(
-            global_batch_size, drop_last, virtual_shards if reproducible else None
-        )  # a global plan and each micro-batch's rows
+        self._planned = PlannedLoader(global_batch_size, drop_last, virtual_shards if reproducible else None)
         self._uneven = UnevenShards(uneven_data, flag=self._raised_flag)  # shards in step, flags in their round
         self._resume = ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
         self._flag_sources: list[Callable[[], int]] = []
@@ -346,10 +325,8 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @_layer_sync.setter
     def _layer_sync(self, plugin: LayerSync | None) -> None:
-        # `Trainer(sync_batchnorm=True)` hands every strategy torch's SyncBatchNorm plugin, for
-        # accelerators only (through the accelerator connector); this strategy takes the
-        # device-agnostic one instead.
-        # A plugin the user passed in `plugins=` (torch's own or a subclass) is kept as given.
+        # `Trainer(sync_batchnorm=True)` hands every strategy torch's (accelerator-only) SyncBatchNorm plugin:
+        # this strategy takes the device-agnostic one. One passed in `plugins=` (even torch's) is kept as given.
         made_for_flag = type(plugin) is TorchSyncBatchNorm and not any(p is plugin for p in explicit_trainer_plugins())
         self.__layer_sync = SyncBatchNormPlugin() if made_for_flag else plugin
 
@@ -418,17 +395,17 @@ class DDPPluginsStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         backend = self._get_process_group_backend()
         check_comm_hook(self._comm_hook, backend)
-        if backend == "gloo" and os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
-            # torch 2.13: DistributedDataParallel(...) segfaults in its construction logging when the
-            # debug level is DETAIL on gloo (even a bare nn.Linear); INFO keeps the other debug checks
-            rank_zero_warn(
-                "TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DistributedDataParallel on gloo with this torch"
-                f" ({torch.__version__}, a segfault while DDP is built); using INFO instead."
-            )
-            self._env_rewritten.setdefault("TORCH_DISTRIBUTED_DEBUG", os.environ["TORCH_DISTRIBUTED_DEBUG"])
-            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO"
-            dist.set_debug_level(dist.DebugLevel.INFO)
         if backend == "gloo":
+            if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+                # torch 2.13: DistributedDataParallel(...) segfaults in its construction logging when the
+                # debug level is DETAIL on gloo (even a bare nn.Linear); INFO keeps the other debug checks
+                rank_zero_warn(
+                    "TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DistributedDataParallel on gloo with this torch"
+                    f" ({torch.__version__}, a segfault while DDP is built); using INFO instead."
+                )
+                self._env_rewritten.setdefault("TORCH_DISTRIBUTED_DEBUG", os.environ["TORCH_DISTRIBUTED_DEBUG"])
+                os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO"
+                dist.set_debug_level(dist.DebugLevel.INFO)
             assert self.cluster_environment is not None
             if pin_gloo_to_loopback(self.cluster_environment.main_address):
                 self._env_set.append("GLOO_SOCKET_IFNAME")  # removed again in teardown
@@ -443,8 +420,8 @@ class DDPPluginsStrategy(DDPStrategy):
         if self._stall_timeout is not None and self.world_size > 1:
             self._watchdog = ProgressWatchdog(
                 _compat.default_store(), self.global_rank, self.world_size, after_s=self._stall_timeout,
-                interval_s=min(5.0, self._stall_timeout / 4), dump_dir=self._run_folder,
-                rescue=self._save_last_completed_step,
+                interval_s=min(5.0, self._stall_timeout / 4), rescue=self._save_last_completed_step,
+                dump_dir=lambda: getattr(self._trainer(), "default_root_dir", None),  # the run's folder
             ).start()  # fmt: skip
 
     def _save_last_completed_step(self) -> str | None:
@@ -457,10 +434,8 @@ class DDPPluginsStrategy(DDPStrategy):
         trainer = self._trainer()
         if trainer is None or not trainer.training:
             return None
-        folder = Path(trainer.default_root_dir) / "checkpoints"
-        callback = next((c for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)), None)
-        if callback is not None:
-            folder = Path(callback.dirpath)
+        dirpath = next((c.dirpath for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)), None)
+        folder = Path(dirpath or Path(trainer.default_root_dir) / "checkpoints")
         checkpoint = _compat.dump_checkpoint(trainer)
         self._add_records(checkpoint)
         path = folder / f"step-{trainer.global_step}-stalled.ckpt"
@@ -468,15 +443,10 @@ class DDPPluginsStrategy(DDPStrategy):
         return str(path)
 
     def _trainer(self) -> Any:
-        """The Trainer this strategy runs for (None before it is attached)."""
         try:
             return self.lightning_module.trainer if self.lightning_module is not None else None
         except RuntimeError:  # not attached to a Trainer
             return None
-
-    def _run_folder(self) -> str | None:
-        trainer = self._trainer()
-        return str(trainer.default_root_dir) if trainer is not None else None
 
     def _make_process_group(self) -> None:
         store = None if dist.is_initialized() else restart_scoped_store(timedelta(seconds=self._rendezvous_s))
@@ -535,12 +505,9 @@ class DDPPluginsStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning's version registers only when the root device is CUDA
         assert isinstance(self.model, DistributedDataParallel)
-        if self._ddp_comm_hook is None:
-            return
-        hook = self._ddp_comm_hook
-        if self._ddp_comm_wrapper is not None:
-            hook = self._ddp_comm_wrapper(hook)
-        self.model.register_comm_hook(self._ddp_comm_state, hook)
+        hook, wrapper = self._ddp_comm_hook, self._ddp_comm_wrapper
+        if hook is not None:
+            self.model.register_comm_hook(self._ddp_comm_state, hook if wrapper is None else wrapper(hook))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -569,13 +536,7 @@ class DDPPluginsStrategy(DDPStrategy):
     # The per-step agreement (contracts.StepAgreement): the flags ride in the uneven shards' round
 
     def add_flag_source(self, source: Callable[[], int]) -> None:
-        """Have ``source()`` (this rank's stop flag, a signal number or 0) agreed in each step's round.
-
-        A callback that must agree on a flag at every step (such as
-        :class:`~ddp_plugins.lightning.PreemptionCheckpoint`) registers here and reads
-        :meth:`agreed_flag`; when the strategy makes no round of its own, that returns ``None`` and
-        the callback makes its own ``all_reduce``.
-        """
+        """Have ``source()`` (this rank's stop flag, a signal number or 0) agreed in each step's round."""
         if source not in self._flag_sources:
             self._flag_sources.append(source)
 
@@ -633,20 +594,16 @@ class DDPPluginsStrategy(DDPStrategy):
         with self._exact_logs("test_dataloaders", args):
             return super().test_step(*args, **kwargs)
 
-    @contextmanager
     def _exact_logs(self, loaders: str, args: tuple) -> Any:
         """In the reproducible mode, the step's ``sync_dist`` means are combined exactly at epoch end."""
         if self._repro is None or len(args) < 2:
-            yield
-            return
+            return nullcontext()
         assert self.lightning_module is not None
         dataloaders = getattr(self.lightning_module.trainer, loaders)
         if isinstance(dataloaders, (list, tuple)):
             dataloaders = dataloaders[args[2] if len(args) > 2 else 0]
-        with self._repro.evaluation_batch(
-            self.lightning_module, args[0], args[1], getattr(dataloaders, "sampler", None)
-        ):
-            yield
+        sampler = getattr(dataloaders, "sampler", None)
+        return self._repro.evaluation_batch(self.lightning_module, args[0], args[1], sampler)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -668,7 +625,7 @@ class DDPPluginsStrategy(DDPStrategy):
         if rows is not None and rows.rank_rows == 0 and module is not None:
             # an empty micro-batch logs the identity of each reduction (its mean loss is NaN)
             log = module.log
-            module.log = _EmptyBatchLog(log)  # type: ignore[method-assign]
+            module.log = functools.partial(_log_empty_batch, log)  # type: ignore[method-assign]
         try:
             return super().training_step(*args, **kwargs)
         finally:
@@ -713,9 +670,7 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # Every rank gets here through Trainer.save_checkpoint, in step: the one point where the
-        # per-rank parts of callback states (RankAwareSeed's RNG streams) are gathered, so that no
-        # state_dict has to communicate (see ddp_plugins.core.checkpoints).
+        # every rank gets here in step (contracts.GathersPerRankState): no state_dict has to communicate
         self.gather_per_rank_state(checkpoint)
         if self.is_global_zero:  # the rank that writes it (DDPStrategy.save_checkpoint)
             self._add_records(checkpoint)
@@ -741,10 +696,9 @@ class DDPPluginsStrategy(DDPStrategy):
         super().on_exception(exception)
         if get_world_size() == 1 or not is_collective_failure(exception):
             return
-        rank = get_rank()
         # the ranks whose collective failed record themselves in the store; the others stopped
         stalled = describe_collective_failure(exception, tag=failure_tag(self._lightning_module))
-        note = f"\n[ddp_plugins] rank {rank}: a collective failed because another rank stopped: " + (
+        note = f"\n[ddp_plugins] rank {get_rank()}: a collective failed because another rank stopped: " + (
             stalled or "it raised, was killed, or waits elsewhere; that rank's own error, printed by it, is the cause."
         )
         exception.args = tuple(
@@ -781,11 +735,7 @@ class DDPPluginsStrategy(DDPStrategy):
             ("ddp_plugins_notebook", "fork", "forked child processes, for notebooks"),
         ):
             strategy_registry.register(
-                name,
-                cls,
-                description=f"ddp_plugins DDP strategy: {what}",
-                start_method=start_method,
-                override=True,
+                name, cls, description=f"ddp_plugins DDP strategy: {what}", start_method=start_method, override=True
             )
 
 
@@ -794,25 +744,21 @@ def _is_lightning_seeding(fn: Any) -> bool:
     return fn is pl_worker_init_function
 
 
-class _EmptyBatchLog:
-    """``LightningModule.log`` for a micro-batch with no rows on this rank.
+_IDENTITY = {"mean": 0.0, "avg": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
+
+
+def _log_empty_batch(log: Callable[..., None], name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+    """``LightningModule.log`` (``log``) for a micro-batch with no rows on this rank.
 
     Every rank must log what the others log (``sync_dist`` makes a collective), but an empty
     batch's mean loss is NaN, and Lightning's epoch mean (``value * batch_size``) keeps NaN even
     at batch size 0. A tensor value is replaced by the identity of its reduction: 0 for a mean
     or sum (weight 0 at 0 rows), -inf for max, +inf for min.
     """
-
-    _IDENTITY = {"mean": 0.0, "avg": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
-
-    def __init__(self, log: Callable[..., None]) -> None:
-        self.log = log
-
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        identity = self._IDENTITY.get(reduction_name(kwargs))
-        if identity is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-            value = torch.full_like(value, identity)
-        self.log(name, value, *args, **kwargs)
+    identity = _IDENTITY.get(reduction_name(kwargs))
+    if identity is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+        value = torch.full_like(value, identity)
+    log(name, value, *args, **kwargs)
 
 
 _EVAL_LOADER = 2**31  # the epoch slot of evaluation loaders' generator seed (no training epoch reaches it)
@@ -820,11 +766,7 @@ _EVAL_LOADER = 2**31  # the epoch slot of evaluation loaders' generator seed (no
 
 def _start_method(dataloader: DataLoader) -> str | None:
     context = dataloader.multiprocessing_context
-    if context is not None:
-        return context.get_start_method()
-    import multiprocessing
-
-    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_context().get_start_method()
+    return context.get_start_method() if context is not None else multiprocessing.get_start_method()
 
 
 DDPPluginsStrategy.register_strategies(StrategyRegistry)

@@ -16,18 +16,14 @@ from typing_extensions import override
 
 __all__ = ["ResumableTensorBoardLogger"]
 
-# The writer packages Lightning's TensorBoardLogger uses, in its order of preference
-WRITERS = ("tensorboard", "tensorboardX")
-
 
 def writer_installed() -> bool:
     """Whether a TensorBoard writer package (``tensorboard`` or ``tensorboardX``) can be imported."""
-    return any(importlib.util.find_spec(name) is not None for name in WRITERS)
+    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
 class ResumableTensorBoardLogger(TensorBoardLogger):
-    """``TensorBoardLogger`` whose event stream a resumed run continues (``TensorBoardLogger``'s
-    arguments, but ``default_hp_metric`` is off).
+    """``TensorBoardLogger`` (same arguments) whose event stream a resumed run continues.
 
     Every launch writes its own event file into one folder (``version=""``) and marks the first step
     it logs with ``SummaryWriter(purge_step=step)``'s restart event, so a resumed run shows each step
@@ -70,17 +66,14 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         if not self._continued and step is not None:
+            # Append the event `SummaryWriter(purge_step=step)` writes first: a SessionLog.START at `step`
+            # (Lightning opens the writer when the fit starts, before the checkpoint is restored)
             self._continued = True
-            self._mark_restart(int(step))
+            writer = self.experiment
+            if type(writer).__module__.split(".")[0] == "tensorboardX":
+                from tensorboardX.proto.event_pb2 import Event, SessionLog
+            else:  # torch.utils.tensorboard, which Lightning prefers when `tensorboard` is installed
+                from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+            start = SessionLog(status=SessionLog.START)
+            writer.file_writer.add_event(Event(step=int(step), wall_time=time.time(), session_log=start))
         super().log_metrics(metrics, step)
-
-    def _mark_restart(self, step: int) -> None:
-        """Append the event ``SummaryWriter(purge_step=step)`` writes first: a ``SessionLog.START`` at ``step``
-        (Lightning opens the writer when the fit starts, before the checkpoint is restored)."""
-        writer = self.experiment
-        if type(writer).__module__.split(".")[0] == "tensorboardX":
-            from tensorboardX.proto.event_pb2 import Event, SessionLog
-        else:  # torch.utils.tensorboard, which Lightning prefers when `tensorboard` is installed
-            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-        start = SessionLog(status=SessionLog.START)
-        writer.file_writer.add_event(Event(step=step, wall_time=time.time(), session_log=start))
