@@ -77,10 +77,8 @@ def build_comm_hook(
     check_int("powersgd_start_iter", powersgd_start_iter, 2)
     if name == "none":
         return None, None
-    if name == "fp16":
-        return process_group, default_hooks.fp16_compress_hook
-    if name == "bf16":
-        return process_group, default_hooks.bf16_compress_hook
+    if name in ("fp16", "bf16"):
+        return process_group, getattr(default_hooks, f"{name}_compress_hook")
     state = powerSGD_hook.PowerSGDState(process_group, powersgd_rank, start_powerSGD_iter=powersgd_start_iter)
     return state, _powersgd_hook
 

@@ -73,7 +73,6 @@ class HangWatch:
         return self
 
     def stop(self) -> None:
-        """Stop the heartbeat thread."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.interval_s + 5.0)
@@ -93,13 +92,10 @@ class HangWatch:
 
     def _beat(self) -> None:
         stack = call_stack(sys._current_frames().get(self.timeline._main), 60)
-        innermost = "{}:{} in {}".format(*stack[0]) if stack else "?"
-        record = self.timeline.in_flight
         beat = {
             "seq": self.timeline.seq,
-            "in": record.seq if record is not None else 0,
             "site": call_site(stack),
-            "innermost": innermost,
+            "innermost": "{}:{} in {}".format(*stack[0]) if stack else "?",
             "t": self.timeline.now(),
         }
         self.store.set(f"{_KEY}{self._rank}", json.dumps(beat))
@@ -110,9 +106,7 @@ class HangWatch:
             f"rank {self._rank} has waited {waited:.1f} s in collective #{record.seq} ({record.op}, {record.kind},"
             f" {record.nbytes} B) called at {record.site}"
         ]
-        for rank in range(self._world):
-            if rank == self._rank:
-                continue
+        for rank in (r for r in range(self._world) if r != self._rank):
             key = f"{_KEY}{rank}"
             beat = json.loads(self.store.get(key)) if self.store.check([key]) else None
             if beat is None:

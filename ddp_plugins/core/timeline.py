@@ -17,7 +17,6 @@ import time
 import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -84,16 +83,6 @@ class _Window(NamedTuple):
     blamed: dict[int, int]  # step: rank
 
 
-@dataclass
-class _Totals:
-    """The run so far, over every rank (what :meth:`Timeline.summary` reports)."""
-
-    steps: int = 0
-    step_ns: float = 0.0
-    kind_ns: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
-    blame: defaultdict[int, float] = field(default_factory=lambda: defaultdict(float))  # rank: ms of excess
-
-
 class CollectiveRecord:
     """One collective call on this rank: times in ns on rank 0's clock (``end_ns`` 0 while in flight)."""
 
@@ -107,7 +96,6 @@ class CollectiveRecord:
 
     @property
     def site(self) -> str:
-        """``file:line in function`` of the innermost caller outside the libraries."""
         return call_site(self.stack)
 
     def __repr__(self) -> str:
@@ -122,9 +110,8 @@ class _GpuClock:
     stream say when the stream reached it (the rank "arrived") and when it completed.
     """
 
-    def __init__(self) -> None:
-        self.anchor: Any = None
-        self.anchor_ns = 0
+    anchor: Any = None
+    anchor_ns = 0
 
     def reanchor(self, now_ns: Callable[[], int]) -> None:
         torch.cuda.synchronize()
@@ -156,8 +143,7 @@ def collective_kind(kind: str) -> Iterator[None]:
     """
     if not isinstance(kind, str) or not kind:
         raise ArgumentTypeError("kind", "a non-empty str", kind)
-    before = _local.label
-    _local.label = kind
+    before, _local.label = _local.label, kind
     try:
         yield
     finally:
@@ -266,7 +252,10 @@ class Timeline:
         self._pending: list[CollectiveRecord] = []
         self._phases: list[tuple[int, str, int, int]] = []
         self._step_start = self._phase_start = self._last_step_end = 0
-        self._totals = _Totals()
+        # the run so far, over every rank (what summary() reports)
+        self._steps, self._step_ns = 0, 0.0
+        self._kind_ns: defaultdict[str, float] = defaultdict(float)
+        self._blame: defaultdict[int, float] = defaultdict(float)  # rank: ms of excess
         self._blamed: dict[int, int] = defaultdict(int)
         self._left_ns: dict[int, float] = {}  # rank: when it left its last collective collected
         self._gpu = _GpuClock()
@@ -282,14 +271,13 @@ class Timeline:
         check_int("rounds", rounds, 1)
         if not is_distributed():
             return 0, 0
-        world = dist.get_world_size(self.group)
         device = collective_device(self.group)
         estimates = []
         with _untimed():
             for _ in range(rounds):
                 dist.barrier(group=self.group)
                 stamp = torch.tensor([time.perf_counter_ns()], dtype=torch.int64, device=device)
-                stamps = [torch.zeros_like(stamp) for _ in range(world)]
+                stamps = [torch.zeros_like(stamp) for _ in range(dist.get_world_size(self.group))]
                 dist.all_gather(stamps, stamp, group=self.group)
                 estimates.append(int(stamp) - int(stamps[0]))
             offset = int(statistics.median(estimates))
@@ -356,7 +344,6 @@ class Timeline:
             self.mark(name)
 
     def end_step(self) -> None:
-        """The current step ends."""
         if self.step < 0:
             return
         now = self.now()
@@ -367,9 +354,8 @@ class Timeline:
     def _start(self, kind: str, op: str, nbytes: int, stack: tuple, cuda: bool = False) -> CollectiveRecord | None:
         if _active is not self or _local.depth:
             return None
-        label = _local.label
         self.seq += 1
-        record = CollectiveRecord(self.seq, self.step, label or kind, op, nbytes, stack, self.now())
+        record = CollectiveRecord(self.seq, self.step, _local.label or kind, op, nbytes, stack, self.now())
         if cuda:
             record.events = [self._gpu.event(self.now), None]
         self._pending.append(record)
@@ -448,13 +434,13 @@ class Timeline:
             if int(r) == rank:
                 per_step[name] += end - start
             if name == "step":
-                self._totals.step_ns += end - start
+                self._step_ns += end - start
                 step_end[int(r), int(step)] = end
         comm: dict[str, float] = defaultdict(float)  # this rank's time per collective kind
         waited = 0.0
         for (r, step, seq, start, end, _), (kind, _, _) in zip(coll, text, strict=True):
             if step >= 0:
-                self._totals.kind_ns[kind] += end - start
+                self._kind_ns[kind] += end - start
                 if int(r) == rank:
                     comm[kind] += end - start
                     waited += last[int(seq)][0] - start
@@ -474,10 +460,10 @@ class Timeline:
                 self._blamed[top] += 1
             for r in range(world):
                 excess = net.get(r, 0.0) / 1e6
-                self._totals.blame[r] += excess
+                self._blame[r] += excess
                 self.scores[r] = self.scores.get(r, excess) + self.score_decay * (excess - self.scores.get(r, excess))
                 score_points.append((r, step_end.get((r, step), 0.0), self.scores[r]))
-        self._totals.steps += len(steps)
+        self._steps += len(steps)
         if rank == 0:  # the trace is built when written: here every rank does the same work
             self._windows.append(_Window(coll, text, phase, last, score_points, blamed))
             self._window_rows += len(coll) + len(phase)
@@ -501,17 +487,14 @@ class Timeline:
         ``excess_ms_per_step`` its excess per step; ``blamed_steps`` ``{rank: steps blamed on it}``;
         ``comm_share`` ``{kind: time in that kind / step time}``, summed over ranks.
         """
-        totals = self._totals
-        steps = max(totals.steps, 1)
-        blame = {r: ns for r, ns in totals.blame.items() if ns > 0}
+        blame = {r: ns for r, ns in self._blame.items() if ns > 0}
         slowest = max(blame, key=blame.get) if blame else None  # type: ignore[arg-type]
-        step_ns = max(totals.step_ns, 1)
         return {
-            "steps": totals.steps,
+            "steps": self._steps,
             "slowest_rank": slowest,
-            "excess_ms_per_step": round(blame.get(slowest, 0.0) / steps, 3) if slowest is not None else 0.0,
+            "excess_ms_per_step": round(blame[slowest] / max(self._steps, 1), 3) if slowest is not None else 0.0,
             "blamed_steps": dict(self._blamed),
-            "comm_share": {kind: round(ns / step_ns, 4) for kind, ns in sorted(totals.kind_ns.items())},
+            "comm_share": {kind: round(ns / max(self._step_ns, 1), 4) for kind, ns in sorted(self._kind_ns.items())},
             "clock_residual_us": round(self.clock_residual_ns / 1e3, 1),
         }
 
@@ -615,11 +598,9 @@ def _kind_of_module(module: str, extra: Sequence[tuple[str, str]]) -> str | None
 def _kind(name: str, frame: Any, extra: Sequence[tuple[str, str]] = ()) -> str:
     if "barrier" in name:
         return "barrier"
-    for caller, _ in itertools.islice(traceback.walk_stack(frame), 8):
-        kind = _kind_of_module(caller.f_globals.get("__name__", ""), extra)
-        if kind is not None:
-            return kind
-    return "other"
+    callers = itertools.islice(traceback.walk_stack(frame), 8)
+    kinds = (_kind_of_module(caller.f_globals.get("__name__", ""), extra) for caller, _ in callers)
+    return next((kind for kind in kinds if kind is not None), "other")
 
 
 def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:

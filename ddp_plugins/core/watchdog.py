@@ -163,10 +163,9 @@ class ProgressWatchdog:
     # the watchdog's thread
 
     def _run(self) -> None:
-        now = time.monotonic()
+        judged = time.monotonic()
         last: dict[int, tuple[int, int]] = {}  # rank -> (seq, beats) last seen
-        judged = now
-        published_at, progressed_at = [now] * self.world_size, [now] * self.world_size
+        published_at, progressed_at = [judged] * self.world_size, [judged] * self.world_size
         with contextlib.suppress(Exception):
             self._publish()  # at once: a rank that stops early is known by its PID
         while not self._halt.is_set():
@@ -204,22 +203,19 @@ class ProgressWatchdog:
 
     def _read(self) -> list[Heartbeat]:
         """Every rank's last heartbeat; one that never published counts as not started (pid 0)."""
-        beats = []
-        for rank in range(self.world_size):
-            key = f"{_KEY}{rank}"
-            if self.store.check([key]):
-                beats.append(Heartbeat(**json.loads(self.store.get(key))))
-            else:
-                beats.append(Heartbeat(rank, 0, 0, "not started", 0, "", ""))
-        return beats
+        return [
+            Heartbeat(**json.loads(self.store.get(f"{_KEY}{rank}")))
+            if self.store.check([f"{_KEY}{rank}"])
+            else Heartbeat(rank, 0, 0, "not started", 0, "", "")
+            for rank in range(self.world_size)
+        ]
 
     def _end(self, stall: Stall, beats: list[Heartbeat]) -> None:
         self.stall = stall
         reporter = min(beat.rank for beat in beats if beat.rank not in stall.ranks)
         if self.rank == reporter:
             stopped = [beats[rank] for rank in stall.ranks]
-            folder = self.dump_dir() if callable(self.dump_dir) else self.dump_dir
-            dump = _dump(stopped, stall, folder)
+            dump = _dump(stopped, stall, self.dump_dir() if callable(self.dump_dir) else self.dump_dir)
             saved = None
             if self.rescue is not None and time.monotonic() - self._beat_at > self.interval_s:
                 try:  # this rank's training thread has waited a while: the state is the last step's
@@ -228,10 +224,10 @@ class ProgressWatchdog:
                     saved = f"none written ({type(error).__name__}: {error})"
             who = ", ".join(f"rank {b.rank} (PID {b.pid} on {b.host}) after {b.phase}" for b in stopped)
             how = "its process stopped" if stall.frozen else "it stopped progressing"
-            resume = f"checkpoint of the last completed step: {saved}" if saved else "the run resumes from its newest"
+            resume = f"Checkpoint of the last completed step: {saved}" if saved else "The run resumes from its newest"
             print(
                 f"error: {who}: {how} {stall.seconds:.0f} s ago, and the job waited for it;"
-                f" ending every rank{f' (its stack: {dump})' if dump else ''}. {resume[0].upper()}{resume[1:]};"
+                f" ending every rank{f' (its stack: {dump})' if dump else ''}. {resume};"
                 " a rank that may legitimately pause longer needs strategy.stall_timeout raised.",
                 file=sys.stderr,
                 flush=True,

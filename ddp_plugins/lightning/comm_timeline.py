@@ -76,22 +76,16 @@ class CommTimeline(Callback):
         log: bool = True,
     ) -> None:
         super().__init__()
-        check_int("every_n_steps", every_n_steps, 1)
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
         if trace_path is not None and not isinstance(trace_path, (str, os.PathLike)):
             raise ArgumentTypeError("trace_path", "a path or None", trace_path)
-        check_int("history", history, 1)
-        check_number("stall_after_s", stall_after_s, 0.0, exclusive_minimum=True, allow_none=True)
-        check_number("blame_threshold_ms", blame_threshold_ms, 0.0)
-        check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
-        check_bool("log", log)
-        self.every_n_steps = every_n_steps
         self.trace_path = Path(trace_path) if trace_path is not None else None
-        self.history = history
-        self.stall_after_s = stall_after_s
-        self.blame_threshold_ms = blame_threshold_ms
-        self.score_decay = score_decay
+        self.history = check_int("history", history, 1)
+        self.stall_after_s = check_number("stall_after_s", stall_after_s, 0.0, exclusive_minimum=True, allow_none=True)
+        self.blame_threshold_ms = check_number("blame_threshold_ms", blame_threshold_ms, 0.0)
+        self.score_decay = check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
         # not `self.log`: Lightning sets every callback's `log` to the module's at fit start
-        self.log_metrics = log
+        self.log_metrics = check_bool("log", log)
         self.spawn_results_key = uuid.uuid4().hex  # pairs this callback with its copy in spawned ranks
         self.timeline: Timeline | None = None
         self.watch: HangWatch | None = None
@@ -104,15 +98,14 @@ class CommTimeline(Callback):
 
     @property
     def summary(self) -> dict[str, Any]:
-        """The summary of the last fit (``{}`` before one): ``slowest_rank``, ``excess_ms_per_step``,
-        ``blamed_steps``, ``comm_share``, ``steps``, ``clock_residual_us``."""
+        """The last fit's :meth:`Timeline.summary` (``{}`` before one), with the ``trace`` path on rank 0."""
         return self._summary
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self.timeline = Timeline(
+        timeline = self.timeline = Timeline(
             history=self.history,
             blame_threshold_s=self.blame_threshold_ms / 1e3,
             score_decay=self.score_decay,
@@ -120,7 +113,6 @@ class CommTimeline(Callback):
         )
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy):
-            timeline = self.timeline
             self._strategy, self._user_hook = strategy, _compat.strategy_comm_hook(strategy)
             self._hook = wrap_comm_hook(strategy, lambda hook: TimedCommHook(timeline, hook))
         if self.trace_path is None:
@@ -180,10 +172,9 @@ class CommTimeline(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.timeline is None:
-            return
-        self.timeline.collect()  # the batches since the last gather
-        self._finish(trainer)
+        if self.timeline is not None:
+            self.timeline.collect()  # the batches since the last gather
+            self._finish(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -221,8 +212,7 @@ class CommTimeline(Callback):
     def import_results(self, path: str) -> None:
         """Take the summary a spawned rank 0 exported to ``path`` (and remove the file)."""
         try:
-            with open(path) as file:
-                summary = json.load(file)
+            summary = json.loads(Path(path).read_text())
         finally:
             os.remove(path)
         summary["blamed_steps"] = {int(rank): steps for rank, steps in summary["blamed_steps"].items()}  # JSON keys
