@@ -94,20 +94,13 @@ def _flatten(data: Any, path: str = "") -> tuple[Any, list[tuple[str, Any]]]:
         return "None", []
     if isinstance(data, Tensor) or _is_rows(data):
         return "leaf", [(path or "data", data)]
-    if isinstance(data, Mapping):
-        specs, leaves = [], []
-        for key, value in data.items():
+    if isinstance(data, (list, tuple, Mapping)):
+        mapping, specs, leaves = isinstance(data, Mapping), [], []
+        for key, value in data.items() if isinstance(data, Mapping) else enumerate(data):
             spec, sub = _flatten(value, f"{path}[{key!r}]")
-            specs.append((repr(key), spec))
+            specs.append((repr(key), spec) if mapping else spec)
             leaves += sub
-        return ("dict", tuple(specs)), leaves
-    if isinstance(data, (list, tuple)):
-        specs, leaves = [], []
-        for i, value in enumerate(data):
-            spec, sub = _flatten(value, f"{path}[{i}]")
-            specs.append(spec)
-            leaves += sub
-        return (type(data).__name__, tuple(specs)), leaves
+        return ("dict" if mapping else type(data).__name__, tuple(specs)), leaves
     raise TypeError(
         f"`data` should hold tensors, lists of row values or dicts/tuples/lists of those,"
         f" got {type(data).__name__} at {path or 'the top'}."
@@ -157,16 +150,14 @@ def _pad(tensor: Tensor, shape: tuple, pad_value: float | None) -> Tensor:
 
 def concat_batches(batches: list[Any], pad_value: float | None, step: str) -> Any:
     """Concatenate one rank's per-batch outputs along dim 0, leaf by leaf."""
-    flat: list[tuple[Any, list[Any]]] = []
+    flat: list[tuple[Any, list[tuple[str, Any]]]] = []
     for i, out in enumerate(batches):
-        spec, leaves = _flatten(out)
-        if flat and spec != flat[0][0]:
+        flat.append(_flatten(out))
+        if flat[-1][0] != flat[0][0]:
             raise ValueError(f"`{step}` returned a different structure in batch {i} than in batch 0.")
-        flat.append((spec, [leaf for _, leaf in leaves]))
-    names = [name for name, _ in _flatten(batches[0])[1]]
     merged: list[Any] = []
-    for j, name in enumerate(names):
-        parts = [leaves[j] for _, leaves in flat]
+    for j, (name, _) in enumerate(flat[0][1]):
+        parts = [leaves[j][1] for _, leaves in flat]
         if not isinstance(parts[0], Tensor):
             merged.append([item for part in parts for item in part])
             continue

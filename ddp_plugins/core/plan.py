@@ -7,6 +7,8 @@ epoch, and uneven data").
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,11 +47,7 @@ def even_split(n: int, parts: int) -> list[int]:
 
 
 def _bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for n in counts:
-        out.append((start, start + n))
-        start += n
-    return out
+    return list(itertools.pairwise(itertools.accumulate(counts, initial=0)))
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,6 @@ class GlobalPlan:
     """The rows of every epoch in order, and their split into steps of ``global_batch_size`` rows.
 
     Args:
-        dataset_length: rows in the dataset.
         global_batch_size: rows per optimizer step over all ranks and micro-batches (``G``).
         seed: the order of epoch ``e`` is ``torch.randperm`` seeded with ``seed + e``
             (``DistributedSampler``'s convention).
@@ -230,30 +227,19 @@ class PlanBatchSampler(Sampler):
     of the first iteration only (a resumed epoch), without drawing a random number.
 
     Args:
-        plan: the global plan.
         rank, world_size: this rank and the number of ranks (any: the plan does not depend on it).
         accumulate: micro-batches per optimizer step (Lightning's ``accumulate_grad_batches``).
         epoch: the epoch of the first iteration.
-        start_step: optimizer steps of the first iteration already trained.
 
     Example::
 
         >>> plan = GlobalPlan(dataset_length=5, global_batch_size=4, shuffle=False)
         >>> list(PlanBatchSampler(plan, rank=0, world_size=2, accumulate=2))
         [[0], [2], [4], []]
-
-    Each step is cut into ``accumulate`` micro-batches first (rows 0-1 and 2-3 above), then each
-    micro-batch over the ranks, so micro-batch ``m`` holds the same rows on any world size.
     """
 
     def __init__(
-        self,
-        plan: GlobalPlan,
-        rank: int,
-        world_size: int,
-        accumulate: int = 1,
-        epoch: int = 0,
-        start_step: int = 0,
+        self, plan: GlobalPlan, rank: int, world_size: int, accumulate: int = 1, epoch: int = 0, start_step: int = 0
     ) -> None:
         check_int("world_size", world_size, 1)
         check_int("rank", rank, 0, world_size - 1)
@@ -307,11 +293,7 @@ class EmptyShareCollate:
         return _no_rows(self.collate_fn([self.template]))
 
 
-def _no_rows(batch: Any) -> Any:
-    """The batch's structure with every tensor cut to zero rows."""
-    return tree_map(lambda tensor: tensor[:0], batch)
-
-
+_no_rows = functools.partial(tree_map, lambda tensor: tensor[:0])  # a batch's structure, every tensor cut to no rows
 _FLAGS = 65  # flag values 0..64 (signal numbers)
 
 
@@ -346,7 +328,6 @@ class EvenSteps:
     Args:
         batches: this rank's batches (a DataLoader of its shard).
         rows_of: the rows of a batch (the first tensor's length by default).
-        group: the process group (the default one when ``None``).
         device: where the counts are reduced; ``None``: :func:`~ddp_plugins.core.ranks.collective_device`.
         length: the agreed number of batches (the longest rank's), or ``None`` when unsized.
         flag: this rank's flag (0 to 64) at each step, agreed across ranks with the counts.
@@ -398,18 +379,12 @@ class EvenSteps:
         self.batch_counts.clear()
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         k = check_int("window", self.window() if callable(self.window) else self.window, 1)
-        it: Iterator[Any] | None = iter(self.batches)
+        batches = self._keeping_template()
         skip, self.start = self.start, 0  # a resume skips once, in its first epoch
-        for _ in range(skip):
-            if it is None:
-                break
-            it = self._fetch(it)[0]
+        for _ in itertools.islice(batches, skip):
+            pass
         while True:
-            window: list[Any] = []
-            while it is not None and len(window) < k:
-                it, batch, has = self._fetch(it)
-                if has:
-                    window.append(batch)
+            window = list(itertools.islice(batches, k))
             mine = [self.rows_of(batch) for batch in window] + [0] * (k - len(window))
             # rows per micro-batch | rank without a template | ranks with one | batches here (one-hot) | flag (one-hot)
             counts = torch.zeros(k + 1 + world + k + 1 + _FLAGS, dtype=torch.int64)
@@ -439,11 +414,8 @@ class EvenSteps:
                 self.batch_counts.append((mine[micro], micro_rows[micro], step_rows, agreed))
                 yield window[micro] if micro < len(window) else self._template
 
-    def _fetch(self, it: Iterator[Any]) -> tuple[Iterator[Any] | None, Any, bool]:
-        try:
-            batch = next(it)
-        except StopIteration:
-            return None, None, False
-        if self._template is None:
-            self._template = _no_rows(batch)
-        return it, batch, True
+    def _keeping_template(self) -> Iterator[Any]:
+        for batch in self.batches:
+            if self._template is None:
+                self._template = _no_rows(batch)
+            yield batch

@@ -13,6 +13,7 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from ddp_plugins.core.checks import ArgumentTypeError
+from ddp_plugins.core.seeding import rank_seed
 
 __all__ = ["ResumableSampler", "SequentialDistributedSampler"]
 
@@ -101,8 +102,7 @@ class ResumableSampler(Sampler):
 
     def __iter__(self) -> Iterator[Any]:
         skip, self.skip = self.skip, 0
-        it = iter(self.sampler)
-        return itertools.islice(it, skip, None) if skip else it
+        return itertools.islice(self.sampler, skip, None) if skip else iter(self.sampler)
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -121,6 +121,4 @@ def loader_seed(seed: int, rank: int, epoch: int) -> int:
         >>> loader_seed(42, 0, 1) != loader_seed(42, 1, 1) != loader_seed(42, 0, 2)
         True
     """
-    from ddp_plugins.core.seeding import rank_seed
-
     return rank_seed(seed, _LOADER_SEED_TAG, rank, epoch)

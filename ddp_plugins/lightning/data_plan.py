@@ -1,14 +1,13 @@
 """Exact epochs for Lightning: the training data's plan, per-step rows and resume wiring.
 
-:class:`~ddp_plugins.lightning.DDPPluginsStrategy` holds three parts, and :func:`train_loader` makes
-its training loader with them: :class:`PlannedLoader` (a global plan and each micro-batch's rows),
-:class:`UnevenShards` (uneven shards stepped together, a flag agreed in their round) and
-:class:`ResumeRecord` (the layout a checkpoint keeps, and where a resume starts). Rationale in
+:class:`~ddp_plugins.lightning.DDPPluginsStrategy` holds a :class:`PlannedLoader`, an :class:`UnevenShards`
+and a :class:`ResumeRecord`, and :func:`train_loader` makes its training loader with them. Rationale in
 docs/design.md ("One global plan per epoch, and uneven data", "Checkpoints and resume").
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -66,11 +65,8 @@ class BatchRows:
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
     if isinstance(sampler, DistributedSampler):
         return bool(sampler.shuffle), int(sampler.seed)
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    if isinstance(sampler, RandomSampler):
-        return True, seed
-    if isinstance(sampler, SequentialSampler):
-        return False, seed
+    if isinstance(sampler, (RandomSampler, SequentialSampler)):
+        return isinstance(sampler, RandomSampler), int(os.environ.get("PL_GLOBAL_SEED", 0))
     raise ArgumentValueError(
         "global_batch_size",
         "used with a DataLoader whose sampler is Lightning's DistributedSampler, a RandomSampler or a"
@@ -130,11 +126,8 @@ def _plan_loader(
 
 
 def check_global_batch(global_batch_size: int, world_size: int, accumulate: int) -> None:
-    """Refuse a global batch too small to give every micro-batch of every rank a row in full steps.
-
-    Raises:
-        ArgumentValueError: ``global_batch_size`` below ``world_size * accumulate``.
-    """
+    """Refuse (``ArgumentValueError``) a global batch below ``world_size * accumulate``: too small to
+    give every micro-batch of every rank a row in full steps."""
     if global_batch_size < world_size * accumulate:
         raise ArgumentValueError(
             "global_batch_size",
@@ -223,24 +216,23 @@ def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: b
             changes = [f"{k} {before.get(k)!r} -> {after[k]!r}" for k in after if before.get(k) != after[k]]
             if saved.get("accumulate") != now.get("accumulate"):
                 changes.append(f"accumulate_grad_batches {saved.get('accumulate')} -> {now.get('accumulate')}")
-        if changes:
-            raise ResumeMismatch(
-                f"resume: the checkpoint stopped in the middle of an epoch{where} and its data plan differs from this"
-                " run's ("
-                + "; ".join(changes)
-                + "): rows would be trained twice or never. Resume with the same global_batch_size, seed, dataset,"
-                " drop_last and accumulation (the number of ranks may change)."
-            )
-        return
-    keys = ("world_size", "batch_size", "seed", "shuffle", "dataset_length", "accumulate")
-    changes = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if k in saved and saved.get(k) != now.get(k)]
+        differs = "its data plan differs from this run's"
+        advice = (
+            "rows would be trained twice or never. Resume with the same global_batch_size, seed, dataset, drop_last"
+            " and accumulation (the number of ranks may change)."
+        )
+    else:
+        keys = ("world_size", "batch_size", "seed", "shuffle", "dataset_length", "accumulate")
+        changes = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if k in saved and saved.get(k) != now.get(k)]
+        differs = "this run splits the data differently"
+        advice = (
+            "its rows would be trained twice or never. Resume with the same ranks, batch size and seed, or train with"
+            " a global batch (global_batch_size=G), which resumes on any number of ranks."
+        )
     if changes:
         raise ResumeMismatch(
-            f"resume: the checkpoint stopped in the middle of an epoch{where} and this run splits the data"
-            " differently ("
-            + "; ".join(changes)
-            + "): its rows would be trained twice or never. Resume with the same ranks, batch size and seed, or"
-            " train with a global batch (global_batch_size=G), which resumes on any number of ranks."
+            f"resume: the checkpoint stopped in the middle of an epoch{where} and {differs}"
+            f" ({'; '.join(changes)}): {advice}"
         )
 
 
@@ -262,8 +254,7 @@ def resume_start(
     :func:`check_resume` decides whether this run may continue it.
 
     Raises:
-        ResumeMismatch: the checkpoint stopped in the middle of its epoch and this run would split
-            the epoch's rows differently (one line naming what changed).
+        ResumeMismatch: from :func:`check_resume`, in the middle of an epoch.
 
     Example::
 
@@ -292,17 +283,14 @@ def resume_start(
 
 def _saved_batches_per_epoch(saved: dict[str, Any] | None) -> int | None:
     """The micro-batches per epoch of the run that wrote a checkpoint record (``None``: not known)."""
-    if not saved:
-        return None
+    saved = saved or {}
     recorded = saved.get("batches_per_epoch")
     if isinstance(recorded, int) and not isinstance(recorded, bool):
         return recorded
     plan = saved.get("plan")
     if isinstance(plan, dict):
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             return GlobalPlan(**plan).steps_per_epoch * int(saved.get("accumulate", 1))
-        except (TypeError, ValueError):
-            return None
     return None
 
 
@@ -320,13 +308,10 @@ def train_loader(
     plan = planned.make_plan(dataloader, trainer, world_size)
     accumulate = planned.accumulate if plan is not None else trainer.accumulate_grad_batches
     in_step = plan is None and uneven.enabled and world_size > 1 and _per_rank_shards(dataloader)
-    length: float | None
     if plan is not None:
-        length = plan.steps_per_epoch * accumulate
-    elif in_step:
-        length = _agreed_length(dataloader)
+        length: float | None = plan.steps_per_epoch * accumulate
     else:
-        length = _length(dataloader)
+        length = _agreed_length(dataloader) if in_step else _length(dataloader)
     epoch, start = resume.start(data_record(dataloader, plan, world_size, accumulate), length, trainer)
     if plan is not None:
         return _plan_loader(dataloader, plan, rank, world_size, accumulate, epoch, start)
@@ -344,7 +329,6 @@ class PlannedLoader:
     Args:
         global_batch_size: rows per optimizer step over all ranks and micro-batches (a global
             plan), or ``None`` for per-rank batches (no plan).
-        drop_last: drop the plan's short last step.
     """
 
     def __init__(self, global_batch_size: int | None, drop_last: bool, virtual_shards: int | None = None) -> None:
@@ -429,8 +413,7 @@ class UnevenShards:
         if self.loader is None or not self.loader.batch_counts:
             return None
         mine, micro, step, self._agreed = self.loader.batch_counts.popleft()
-        k = current_accumulation(trainer)
-        weight = world_size * k * mine / step if step else 0.0
+        weight = world_size * current_accumulation(trainer) * mine / step if step else 0.0
         return BatchRows(rank_rows=mine, micro_rows=micro, step_rows=step, loss_weight=weight)
 
     @property
@@ -469,7 +452,9 @@ class ResumeRecord:
             self._resumed, record, epoch, done, last_batch=progress.is_last_batch,
             in_batch_end=progress.current.completed < done,
         )  # fmt: skip
-        _quiet_mid_epoch_resume_warning()
+        # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the loaders
+        # built here (a plan, shards in step, a resumable sampler) resume exactly.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
         return epoch, start
 
     def checkpoint_record(self, module: Any, planned: PlannedLoader) -> dict[str, Any] | None:
@@ -517,17 +502,9 @@ def run_accumulation(trainer: Any) -> int:
     return int(values.pop())
 
 
-def _quiet_mid_epoch_resume_warning() -> None:
-    """Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the loaders
-    built here (a plan, shards in step, a resumable sampler) resume exactly."""
-    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
-
-
 def _per_rank_shards(dataloader: Any) -> bool:
     """Whether ranks may yield different numbers of batches: anything but Lightning's ``DistributedSampler``."""
-    if not isinstance(dataloader, DataLoader):
-        return True
-    if isinstance(dataloader.dataset, IterableDataset):
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         return True
     sampler = getattr(dataloader.batch_sampler, "sampler", None) or dataloader.sampler
     return not isinstance(sampler, DistributedSampler)
@@ -552,9 +529,8 @@ def _agreed_length(dataloader: Any) -> int | None:
     local = _length(dataloader)
     local = -1 if local == float("inf") else int(local)
     both = torch.tensor([local, -local], dtype=torch.int64, device=collective_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    longest, shortest = int(both[0]), -int(both[1])
-    return None if shortest < 0 else longest
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the longest count, and minus the shortest
+    return None if int(both[1]) > 0 else int(both[0])
 
 
 def _resumable_train_loader(dataloader: Any, trainer: Any, epoch: int, done: int) -> Any:

@@ -56,8 +56,7 @@ class SequentialEvaluation(Callback):
         metrics: torchmetrics metrics by name, computed on the gathered ``preds_key`` and
             ``target_key`` entries of the step outputs and logged as ``val/<name>`` and
             ``test/<name>``. The objects given are cloned, never updated.
-        preds_key: key of the predictions in the step output dict.
-        target_key: key of the targets in the step output dict.
+        preds_key, target_key: the keys of the predictions and the targets in the step output dict.
         stages: which of ``'validate'``, ``'test'``, ``'predict'`` to handle.
         output_dir: write each stage's results there on rank 0 instead of keeping them in memory.
         pad_value: pad value for outputs whose trailing dimensions vary between batches or ranks;
@@ -109,7 +108,6 @@ class SequentialEvaluation(Callback):
         self.spawn_results_key = uuid.uuid4().hex  # pairs this callback with its copy in spawned workers
         self._samplers: dict[str, list[tuple[SequentialDistributedSampler, int]]] = {}
         self._buffers: dict[int, list[Any]] = defaultdict(list)
-        self._batches: dict[int, int] = defaultdict(int)
         self._sources: list[Any] = []
 
     @override
@@ -125,6 +123,8 @@ class SequentialEvaluation(Callback):
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset()
 
+    on_test_epoch_start = on_predict_epoch_start = on_validation_epoch_start
+
     @override
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         self._collect(trainer, "validate", outputs, dataloader_idx)
@@ -134,20 +134,12 @@ class SequentialEvaluation(Callback):
         self._finish(trainer, pl_module, "validate")
 
     @override
-    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._reset()
-
-    @override
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         self._collect(trainer, "test", outputs, dataloader_idx)
 
     @override
     def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._finish(trainer, pl_module, "test")
-
-    @override
-    def on_predict_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._reset()
 
     @override
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
@@ -193,12 +185,10 @@ class SequentialEvaluation(Callback):
 
     def _reset(self) -> None:
         self._buffers = defaultdict(list)
-        self._batches = defaultdict(int)
 
     def _collect(self, trainer: Trainer, stage: str, outputs: Any, dataloader_idx: int) -> None:
         if trainer.sanity_checking or stage not in self._samplers:
             return
-        self._batches[dataloader_idx] += 1
         self._buffers[dataloader_idx].append(apply_to_collection(outputs, Tensor, lambda t: t.detach().cpu()))
 
     def _finish(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -210,7 +200,7 @@ class SequentialEvaluation(Callback):
         for idx, (sampler, batch_size) in enumerate(self._samplers[stage]):
             local, error = None, None
             try:
-                local = self._rank_rows(stage, self._buffers.pop(idx, []), self._batches[idx], sampler, batch_size)
+                local = self._rank_rows(stage, self._buffers.pop(idx, []), sampler, batch_size)
             except (TypeError, ValueError, RuntimeError) as exc:  # raised on every rank by the gather below
                 error = str(exc)
             gathered = distributed_concat(local, sampler.dataset_length, pad_value=self.pad_value, local_error=error)
@@ -227,17 +217,16 @@ class SequentialEvaluation(Callback):
         if self.output_dir is None:
             self.results[stage] = result
             return
-        path = save_atomic(result, Path(self.output_dir) / f"{stage}.pt")
-        self.paths[stage] = str(path)
+        self.paths[stage] = str(save_atomic(result, Path(self.output_dir) / f"{stage}.pt"))
         self.results.pop(stage, None)
 
-    def _rank_rows(self, stage: str, batches: list[Any], num_batches: int, sampler: Any, batch_size: int) -> Any:
+    def _rank_rows(self, stage: str, batches: list[Any], sampler: Any, batch_size: int) -> Any:
         """This rank's outputs, concatenated over batches, without the sampler's padding."""
         if all(out is None for out in batches):
             return None
         local = concat_batches(batches, self.pad_value, _STEP[stage])
         rows = num_rows(local, _STEP[stage])
-        expected = min(len(sampler), num_batches * batch_size)
+        expected = min(len(sampler), len(batches) * batch_size)
         if rows != expected:
             raise ValueError(
                 f"`{_STEP[stage]}` returned {rows} rows for the {expected} samples of this rank; SequentialEvaluation"
@@ -275,7 +264,7 @@ class SequentialEvaluation(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # copies sent to spawned workers start empty: results only ever travel back, never out
         empty: dict[str, Any] = {"results": {}, "paths": {}, "metric_values": {}, "_samplers": {}, "_sources": []}
-        return {**self.__dict__, **empty, "_buffers": defaultdict(list), "_batches": defaultdict(int)}
+        return {**self.__dict__, **empty, "_buffers": defaultdict(list)}
 
     def export_results(self) -> str:
         """Write this rank's results to a temporary file; the path travels, not the bytes (the
