@@ -55,20 +55,11 @@ _ADAPTERS = {
 }
 
 __all__ = [
-    "AccumulationNoSync",
-    "AllReduceCounter",
-    "CommTimeline",
+    *_ADAPTERS,
     "CountingCommHook",
-    "DDPPluginsStrategy",
-    "PreemptionCheckpoint",
-    "RankAwareSeed",
     "SequentialDistributedSampler",
-    "SequentialEvaluation",
     "SyncBatchNorm",
-    "SyncBatchNormCallback",
-    "SyncBatchNormPlugin",
     "Timeline",
-    "apply_network_env",
     "build_comm_hook",
     "convert_sync_batchnorm",
     "count_collectives",

@@ -199,14 +199,6 @@ class DistributedPool:
         self.pg_timeout = pg_timeout
         self._pool: Any = None
 
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        ranks = ctx.Queue()
-        for rank in range(self.world_size):
-            ranks.put(rank)
-        initargs = (ranks, free_port(), self.world_size, self.pg_timeout)
-        self._pool = ctx.Pool(self.world_size, initializer=_init_worker, initargs=initargs)
-
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """``fn(rank, world_size, *args)`` on every rank, the results ordered by rank.
 
@@ -215,7 +207,12 @@ class DistributedPool:
                 did not take one call each.
         """
         if self._pool is None:
-            self._start()
+            ctx = mp.get_context("spawn")
+            ranks = ctx.Queue()
+            for rank in range(self.world_size):
+                ranks.put(rank)
+            initargs = (ranks, free_port(), self.world_size, self.pg_timeout)
+            self._pool = ctx.Pool(self.world_size, initializer=_init_worker, initargs=initargs)
             self._gather(_ready, (), self.startup_timeout, "the ranks did not start")
         return self._gather(fn, args, timeout or self.timeout, f"{fn.__name__} did not finish")
 
@@ -431,7 +428,9 @@ class _RankServer(_ServerProcess):
             grace = deadline if failed_at is None else min(deadline, failed_at + _FAILURE_GRACE_S)
             line = self.line(grace, request["target"])
             if line is None:
-                self._kill(pids)
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
                 while len(codes) < len(pids) and (line := self.line(time.monotonic() + 30, request["target"])):
                     _, rank, code = line.split()
                     codes[int(rank)] = int(code)
@@ -446,11 +445,6 @@ class _RankServer(_ServerProcess):
             if int(code) != 0 and failed_at is None:
                 failed_at = time.monotonic()
         return codes
-
-    def _kill(self, pids: Sequence[int]) -> None:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
 
 
 def _serve() -> None:
@@ -490,11 +484,10 @@ def _rank(request: dict[str, Any], rank: int, dies_with_server: Callable[[], Non
             os.dup2(fd, target)
         os.close(log)
         os.close(null)
-        world_size = request["world_size"]
-        os.environ.update(request["env"])
+        world_size = str(request["world_size"])
         os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
+            request["env"], RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=world_size,
+            LOCAL_WORLD_SIZE=world_size,
         )  # fmt: skip
         os.chdir(request["cwd"])
         sys.path[:] = request["path"]

@@ -14,11 +14,16 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_plugins.app.config import ConfigError, one_line, quoted_choices, resolve_precision
-from ddp_plugins.app.config import trainer_args as resolved_trainer_args
+from ddp_plugins.app.config import ConfigError, one_line, quoted_choices, resolve_precision, trainer_args
 from ddp_plugins.core.checks import ArgumentError
+from ddp_plugins.core.plan import GlobalPlan
+from ddp_plugins.lightning import reproducible, tensorboard_logger
 from ddp_plugins.lightning.network import restore_env
 
 __all__ = ["APP_TRAINER_ARGS", "as_config_error", "build_objects", "check_trainer_args"]
@@ -29,9 +34,7 @@ APP_TRAINER_ARGS = ("strategy", "precision", "callbacks", "logger", "default_roo
 
 def build_objects(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate the configured strategy, callbacks, model, datamodule, logger and ``Trainer``; start nothing.
-
-    Each object is built from its own config node, so an error names the key it came from.
-    """
+    Each object is built from its own config node, so an error names the key it came from."""
     raw = OmegaConf.to_container(cfg, resolve=False)
     objects: dict[str, Any] = {"model": _build("model", cfg.model, raw), "datamodule": _build("data", cfg.data, raw)}
     objects["strategy"] = _build("strategy", cfg.strategy, raw)
@@ -48,30 +51,14 @@ def build_objects(cfg: DictConfig) -> dict[str, Any]:
         if check is not None:
             with as_config_error(key, raw):
                 check(objects["trainer"], objects["model"])
-    _check_global_batch_rows(objects["strategy"], objects["datamodule"])
-    _check_reproducible(objects["strategy"], objects["datamodule"], objects["trainer"], raw)
+    _check_global_batch_rows(objects["strategy"], objects["datamodule"], objects["trainer"], raw)
     return objects
 
 
-def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, raw: Any) -> None:
-    """The reproducible mode's limits that the strategy checks in the ranks, refused here first."""
-    from ddp_plugins.core.plan import GlobalPlan
-    from ddp_plugins.lightning.reproducible import check_trainer
-
-    shards, rows = getattr(strategy, "virtual_shards", None), getattr(datamodule, "train_rows", None)
-    if shards is None:
-        return
-    with as_config_error("trainer", raw):
-        check_trainer(trainer, trainer.world_size, shards)
-    if isinstance(rows, int):
-        with as_config_error("global_batch_size", raw):
-            drop_last = bool((raw.get("strategy") or {}).get("drop_last", False))
-            GlobalPlan(rows, strategy.global_batch_size, drop_last=drop_last, virtual_shards=shards)
-
-
-def _check_global_batch_rows(strategy: Any, datamodule: Any) -> None:
-    """Refuse a global batch larger than the training data (not capped: it would silently not be the one used)."""
-    size = getattr(strategy, "global_batch_size", None)
+def _check_global_batch_rows(strategy: Any, datamodule: Any, trainer: Any, raw: Any) -> None:
+    """Refuse a global batch larger than the training data (not capped: it would silently not be the one
+    used), and the reproducible mode's limits that the strategy checks in the ranks, here first."""
+    size, shards = getattr(strategy, "global_batch_size", None), getattr(strategy, "virtual_shards", None)
     rows = getattr(datamodule, "train_rows", None)  # the app's demo data know theirs without loading
     if isinstance(size, int) and isinstance(rows, int) and size > rows:
         raise ConfigError(
@@ -79,17 +66,21 @@ def _check_global_batch_rows(strategy: Any, datamodule: Any) -> None:
             f"got {size}, more than the {rows} training rows of the data (every epoch would be a single step)",
             f"at most {rows}, or more rows (data.*)",
         )
+    if shards is None:
+        return
+    with as_config_error("trainer", raw):
+        reproducible.check_trainer(trainer, trainer.world_size, shards)
+    if isinstance(rows, int):
+        with as_config_error("global_batch_size", raw):
+            drop_last = bool((raw.get("strategy") or {}).get("drop_last", False))
+            GlobalPlan(rows, strategy.global_batch_size, drop_last=drop_last, virtual_shards=shards)
 
 
 def _build_logger(node: Any, raw: Any) -> Any:
     """The ``logger`` group's logger (its ``save_dir`` is the run folder: here a folder it never writes to,
     as a logger writes at its first log); a TensorBoard logger without its writer package is one line."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    from ddp_plugins.lightning.tensorboard_logger import writer_installed
-
     cls = _import_target("logger", str(node.get("_target_", "")))
-    if issubclass(cls, TensorBoardLogger) and not writer_installed():
+    if issubclass(cls, TensorBoardLogger) and not tensorboard_logger.writer_installed():
         raise ConfigError(
             "logger",
             "got 'tensorboard', but tensorboardX (or tensorboard) is not installed",
@@ -100,15 +91,12 @@ def _build_logger(node: Any, raw: Any) -> Any:
 
 def _build(key: str, node: Any, raw: Any, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate(node, **kwargs)``, its argument errors restated with ``key``."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
     target = str(node.get("_target_", ""))
     cls = _import_target(key, target)
     params = _init_params(cls)
     if params is not None:
         for name in node:
-            if name != "_target_" and not str(name).startswith("_") and name not in params:
+            if not str(name).startswith("_") and name not in params:
                 allowed = quoted_choices(sorted(params))
                 raise ConfigError(f"{key}.{name}", f"is not an argument of {cls.__name__}", allowed)
     with as_config_error(key, raw):
@@ -176,8 +164,6 @@ def _source_key(key: str, raw: Any) -> str:
 
 def check_trainer_args(trainer: Mapping[str, Any]) -> None:
     """Unknown ``trainer.*`` keys and values of the wrong type, from ``Trainer.__init__``'s annotations."""
-    from lightning.pytorch import Trainer
-
     hints = typing.get_type_hints(Trainer.__init__)
     hints.pop("return", None)
     allowed_keys = sorted(set(hints) - set(APP_TRAINER_ARGS))
@@ -189,7 +175,8 @@ def check_trainer_args(trainer: Mapping[str, Any]) -> None:
                 f"trainer.{key}", "is not an argument of lightning.pytorch.Trainer", ", ".join(allowed_keys)
             )
         if not _fits(value, hints[key]):
-            raise ConfigError(f"trainer.{key}", f"got {value!r}", _describe_type(hints[key]))
+            described = str(hints[key]).replace("typing.", "").replace("NoneType", "None")
+            raise ConfigError(f"trainer.{key}", f"got {value!r}", described)
 
 
 def _fits(value: Any, hint: Any) -> bool:
@@ -215,10 +202,6 @@ def _fits(value: Any, hint: Any) -> bool:
     return True
 
 
-def _describe_type(hint: Any) -> str:
-    return str(hint).replace("typing.", "").replace("NoneType", "None")
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence Lightning's info lines and warnings while the throwaway Trainer is built."""
@@ -237,16 +220,14 @@ def _quiet() -> Iterator[None]:
 
 def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
     """The run's ``Trainer`` without its logger or checkpoints: Lightning's own checks run, nothing starts."""
-    from lightning.pytorch import Trainer
-
-    trainer_args = resolved_trainer_args(cfg.trainer)
-    accelerator = str(trainer_args.get("accelerator", "auto"))
+    args = trainer_args(cfg.trainer)
+    accelerator = str(args.get("accelerator", "auto"))
     precision = resolve_precision(str(cfg.precision.name), accelerator, bool(cfg.get("reproducible")))
     env_before = dict(os.environ)
     try:
         with _quiet():
             return Trainer(
-                **trainer_args,
+                **args,
                 strategy=objects["strategy"],
                 precision=precision,
                 callbacks=list(objects["callbacks"]),
@@ -256,31 +237,29 @@ def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
     except ConfigError:
         raise
     except ArgumentError as err:  # the strategy's checks; devices and num_nodes are the trainer's keys
-        group = "trainer" if err.argument in trainer_args else "strategy"
+        group = "trainer" if err.argument in args else "strategy"
         raise ConfigError(f"{group}.{err.argument}", err.problem, err.allowed) from None
     except Exception as err:  # noqa: BLE001 - Lightning raises several types; the message is what matters
         message = one_line(err)
-        key = next((k for k in trainer_args if k in message), None) or _culprit(trainer_args)
+        key = next((k for k in args if k in message), None) or _culprit(args)
         where = f"trainer.{key}" if key else "trainer"
-        got = f"got {trainer_args[key]!r}: " if key else ""
+        got = f"got {args[key]!r}: " if key else ""
         raise ConfigError(where, f"{got}{message}", "what lightning.pytorch.Trainer accepts") from None
     finally:
         restore_env(env_before)
 
 
-def _culprit(trainer_args: Mapping[str, Any]) -> str | None:
+def _culprit(args: Mapping[str, Any]) -> str | None:
     """The one ``trainer.*`` argument that a Trainer refuses on its own, when Lightning's message names none."""
-    from lightning.pytorch import Trainer
-
     try:
         with _quiet():
             Trainer(logger=False)
     except Exception:  # noqa: BLE001 - a Trainer without arguments refused too: the environment (Slurm's tasks)
         return None
-    for key, value in trainer_args.items():
+    for key, value in args.items():
         try:
             with _quiet():
-                Trainer(**{key: value}, accelerator=trainer_args.get("accelerator", "auto"), logger=False)
+                Trainer(**{key: value}, accelerator=args.get("accelerator", "auto"), logger=False)
         except Exception:  # noqa: BLE001 - any refusal points at this key
             return key
-    return "accelerator" if "accelerator" in trainer_args else None
+    return "accelerator" if "accelerator" in args else None

@@ -1,10 +1,7 @@
-"""The app's config
-================
-
-The schema that types the app's keys (registered in Hydra's ``ConfigStore`` as ``train_schema``, the
-first default of ``conf/train.yaml``), composing the config the way Hydra's command line does,
-the run-folder resolver, and the choices of ``backend`` and ``precision`` on this machine.
-Everything that refuses a value raises :class:`ConfigError`, one line naming the config key.
+"""The app's config: the schema that types its keys (registered in Hydra's ``ConfigStore`` as
+``train_schema``, the first default of ``conf/train.yaml``), composing the config the way Hydra's
+command line does, the run-folder resolver, and the choices of ``backend`` and ``precision`` on this
+machine. Everything that refuses a value raises :class:`ConfigError`, one line naming the config key.
 """
 
 from __future__ import annotations
@@ -19,7 +16,12 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
+from hydra import compose, version
+from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -54,9 +56,6 @@ SCHEMA_NAME = "train_schema"
 PRECISIONS = ("auto", "32-true", "64-true", "16-mixed", "bf16-mixed")
 # What `resolve_precision` hands to `lightning.pytorch.Trainer(precision=...)`.
 Precision = Literal["32-true", "64-true", "16-mixed", "bf16-mixed"]
-
-
-# --------------------------------------------------------------------------- the schema
 
 
 @dataclass
@@ -123,9 +122,6 @@ def run_dir(default: str) -> str:
 
 if not OmegaConf.has_resolver("ddp_plugins_run_dir"):
     OmegaConf.register_new_resolver("ddp_plugins_run_dir", run_dir)
-
-
-# --------------------------------------------------------------------------- one-line errors
 
 
 class ConfigError(ValueError):
@@ -195,16 +191,11 @@ def config_error(err: BaseException) -> ConfigError | None:
     seen: BaseException | None = err
     while seen is not None and not isinstance(seen, ValidationError):
         seen = seen.__cause__ or seen.__context__
-    if seen is None or isinstance(seen, ConfigKeyError):
-        return None
     key = str(getattr(seen, "full_key", "") or "")
-    if not key:
+    if seen is None or isinstance(seen, ConfigKeyError) or not key:
         return None
     allowed = _schema_allowed(key) or f"what the schema allows ({one_line(seen.msg)})"
     return ConfigError(key, f"got {getattr(seen, 'value', None)!r}", allowed)
-
-
-# --------------------------------------------------------------------------- composing
 
 
 def _conf_dir() -> Path:
@@ -252,43 +243,28 @@ def compose_config(
         ...
         ddp_plugins.app.config.ConfigError: deterministic got 'maybe', allowed: true or false
     """
-    from hydra import compose, version
-    from hydra.core.config_search_path import SearchPathQuery
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-
     flags = dict(zip((config_flags or [])[::2], (config_flags or [])[1::2], strict=False))
     name = flags.get("--config-name", flags.get("-cn", CONFIG_NAME))
     path = flags.get("--config-path", flags.get("-cp"))
     extra_dir = flags.get("--config-dir", flags.get("-cd"))
     # The search path Hydra's own command line builds: a `hydra.searchpath` override instead
     # would not find a primary config that only --config-dir has.
-    search_path = _compat.hydra_config_search_path(
-        f"file://{Path(path).resolve()}" if path else f"pkg://{CONFIG_MODULE}"
-    )
+    primary = f"file://{Path(path).resolve()}" if path else f"pkg://{CONFIG_MODULE}"
+    search_path = _compat.hydra_config_search_path(primary)
     if extra_dir:
-        search_path.prepend(
-            provider="command-line",
-            path=f"file://{Path(extra_dir).resolve()}",
-            anchor=SearchPathQuery(provider="schema"),
-        )
+        extra = f"file://{Path(extra_dir).resolve()}"
+        search_path.prepend(provider="command-line", path=extra, anchor=SearchPathQuery(provider="schema"))
     GlobalHydra.instance().clear()
     version.setbase("1.3")
     try:
         _compat.hydra_create_main("app", search_path)
         return compose(config_name=name, overrides=list(overrides or []), return_hydra_config=hydra_node)
     except (HydraException, OmegaConfBaseException) as err:
-        typed = config_error(err)
-        if typed is not None:
-            raise typed from None
-        raise ConfigError(
+        raise config_error(err) or ConfigError(
             "override", f"was refused by Hydra: {one_line(err)}", "keys of the config (`--cfg job` lists them)"
         ) from None
     finally:
         GlobalHydra.instance().clear()
-
-
-# --------------------------------------------------------------------------- this machine
 
 
 def cuda_in_use(accelerator: str) -> bool:
@@ -334,8 +310,6 @@ def resolve_backend(backend: str, accelerator: str = "auto") -> str:
         >>> resolve_backend("auto", "cpu")
         'gloo'
     """
-    import torch.distributed as dist
-
     check_backend(backend, accelerator)
     if backend == "auto":
         return "nccl" if cuda_in_use(accelerator) and dist.is_nccl_available() else "gloo"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_original_cwd, to_absolute_path
+
 from ddp_plugins import _compat
 
 __all__ = ["hydra_quote", "job_subprocess_cmd", "split_config_flags"]
@@ -51,26 +54,20 @@ def job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
     The strategy's ``child_command``: Lightning's own re-runs the whole command line, so under
     ``--multirun`` each child rank would re-run the sweep. Outside Hydra, Lightning's command.
     """
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return _compat.subprocess_cmd(local_rank)
-
-    from hydra.utils import get_original_cwd, to_absolute_path
-
-    import __main__
+    import __main__  # here: the module `python -m` or a warm start made __main__, not the one at import
 
     hydra_cfg = HydraConfig.get()
-    if __main__.__spec__ is None:
-        command = [sys.executable, to_absolute_path(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", __main__.__spec__.name]
+    spec = __main__.__spec__
+    script = [to_absolute_path(sys.argv[0])] if spec is None else ["-m", spec.name]
     # the config the user chose, only this job's overrides (no --multirun, no sweep), its own folder
-    command += split_config_flags(sys.argv[1:])[0]
-    command += list(hydra_cfg.overrides.task)
-    command += [
+    return [
+        sys.executable,
+        *script,
+        *split_config_flags(sys.argv[1:])[0],
+        *hydra_cfg.overrides.task,
         f"hydra.run.dir={hydra_quote(hydra_cfg.runtime.output_dir)}",
         f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
         "hydra.output_subdir=null",
-    ]
-    return command, get_original_cwd()
+    ], get_original_cwd()

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from ddp_plugins import _compat
@@ -33,6 +35,7 @@ from ddp_plugins.app.config import (
     trainer_args,
 )
 from ddp_plugins.app.hydra_args import split_config_flags
+from ddp_plugins.core.checkpoints import NO_DIGEST, verify_checkpoint
 from ddp_plugins.core.checks import ArgumentError, ArgumentTypeError, ArgumentValueError, check_int
 from ddp_plugins.core.seeding import check_seed
 from ddp_plugins.lightning.strategy import check_backend
@@ -73,9 +76,7 @@ def single_run_config(argv: list[str]) -> DictConfig | None:
     """The composed config of a single run, with Hydra's node and its run folder resolved once (the
     app locks it before Hydra writes there); None for sweeps and Hydra's info flags."""
     config_flags, argv = split_config_flags(argv)
-    if any(arg in _HYDRA_INFO_FLAGS or arg.startswith(("--cfg=", "--info=")) for arg in argv):
-        return None
-    if any(arg in ("-m", "--multirun") for arg in argv):
+    if any(arg in (*_HYDRA_INFO_FLAGS, "-m", "--multirun") or arg.startswith(("--cfg=", "--info=")) for arg in argv):
         return None
     cfg = compose_config([arg for arg in argv if not arg.startswith("-")], config_flags, hydra_node=True)
     try:
@@ -127,9 +128,8 @@ def _check_group_choices(overrides: list[str]) -> None:
     """``group=choice`` (sweeps and lists value by value) against the group's options."""
     groups = set(config_groups())
     for arg in overrides:
-        key, has_value, value = arg.partition("=")
-        key = key.lstrip("+~")
-        if not has_value or key not in groups or not value:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key not in groups or not value:
             continue
         options = group_options(key)
         for choice in (v.strip() for v in value.strip("[]").split(",") if value.strip("[]")):
@@ -141,9 +141,6 @@ def _check_group_choices(overrides: list[str]) -> None:
 
 def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The override list of every job: one without ``-m``, each sweep combination with it."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     overrides = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
     if not multirun:
         return [overrides]
@@ -156,16 +153,44 @@ def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Check a composed app config by building every object it describes (nothing is started)."""
+    """Check a composed app config: what the schema's types do not say (bounds, the resume checkpoint, keys
+    added with ``+``), then by building every object it describes (nothing is started)."""
     raw = to_plain_dict(cfg, resolve=False)
     try:
         resolved = to_plain_dict(cfg, resolve=True)
     except Exception as err:  # noqa: BLE001 - an interpolation or resolver error, reported as one line
-        typed = config_error(err)  # an interpolated value of the wrong type for the schema
-        if typed is not None:
-            raise typed from None
-        raise ConfigError("config", f"cannot be resolved: {one_line(err)}", "valid ${...} interpolations") from None
-    _check_top_level(cfg, resolved, raw)
+        raise config_error(err) or ConfigError(  # config_error: an interpolated value of the wrong type
+            "config", f"cannot be resolved: {one_line(err)}", "valid ${...} interpolations"
+        ) from None
+    with as_config_error("seed", raw):
+        check_seed(resolved.get("seed"))
+    with as_config_error("global_batch_size", raw):
+        check_int("global_batch_size", resolved.get("global_batch_size"), 1, allow_none=True)
+    with as_config_error("resume", raw):
+        check_resume(resolved.get("resume", "auto"))
+    checkpoint = resolved.get("checkpoint") or {}
+    checkpoint_keys = [f.name for f in dataclasses.fields(CheckpointConfig)]
+    for key in checkpoint:  # `+checkpoint.<key>=...` adds past the schema (Hydra opens the node)
+        if key not in checkpoint_keys:
+            raise ConfigError(f"checkpoint.{key}", "is not a key of the app's config", quoted_choices(checkpoint_keys))
+    for key, minimum in (("every_n_train_steps", 0), ("keep", 1)):
+        with as_config_error(f"checkpoint.{key}", raw):
+            check_int(key, checkpoint.get(key, getattr(CheckpointConfig, key)), minimum)
+    known = set(config_groups()) | {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in resolved:
+        if key not in known and key != "hydra":
+            raise ConfigError(key, "is not a key of the app's config", quoted_choices(sorted(known)))
+    env = (resolved.get("network") or {}).get("env") or {}
+    if not isinstance(env, Mapping) or any(isinstance(v, (Mapping, list)) for v in env.values()):
+        raise ConfigError("network.env", f"got {env!r}", "a mapping of environment variable names to values")
+    trainer = trainer_args(resolved.get("trainer") or {})
+    accelerator = str(trainer.get("accelerator", "auto"))
+    with as_config_error("backend", raw):
+        check_backend(resolved["backend"]["name"], accelerator)
+    resolve_precision(str(resolved["precision"]["name"]), accelerator, bool(resolved.get("reproducible")))
+    check_trainer_args(trainer)
+    _check_devices(trainer.get("devices", "auto"), accelerator)
+    _check_global_batch(resolved.get("strategy") or {}, trainer)
     build_objects(cfg)
 
 
@@ -184,8 +209,6 @@ def check_resume(resume: Any) -> str:
         ...
         ddp_plugins.core.checks.ArgumentValueError: `resume` should be ... got 'no/such.ckpt' (no such file).
     """
-    from ddp_plugins.core.checkpoints import NO_DIGEST, verify_checkpoint
-
     allowed = "'auto', 'never' or the path of a checkpoint file"
     if not isinstance(resume, str):
         raise ArgumentTypeError("resume", allowed, resume)
@@ -193,14 +216,12 @@ def check_resume(resume: Any) -> str:
         return resume
     reason = verify_checkpoint(resume)
     if reason is None or reason.startswith(NO_DIGEST):  # no digest to check: taken unverified
-        reason = None
         try:
             checkpoint_position(resume)
+            return resume
         except ValueError as err:
             reason = str(err)
-    if reason is not None:
-        raise ArgumentValueError("resume", allowed, problem=f"got {resume!r} ({reason})")
-    return resume
+    raise ArgumentValueError("resume", allowed, problem=f"got {resume!r} ({reason})")
 
 
 def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
@@ -221,40 +242,6 @@ def load_checkpoint_safely(path: str | os.PathLike) -> Any:
         first = one_line(err).split(". ")[0][:200]
         what = "" if zipfile.is_zipfile(path) else "not a zip archive written by torch.save, "
         raise ValueError(f"does not load with weights_only=True: {what}{type(err).__name__}: {first}") from None
-
-
-def _check_top_level(cfg: DictConfig, resolved: dict[str, Any], raw: dict[str, Any]) -> None:
-    """What the schema's types do not say: bounds, the resume checkpoint, keys added with ``+``."""
-    with as_config_error("seed", raw):
-        check_seed(resolved.get("seed"))
-    with as_config_error("global_batch_size", raw):
-        check_int("global_batch_size", resolved.get("global_batch_size"), 1, allow_none=True)
-    with as_config_error("resume", raw):
-        check_resume(resolved.get("resume", "auto"))
-    checkpoint = resolved.get("checkpoint") or {}
-    checkpoint_keys = [f.name for f in dataclasses.fields(CheckpointConfig)]
-    for key in checkpoint:  # `+checkpoint.<key>=...` adds past the schema (Hydra opens the node)
-        if key not in checkpoint_keys:
-            raise ConfigError(f"checkpoint.{key}", "is not a key of the app's config", quoted_choices(checkpoint_keys))
-    with as_config_error("checkpoint.every_n_train_steps", raw):
-        check_int("every_n_train_steps", checkpoint.get("every_n_train_steps", 0), 0)
-    with as_config_error("checkpoint.keep", raw):
-        check_int("keep", checkpoint.get("keep", 2), 1)
-    known = set(config_groups()) | {f.name for f in dataclasses.fields(TrainConfig)}
-    for key in resolved:
-        if key not in known and key != "hydra":
-            raise ConfigError(key, "is not a key of the app's config", quoted_choices(sorted(known)))
-    env = (resolved.get("network") or {}).get("env") or {}
-    if not isinstance(env, Mapping) or any(isinstance(v, (Mapping, list)) for v in env.values()):
-        raise ConfigError("network.env", f"got {env!r}", "a mapping of environment variable names to values")
-    trainer = trainer_args(resolved.get("trainer") or {})
-    accelerator = str(trainer.get("accelerator", "auto"))
-    with as_config_error("backend", raw):
-        check_backend(resolved["backend"]["name"], accelerator)
-    resolve_precision(str(resolved["precision"]["name"]), accelerator, bool(resolved.get("reproducible")))
-    check_trainer_args(trainer)
-    _check_devices(trainer.get("devices", "auto"), accelerator)
-    _check_global_batch(resolved.get("strategy") or {}, trainer)
 
 
 def _check_global_batch(strategy: Mapping[str, Any], trainer: Mapping[str, Any]) -> None:

@@ -1,7 +1,4 @@
-"""Training app
-============
-
-``python -m ddp_plugins.train [group=option ...] [key=value ...]`` trains the configured model with
+"""``python -m ddp_plugins.train [group=option ...] [key=value ...]`` trains the configured model with
 DDP and prints the final validation accuracy; checkpoints, metrics and the resolved config go to
 the Hydra run folder.
 """
@@ -10,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import logging
 import os
 import re
@@ -20,11 +18,17 @@ from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import hydra
+import lightning.pytorch as pl
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
 from ddp_plugins.app.config import CONFIG_MODULE, CONFIG_NAME, ConfigError, resolve_precision, trainer_args
 from ddp_plugins.app.hydra_args import hydra_quote, job_subprocess_cmd
 from ddp_plugins.app.precheck import load_checkpoint_safely, precheck, single_run_config
+from ddp_plugins.core import checkpoints
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, is_distributed, setup_rank_logging
@@ -44,8 +48,6 @@ log = logging.getLogger("ddp_plugins.train")  # not __name__: "__main__" under p
 def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: list[Any] | None = None) -> Any:
     """The Lightning ``Trainer`` a config describes, writing logs and checkpoints to ``output_dir``.
 
-    The ``logger`` group's logger is instantiated with ``save_dir=output_dir``.
-
     Example::
 
         >>> import tempfile
@@ -55,13 +57,8 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
         >>> trainer.max_epochs, type(trainer.strategy).__name__, trainer.logger.name
         (2, 'DDPPluginsStrategy', 'metrics')
     """
-    import lightning.pytorch as pl
-    from hydra.utils import instantiate
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    precision = resolve_precision(
-        cfg.precision.name, str(cfg.trainer.get("accelerator", "auto")), bool(cfg.get("reproducible"))
-    )
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    precision = resolve_precision(cfg.precision.name, accelerator, bool(cfg.get("reproducible")))
     strategy = instantiate(cfg.strategy, child_command=job_subprocess_cmd)  # child ranks re-run this job only
     plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     folder = Path(output_dir) / "checkpoints"
@@ -88,9 +85,6 @@ def _accuracy_key(cfg: DictConfig) -> str:
 
 def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     """Fit the configured model; returns the final validation accuracy on rank 0 (None elsewhere)."""
-    import lightning.pytorch as pl
-    from hydra.utils import instantiate
-
     setup_rank_logging()  # ddp_plugins loggers: INFO on rank 0, WARNING on the other ranks
     # Lightning 2.6's own call into torch 2.13's pytree, once per rank and fit: nothing the user can act on
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -149,14 +143,12 @@ def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
         >>> resume_path("auto", tempfile.mkdtemp()) is None, resume_path("never", "outputs/x")
         (True, None)
     """
-    from ddp_plugins.core.checkpoints import newest_valid_checkpoint
-
     if resume == "never":
         return None
     if resume != "auto":
         return resume
     folder = Path(output_dir) / "checkpoints"
-    found, skipped = newest_valid_checkpoint(folder)
+    found, skipped = checkpoints.newest_valid_checkpoint(folder)
     if found is None and skipped:
         # Every checkpoint is damaged or unverified: starting over would overwrite them without a word
         names = "; ".join(f"{path.name}: {reason.split(':')[0]}" for path, reason in skipped)
@@ -180,8 +172,6 @@ def _the_stop_at_the_same_step(found: Path) -> Path:
     At an epoch's last step the stop checkpoint and the epoch-end ``last.ckpt`` hold the same point,
     written one after the other; the stop's file is the record of the stop, so it is preferred.
     """
-    from ddp_plugins.core.checkpoints import verify_checkpoint, write_order
-
     if _PREEMPTED.fullmatch(found.name):
         return found
     stops = {p: int(m.group(1)) for p in found.parent.iterdir() if (m := _PREEMPTED.fullmatch(p.name))}
@@ -191,15 +181,13 @@ def _the_stop_at_the_same_step(found: Path) -> Path:
         step = int(load_checkpoint_safely(found).get("global_step", -1))
     except (ValueError, AttributeError):
         return found  # reported when it is loaded
-    same = [p for p, s in stops.items() if s == step and verify_checkpoint(p) is None]
-    return max(same, key=write_order) if same else found
+    same = [p for p, s in stops.items() if s == step and checkpoints.verify_checkpoint(p) is None]
+    return max(same, key=checkpoints.write_order) if same else found
 
 
 def _prepare_checkpoint_folder(folder: Path, resume: str) -> None:
     """Refuse ``resume=never`` where an earlier run left checkpoints (its files would mix with the new
     run's, and ``auto`` would later resume either); remove what a killed writer left behind."""
-    from ddp_plugins.core.checkpoints import remove_stale_temporaries
-
     if resume == "never" and any(folder.glob("*.ckpt")):
         raise ConfigError(
             "resume",
@@ -207,7 +195,7 @@ def _prepare_checkpoint_folder(folder: Path, resume: str) -> None:
             "'auto' to continue that run, or resume=never with a new hydra.run.dir",
         )
     if get_rank() == 0:  # the folder is locked by this job: no other writer has a temporary file there
-        removed = remove_stale_temporaries(folder)
+        removed = checkpoints.remove_stale_temporaries(folder)
         if removed:
             log.info("removed %d file(s) a killed run left in %s", len(removed), folder)
 
@@ -226,25 +214,22 @@ class ResumePoint(NamedTuple):
 
 
 def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictConfig) -> ResumePoint:
-    """Where the checkpoint to resume from stands, after checking that it fits ``model`` and the config.
-
-    Loaded once, with ``weights_only=True``. Another parameter shape, a file that is not a Lightning
-    checkpoint, a ``trainer.max_epochs`` below its epochs, or a resume the ranks would refuse
-    (:func:`resume_start`) is one line on every rank instead of a traceback per rank.
+    """Where the checkpoint to resume from stands, after checking that it fits ``model`` and the config
+    (loaded once, with ``weights_only=True``); a refusal is one line on every rank, not a traceback per rank.
 
     Raises:
         ConfigError: the checkpoint does not load safely or does not fit the model or the config.
-        ResumeMismatch: this run would train some of the stopped epoch's rows twice or never.
+        ResumeMismatch: this run would train some of the stopped epoch's rows twice or never (the
+            ranks would refuse it: :func:`resume_start`).
     """
-    from ddp_plugins.core.checkpoints import NO_DIGEST, digest_path
-
     try:
         checkpoint = load_checkpoint_safely(path)
     except ValueError as err:
         raise ConfigError("resume", f"got {path!r} ({err})", "a checkpoint written by ddp_plugins") from None
     # A file with a digest was verified on the way here (resume_path or the up-front check): no second hash
-    if get_rank() == 0 and not digest_path(path).is_file():
-        log.warning("resume: %s is not verified (%s: %s missing)", path, NO_DIGEST, digest_path(path).name)
+    digest = checkpoints.digest_path(path)
+    if get_rank() == 0 and not digest.is_file():
+        log.warning("resume: %s is not verified (%s: %s missing)", path, checkpoints.NO_DIGEST, digest.name)
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or not isinstance(checkpoint.get("loops"), dict):
         found = "a bare state_dict" if isinstance(checkpoint, dict) and state is None else "no state_dict and loops"
@@ -278,7 +263,10 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
     record = checkpoint.get(DATA_RECORD) or {}
     was = record.get("world_size") if isinstance(record, dict) else None
     epoch, step = int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
-    epochs_done = _epochs_done(checkpoint)
+    try:  # the epochs its fit loop has processed (Lightning's progress record)
+        epochs_done = int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        epochs_done = 0
     max_steps = cfg.trainer.get("max_steps", -1)
     if isinstance(max_epochs, int) and max_epochs >= 0 and epochs_done > max_epochs:
         raise ConfigError(
@@ -330,24 +318,14 @@ def _final_accuracy(path: Path, point: ResumePoint, key: str) -> float | None:
     """The accuracy a finished run ended with: ``last.ckpt``'s record when it holds the same step as
     ``path`` (a stop at the last step is written before the epoch's ``ModelCheckpoint`` updates its
     score; ``last.ckpt`` is written after it), else ``path``'s own."""
-    from ddp_plugins.core.checkpoints import verify_checkpoint
-
     last = path.with_name("last.ckpt")
-    if last != path and verify_checkpoint(last) is None:
+    if last != path and checkpoints.verify_checkpoint(last) is None:
         with contextlib.suppress(ValueError, AttributeError):
             checkpoint = load_checkpoint_safely(last)
             recorded = _recorded_accuracy(checkpoint, key)
             if int(checkpoint.get("global_step", -1)) == point.step and recorded is not None:
                 return recorded
     return point.accuracy
-
-
-def _epochs_done(checkpoint: dict[str, Any]) -> int:
-    """The epochs a checkpoint's fit loop has processed (Lightning's progress record)."""
-    try:
-        return int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
-    except (KeyError, TypeError, ValueError):
-        return 0
 
 
 def _recorded_accuracy(checkpoint: dict[str, Any], key: str) -> float | None:
@@ -426,10 +404,6 @@ def run_folder_lock(folder: str | os.PathLike) -> Iterator[None]:
 def _reset_job_state(env_before: dict[str, str]) -> None:
     """Leave the process as the next job of a sweep expects it: no process group, the environment
     as it was before the job (launcher variables, network presets and ports must not leak)."""
-    import gc
-
-    import torch.distributed as dist
-
     if is_distributed():
         # Free the job's DDP reducer first, while the process group is still registered: a
         # reducer that held the last reference would join the gloo threads with the GIL held.
@@ -440,23 +414,17 @@ def _reset_job_state(env_before: dict[str, str]) -> None:
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME, version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    from hydra.core.hydra_config import HydraConfig
-
     env_before = dict(os.environ)
     output_dir = HydraConfig.get().runtime.output_dir
     try:
         with run_folder_lock(output_dir) if get_rank() == 0 else contextlib.nullcontext():
             return train(cfg, output_dir)
-    except ConfigError as err:  # a job whose config changed after the up-front check, or its checkpoint
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(_ERROR_EXIT) from None
-    except ResumeMismatch as err:  # every rank refuses the same resume: one line, from rank 0
-        if get_rank() == 0:
+    except (ConfigError, ResumeMismatch, RendezvousError) as err:
+        # A job whose config changed after the up-front check (or its checkpoint); a resume that every
+        # rank refuses alike (one line, from rank 0); a rank that never came (not a store traceback per rank)
+        if get_rank() == 0 or not isinstance(err, ResumeMismatch):
             print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(_ERROR_EXIT) from None
-    except RendezvousError as err:  # a rank that never came: one line, not a store traceback per rank
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        raise SystemExit(1 if isinstance(err, RendezvousError) else _ERROR_EXIT) from None
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
             raise
@@ -470,24 +438,16 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     finally:
         if "LOCAL_RANK" not in env_before:  # the job's launcher, not one of its child ranks
             _reset_job_state(env_before)
-        code = _interpreter_exit_code(sys.exc_info()[1])
+        # An exception becomes the job's result in Hydra's `run_job` (exit 0); a SystemExit (Preempted,
+        # a config error) goes through to the interpreter with its code; anything else: unknown.
+        error = sys.exc_info()[1]
+        code = 0 if error is None or isinstance(error, Exception) else None
+        if isinstance(error, SystemExit):
+            code = system_exit_code(error)
         if not owns_exit() and code is not None:
             # Run by another entry point (a submitit task): skip finalization all the same, as
             # the gloo abort at exit would turn a finished job into a failed Slurm task.
             exit_at_interpreter_exit(code)
-
-
-def _interpreter_exit_code(error: BaseException | None) -> int | None:
-    """The code the process exits with after the job ended with ``error`` (None: unknown).
-
-    An exception becomes the job's result in Hydra's ``run_job`` (exit 0); a ``SystemExit``
-    (``Preempted``, a config error) goes through to the interpreter with its code.
-    """
-    if error is None or isinstance(error, Exception):
-        return 0
-    if isinstance(error, SystemExit):
-        return system_exit_code(error)
-    return None
 
 
 def _main() -> None:

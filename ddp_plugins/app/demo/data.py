@@ -28,6 +28,8 @@ def _worker_context() -> multiprocessing.context.BaseContext:
 class _TensorDataModule(pl.LightningDataModule):
     """Train/validation split of in-memory tensors, the same on every rank (fixed split seed)."""
 
+    num_samples: int  # rows of the data, known without loading them
+
     def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, num_workers: int = 0, split_seed: int = 0):
         super().__init__()
         check_int("batch_size", batch_size, 1)
@@ -44,14 +46,10 @@ class _TensorDataModule(pl.LightningDataModule):
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _num_rows(self) -> int:
-        raise NotImplementedError
-
     @property
     def train_rows(self) -> int:
         """Rows of the training split, known without loading the data (what a global batch is checked against)."""
-        rows = self._num_rows()
-        return rows - int(round(rows * self.val_fraction))
+        return self.num_samples - int(round(self.num_samples * self.val_fraction))
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -99,9 +97,7 @@ class DigitsDataModule(_TensorDataModule):
     """
 
     num_classes = 10
-
-    def _num_rows(self) -> int:
-        return 1797  # load_digits()'s images
+    num_samples = 1797  # load_digits()'s images
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         from sklearn.datasets import load_digits
@@ -134,9 +130,6 @@ class SyntheticDataModule(_TensorDataModule):
         self.num_classes = num_classes
         self.image_size = image_size
         self.data_seed = data_seed
-
-    def _num_rows(self) -> int:
-        return self.num_samples
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.data_seed)

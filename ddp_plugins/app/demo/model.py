@@ -33,21 +33,12 @@ class DigitsCNN(pl.LightningModule):
         check_number("dropout", dropout, 0, 1, exclusive_maximum=True)
         self.save_hyperparameters()
         c = channels
-        self.features = nn.Sequential(
-            nn.Conv2d(1, c, 3, padding=1, bias=False),
-            nn.BatchNorm2d(c),
-            nn.ReLU(),
-            nn.Conv2d(c, 2 * c, 3, padding=1, bias=False),
-            nn.BatchNorm2d(2 * c),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(2 * c, 2 * c, 3, padding=1, bias=False),
-            nn.BatchNorm2d(2 * c),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Dropout(dropout),
-        )
+
+        def conv_bn_relu(c_in: int, c_out: int) -> list[nn.Module]:
+            return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+
+        convs = [*conv_bn_relu(1, c), *conv_bn_relu(c, 2 * c), nn.MaxPool2d(2), *conv_bn_relu(2 * c, 2 * c)]
+        self.features = nn.Sequential(*convs, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout))
         self.head = nn.Linear(2 * c, num_classes)
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
 
