@@ -235,14 +235,13 @@ def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, lis
     """
     skipped: list[tuple[Path, str]] = []
     ordered = _newest_first(folder)
-    for path in ordered:
+    for index, path in enumerate(ordered):
         reason = verify_checkpoint(path)
         if reason is None:
             # Files without a digest sort after every numbered one: still name those written after this one
             after = path.stat().st_mtime_ns
-            passed = {p for p, _ in skipped}
-            for other in ordered:
-                if other not in passed and write_number(other) is None and other.stat().st_mtime_ns > after:
+            for other in ordered[index + 1 :]:
+                if write_number(other) is None and other.stat().st_mtime_ns > after:
                     skipped.append((other, verify_checkpoint(other) or _UNNUMBERED))
             return path, skipped
         skipped.append((path, reason))

@@ -87,10 +87,9 @@ def save_atomic(obj: Any, path: str | os.PathLike, before_rename: Callable[[Path
     """
     import torch
 
-    path = Path(path)
     with open_atomic(path, "wb", before_rename=before_rename) as file:
         torch.save(obj, file)
-    return path
+    return Path(path)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

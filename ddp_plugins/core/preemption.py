@@ -100,8 +100,7 @@ def check_signals(signals: Iterable[str | int]) -> tuple[signal.Signals, ...]:
             if isinstance(item, int):
                 sig = signal.Signals(item)
             else:
-                name = item.upper()
-                sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+                sig = signal.Signals["SIG" + item.upper().removeprefix("SIG")]
         except (KeyError, ValueError):
             raise ArgumentValueError("signals", allowed, item) from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
@@ -139,24 +138,19 @@ class SignalFlag:
 
     def install(self) -> SignalFlag:
         """Take over the signals (main thread only; elsewhere a no-op, as signals go to the main thread)."""
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        for sig in self.signals:
-            current = signal.getsignal(sig)
-            if current is self._handle:
-                continue
-            self._previous.setdefault(sig, current)
-            signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous.setdefault(sig, signal.getsignal(sig))
+                signal.signal(sig, self._handle)
         return self
 
     def restore(self) -> None:
         """Give each signal back the handler it had before :meth:`install` (if ours is still there)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, previous in self._previous.items():
-            if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                if signal.getsignal(sig) == self._handle:
+                    signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            self._previous = {}
 
     def clear(self) -> None:
         self.signum = 0
@@ -166,8 +160,7 @@ class SignalFlag:
         if signum == signal.SIGINT and self.signum == signum and now - self._at >= _INSIST_AFTER_S:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-            return
-        if not self.signum:
+        elif not self.signum:
             self.signum, self._at = signum, now
 
 
@@ -233,8 +226,7 @@ class SignalAgreement:
     def at_boundary(self, signum: int) -> int:
         """At a step boundary: the agreed flag of the exchange in flight (0 if none); then the next
         exchange starts if the schedule says so."""
-        self._boundary += 1
-        boundary = self._boundary
+        self._boundary = boundary = self._boundary + 1
         if not is_distributed():
             return int(signum)
         if self.every != "auto":
@@ -320,11 +312,11 @@ def slurm_requeue(job_id: str | None = None) -> bool:
         return False
     try:
         result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        failure = (result.stderr or result.stdout).strip() if result.returncode != 0 else None
     except (OSError, subprocess.TimeoutExpired) as err:
-        log.warning("requeueing Slurm job %s failed: %s", job_id, err)
-        return False
-    if result.returncode != 0:
-        log.warning("requeueing Slurm job %s failed: %s", job_id, (result.stderr or result.stdout).strip())
+        failure = str(err)
+    if failure is not None:
+        log.warning("requeueing Slurm job %s failed: %s", job_id, failure)
         return False
     log.info("requeued Slurm job %s", job_id)
     return True
@@ -378,12 +370,9 @@ def stable_run_name(env: Mapping[str, str] | None = None) -> str | None:
         True
     """
     env = dict(os.environ) if env is None else env
-    job = slurm_job_id(env)
-    if job:
+    if job := slurm_job_id(env):
         return f"slurm-{job}"
-    run_id = env.get("TORCHELASTIC_RUN_ID")
-    if run_id:
-        if run_id == "none":
-            run_id = f"agent{os.getppid()}"
+    if run_id := env.get("TORCHELASTIC_RUN_ID"):
+        run_id = f"agent{os.getppid()}" if run_id == "none" else run_id
         return "torchrun-" + re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
     return None

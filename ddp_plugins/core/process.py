@@ -189,7 +189,5 @@ def exit_at_interpreter_exit(code: int) -> None:
 
 def _exit_now() -> None:
     atexit.unregister(_exit_now)
-    code = _exit_code if _exit_code is not None else 0
-    if getattr(sys, "last_value", None) is not None:  # the interpreter reported an uncaught exception
-        code = 1
-    exit_process(code)
+    uncaught = getattr(sys, "last_value", None) is not None  # the interpreter reported an uncaught exception
+    exit_process(1 if uncaught else _exit_code or 0)

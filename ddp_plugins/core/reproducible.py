@@ -1,10 +1,8 @@
 """The reproducible mode: the same bits on any number of ranks (plain torch).
 
-A step of ``G`` rows is cut into ``V`` virtual shards that do not depend on the world size
-(:meth:`GlobalPlan.shard_sizes <ddp_plugins.core.plan.GlobalPlan.shard_sizes>`); each rank runs
-its shards one after another (:class:`ShardedStep`), so a shard's forward and backward see the
-same rows, BatchNorm statistics and random numbers on every world size. What the shards give is
-summed with :func:`exact_sum`, whose integer sums do not depend on how the shards are grouped.
+Each rank runs its virtual shards of a step, cut independently of the world size (:meth:`GlobalPlan.shard_sizes
+<ddp_plugins.core.plan.GlobalPlan.shard_sizes>`), one after another (:class:`ShardedStep`); :func:`exact_sum`
+sums what they give in integers, which do not depend on how the shards are grouped.
 
 Why by hand: torch's and Lightning's DDP sum gradients in float in the ring's order, so their
 result depends on the world size; ``torch.use_deterministic_algorithms`` fixes the order at one
@@ -16,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,6 +81,11 @@ def shard_seed(seed: int, epoch: int, step: int, shard: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
+def _flat64(tensors: Iterable[Tensor]) -> Tensor:
+    """The tensors laid end to end as one float64 row (an empty one for none)."""
+    return torch.cat([torch.zeros(0, dtype=torch.float64), *(t.detach().cpu().double().reshape(-1) for t in tensors)])
+
+
 def _largest(t: Tensor) -> Tensor:
     """The largest magnitude in ``t`` (0 when empty), without a copy of it."""
     if not t.numel():
@@ -125,14 +128,8 @@ def exact_sum(
         tensor([0.6000, 1.0000])
     """
     sizes = [t.numel() for t in like]
-    present = torch.zeros(len(like), dtype=torch.bool)
-    rows = []
-    for shard in shards:
-        parts = []
-        for i, (t, n) in enumerate(zip(shard, sizes, strict=True)):
-            present[i] |= t is not None
-            parts.append(torch.zeros(n, dtype=torch.float64) if t is None else t.detach().cpu().reshape(-1).double())
-        rows.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64))
+    rows = [_flat64(torch.zeros(n) if t is None else t for t, n in zip(shard, sizes, strict=True)) for shard in shards]
+    present = torch.tensor([any(shard[i] is not None for shard in shards) for i in range(len(like))], dtype=torch.bool)
     weights = [1.0] * len(shards) if weights is None else [float(w) for w in weights]
     flat, present, out_bits = exact_row_sum(rows, weights, sizes, present, group, bits)
     sums: list[Tensor | None] = [
@@ -166,7 +163,7 @@ def exact_row_sum(
             for i, t in enumerate(row.split(sizes)):
                 finite = torch.isfinite(t)
                 top[count + i] = max(float(top[count + i]), float((~finite).any()))
-                top[i] = max(float(top[i].nan_to_num(0.0, 0.0, 0.0)), float(t.abs().where(finite, 0.0).amax()) * weight)
+                top[i] = max(float(top[i].nan_to_num(0.0, 0.0, 0.0)), float(_largest(t.where(finite, 0.0))) * weight)
     top[:count] = top[:count].where(present, -1.0)
     top[-1] = len(rows)
     distributed = is_distributed()
@@ -187,7 +184,7 @@ def exact_row_sum(
         for t, e in zip(scaled.split(sizes), exponents, strict=True):
             t.mul_(2.0 ** (e // 2)).mul_(2.0 ** (e - e // 2))  # exact: two powers of two, neither overflows
         sums += scaled.round_()  # integers below 2**53 in float64: exact, in any order and grouping
-    payload = torch.cat([sums, *(b.detach().cpu().double().reshape(-1) for b in bits)])
+    payload = _flat64([sums, *bits])
     if distributed:
         payload = payload.to(device)
         dist.all_reduce(payload, group=group)
@@ -223,22 +220,12 @@ class _ShardStats:
                     f"reproducible mode: {type(layer).__name__} with momentum=None (a cumulative average) is not"
                     " supported; give it a momentum (0.1 is BatchNorm's default)."
                 )
-        self.shards = virtual_shards
         self.buffers: list[Tensor] = [b for m in self.layers for b in (m.running_mean, m.running_var) if b is not None]
         self.start = [b.detach().clone() for b in self.buffers]
-        self.first = self._flat(self.start)
-        keep = [torch.full((2 * m.num_features,), 1.0 - float(m.momentum or 0.0)) for m in self.layers]
-        self.keep = torch.cat(keep).double() if keep else torch.zeros(0, dtype=torch.float64)
+        self.first = _flat64(self.start)
+        self.keep = _flat64(torch.full((2 * m.num_features,), 1.0 - float(m.momentum or 0.0)) for m in self.layers)
         self.updates = torch.zeros(virtual_shards, len(self.first), dtype=torch.float64)
         self.count = 0
-
-    @staticmethod
-    def _flat(tensors: Sequence[Any]) -> Tensor:
-        return (
-            torch.cat([t.detach().cpu().double().reshape(-1) for t in tensors])
-            if tensors
-            else torch.zeros(0, dtype=torch.float64)
-        )
 
     def before(self) -> None:
         for buffer, start in zip(self.buffers, self.start, strict=True):
@@ -246,19 +233,19 @@ class _ShardStats:
 
     def after(self, shard: int) -> None:
         # + 0.0: a -0.0 becomes +0.0, so that the exchange (a sum with zeros) keeps every bit
-        self.updates[shard] = self._flat(self.buffers) - self.keep * self.first + 0.0
+        self.updates[shard] = _flat64(self.buffers) - self.keep * self.first + 0.0
         self.count += 1
 
     def apply(self, updates: Tensor) -> None:
         """Apply every shard's updates (all ranks', from the exchange) in shard order."""
         value = self.first.clone()
-        for shard in range(self.shards):
-            value = self.keep * value + updates[shard]
+        for update in updates:
+            value = self.keep * value + update
         for buffer, piece in zip(self.buffers, value.split([b.numel() for b in self.buffers]), strict=True):
             buffer.copy_(piece.reshape(buffer.shape))
         for layer in self.layers:
             if layer.num_batches_tracked is not None:
-                layer.num_batches_tracked.sub_(self.count).add_(self.shards)
+                layer.num_batches_tracked.sub_(self.count).add_(len(updates))
 
 
 class ShardedStep:

@@ -87,7 +87,6 @@ class PreemptionCheckpoint(Callback):
         self._pending_path: str | None = None
         self._stop: Preempted | None = None
         self._due: tuple[int, bool] | None = None  # (signal, step checkpoint) due at the epoch's end
-        self._requeue_signals = {self.requeue_signal}
         self.resumed_from: str | None = None
 
     @override
@@ -112,9 +111,7 @@ class PreemptionCheckpoint(Callback):
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flag.install()  # replaces Lightning's handlers, registered just before
 
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flag.install()
+    on_train_start = on_sanity_check_start
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -141,7 +138,8 @@ class PreemptionCheckpoint(Callback):
     ) -> None:
         if not is_step_boundary(trainer):
             return
-        last = _last_batch_of_epoch(trainer)
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        last = bool(progress.is_last_batch) or progress.current.ready >= trainer.num_training_batches
         agreed = trainer.strategy.agreed_flag() if implements(trainer.strategy, StepAgreement) else None
         if agreed is not None:  # agreed in the strategy's own round for this batch: no round of ours
             signum = max(agreed, self._agreement.poll(0, start=False))
@@ -163,7 +161,8 @@ class PreemptionCheckpoint(Callback):
             path = self._save(trainer, f"step-{step}-preempted.ckpt")
             if trainer.is_global_zero:
                 log.warning("preempted by signal %d at step %d: checkpoint %s", signum, step, path)
-                if self._should_requeue(signum):
+                requeue = self.requeue == "always" or signum in self._requeue_signals
+                if self.requeue != "never" and requeue and slurm_job_id() is not None:
                     slurm_requeue()
             # Raised at the next hook, once Lightning has logged this step's metrics
             self._stop = Preempted(signum, str(path))
@@ -211,11 +210,6 @@ class PreemptionCheckpoint(Callback):
     def _signum(self) -> int:
         return self._flag.signum
 
-    def _should_requeue(self, signum: int) -> bool:
-        if self.requeue == "never" or slurm_job_id() is None:
-            return False
-        return self.requeue == "always" or signum in self._requeue_signals
-
     def _save(self, trainer: pl.Trainer, name: str) -> Path:
         assert self.dirpath is not None
         path = Path(self.dirpath) / name
@@ -225,16 +219,12 @@ class PreemptionCheckpoint(Callback):
         finally:
             self._saving = None
         if trainer.is_global_zero:
-            self._prune(path)
+            # keep the newest `keep` step checkpoints of this callback (preemption ones included), by
+            # the write order the checkpoint IO records (modification times where it recorded none)
+            ours = sorted((p for p in path.parent.iterdir() if _STEP_FILE.match(p.name) and p != path), key=write_order)
+            for old in ours[: max(len(ours) - (self.keep - 1), 0)]:
+                remove_checkpoint_file(old)
         return path
-
-    def _prune(self, newest: Path) -> None:
-        """Keep the newest ``keep`` step checkpoints of this callback (preemption ones included),
-        by the write order the checkpoint IO records (modification times where it recorded none)."""
-        ours = [path for path in newest.parent.iterdir() if _STEP_FILE.match(path.name) and path != newest]
-        ours.sort(key=write_order)
-        for path in ours[: max(len(ours) - (self.keep - 1), 0)]:
-            remove_checkpoint_file(path)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -278,11 +268,6 @@ class PreemptionCheckpoint(Callback):
         ledger = {name: n for name, n in read_json(ledger_path).items() if (Path(path).parent / name).exists()}
         ledger[Path(path).name] = rows
         write_text_atomic(ledger_path, json.dumps(ledger, indent=1, sort_keys=True))
-
-
-def _last_batch_of_epoch(trainer: pl.Trainer) -> bool:
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    return bool(progress.is_last_batch) or progress.current.ready >= trainer.num_training_batches
 
 
 def _csv_logger(trainer: pl.Trainer) -> CSVLogger | None:

@@ -101,16 +101,12 @@ class _LogRecorder:
         self.kwargs: dict[str, dict[str, Any]] = {}
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        fx = reduction_name(kwargs)
-        mean = fx in ("mean", "avg")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = torch.tensor(float(value))
-        keep = (
-            isinstance(value, Tensor) and value.numel() == 1 and not args and (self.training or kwargs.get("sync_dist"))
-        )
-        if not keep:
+        scalar = isinstance(value, Tensor) and value.numel() == 1 and not args
+        if not scalar or not (self.training or kwargs.get("sync_dist")):
             return self.log(name, value, *args, **kwargs)
-        if not mean:
+        if (fx := reduction_name(kwargs)) not in ("mean", "avg"):
             raise _refuse(f"combines logged values by their mean, got reduce_fx={fx!r} for {name!r}", "Log a mean.")
         self.values[name] = value.detach().double().reshape(())
         self.kwargs[name] = {k: v for k, v in kwargs.items() if k not in ("sync_dist", "batch_size", "reduce_fx")}
@@ -158,19 +154,16 @@ class ReproducibleSteps:
         self, module: Any, plan: GlobalPlan, rank: int, world_size: int, args: tuple, context: Any
     ) -> Any:
         """Run this rank's shards of the step (``args[0]`` holds their rows in order); return the step's mean loss."""
-        batch, step = args[0], args[1]
-        epoch = module.trainer.current_epoch
+        batch, step, epoch = args[0], args[1], module.trainer.current_epoch
         if self._step is None or self._step.module is not module:
             self._step = ShardedStep(module, self.virtual_shards, seed=plan.seed)
         first, stop = plan.rank_shards(world_size)[rank]
-        sizes = plan.shard_sizes(step)
         values, output = [], None
-        ends = list(itertools.accumulate(sizes[first:stop], initial=0))
+        ends = list(itertools.accumulate(plan.shard_sizes(step)[first:stop], initial=0))
         for shard, a, b in zip(range(first, stop), ends, ends[1:], strict=False):
-            part = tree_map(_rows_of(a, b), batch)
             with _recording(module, training=True) as logs, self._step.shard(shard, b - a, epoch, step):
                 with context():
-                    output = module.training_step(part, *args[1:])
+                    output = module.training_step(tree_map(_rows_of(a, b), batch), *args[1:])
                 loss = output["loss"] if isinstance(output, Mapping) else output
                 if not isinstance(loss, Tensor):
                     raise _refuse(
@@ -230,13 +223,9 @@ class _EvalLogs(Callback):
     def __init__(self, steps: ReproducibleSteps) -> None:
         self.steps = steps
 
-    def _log(self, pl_module: Any) -> None:
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         for name, (value, rows, kwargs) in self.steps.evaluation_logs().items():
             kwargs = {k: v for k, v in kwargs.items() if k not in ("on_step", "on_epoch")}
             pl_module.log(name, value.float(), batch_size=rows, sync_dist=False, on_step=False, on_epoch=True, **kwargs)
 
-    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._log(pl_module)
-
-    def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._log(pl_module)
+    on_test_epoch_end = on_validation_epoch_end

@@ -180,9 +180,12 @@ def test_exact_sum_is_the_same_in_any_grouping():
     assert not torch.equal(naive_forward, naive_backward)  # what float sums do
 
 
-def test_a_non_finite_value_makes_the_sum_nan():
-    out = exact_sum([[torch.tensor([1.0, 2.0])], [torch.tensor([float("inf"), 1.0])]], like=[torch.zeros(2)])[0][0]
-    assert torch.isnan(out).all()
+def test_a_non_finite_value_makes_the_sum_nan_and_leaves_the_other_tensors_exact():
+    empty = torch.zeros(0)  # a tensor of no values beside the non-finite one (a layer of 0 features)
+    shards = [[torch.tensor([1.0, 2.0]), empty, torch.tensor([0.5])], [torch.tensor([float("inf"), 1.0]), empty, None]]
+    out = exact_sum(shards, like=[torch.zeros(2), empty, torch.zeros(1)])[0]
+    assert torch.isnan(out[0]).all()
+    assert out[1].numel() == 0 and torch.equal(out[2], torch.tensor([0.5], dtype=out[2].dtype))
 
 
 def test_sharded_step_equals_one_process_on_the_step():
