@@ -41,7 +41,6 @@ __all__ = [
     "update_dataloader",
 ]
 
-# (module, attribute path) of every private name used, for tests/test_compat.py.
 CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules._functions", "SyncBatchNorm"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
@@ -266,11 +265,9 @@ def explicit_trainer_plugins() -> list[Any]:
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
     frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _AcceleratorConnector.__init__.__code__:
-            plugins = frame.f_locals.get("plugins")
-            if plugins is None:
-                return []
-            return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    while frame is not None and frame.f_code is not _AcceleratorConnector.__init__.__code__:
         frame = frame.f_back  # type: ignore[assignment]
-    return []
+    plugins = None if frame is None else frame.f_locals.get("plugins")
+    if plugins is None:
+        return []
+    return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]

@@ -157,11 +157,9 @@ def check_number(
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(name, allowed, value)
-    if not math.isfinite(value):
-        raise ArgumentValueError(name, allowed, value)
     too_low = minimum is not None and (value <= minimum if exclusive_minimum else value < minimum)
     too_high = maximum is not None and (value >= maximum if exclusive_maximum else value > maximum)
-    if too_low or too_high:
+    if not math.isfinite(value) or too_low or too_high:
         raise ArgumentValueError(name, allowed, value)
     return value
 

@@ -118,9 +118,6 @@ def rank_zero_first(timeout: float | None = None) -> Iterator[None]:
         >>> prepared
         True
     """
-    if get_world_size() == 1:
-        yield
-        return
 
     def barrier() -> None:
         if timeout is None or dist.get_backend() != "gloo":
@@ -128,25 +125,12 @@ def rank_zero_first(timeout: float | None = None) -> Iterator[None]:
         else:  # gloo supports a bounded barrier
             dist.monitored_barrier(timeout=timedelta(seconds=timeout))
 
-    rank = get_rank()
-    if rank != 0:
+    rank, several = get_rank(), get_world_size() > 1
+    if several and rank != 0:
         barrier()
     yield
-    if rank == 0:
+    if several and rank == 0:
         barrier()
-
-
-class _RankFilter(logging.Filter):
-    """Adds ``record.rank``; passes ``level`` and above on rank 0, ``other_level`` and above elsewhere."""
-
-    def __init__(self, level: int, other_level: int) -> None:
-        super().__init__()
-        self.level, self.other_level = level, other_level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        rank = get_rank()
-        record.__dict__["rank"] = rank  # what `extra={"rank": ...}` would set: read as %(rank)s
-        return record.levelno >= (self.level if rank == 0 else self.other_level)
 
 
 def setup_rank_logging(
@@ -174,7 +158,13 @@ def setup_rank_logging(
     handler = logging.StreamHandler()
     handler._ddp_plugins_rank_handler = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter(fmt))
-    handler.addFilter(_RankFilter(level, other_ranks_level))
+
+    def rank_filter(record: logging.LogRecord) -> bool:
+        rank = get_rank()
+        record.__dict__["rank"] = rank  # what `extra={"rank": ...}` would set: read as %(rank)s
+        return record.levelno >= (level if rank == 0 else other_ranks_level)
+
+    handler.addFilter(rank_filter)
     logger.addHandler(handler)
     logger.setLevel(min(level, other_ranks_level))
     if name is not None:

@@ -31,8 +31,6 @@ _REQUIRED_ATTRIBUTES = (
     *"num_features eps momentum affine track_running_stats weight bias".split(),
     *"running_mean running_var num_batches_tracked training".split(),
 )
-# Attributes that conversion sets on a layer and revert removes (or restores).
-_ADDED_ATTRIBUTES = ("process_group",)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -67,8 +65,7 @@ class SyncBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
     ) -> None:
-        extra = {} if bias else {"bias": False}  # torch < 2.6 has no `bias` argument
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **extra)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
         self.process_group = process_group
 
     @override
@@ -104,9 +101,7 @@ class SyncBatchNormReport:
         return text
 
 
-class _Options(TypedDict, total=False):
-    """The keyword arguments of :func:`convert_sync_batchnorm` its overloads pass through."""
-
+class _Options(TypedDict, total=False):  # the keyword arguments the overloads pass through
     group_size: int | None
     skip_frozen: bool
     extra_classes: Sequence[type | str] | Mapping[Any, str]
@@ -168,7 +163,13 @@ def convert_sync_batchnorm(
     declared = normalize_extra_classes(extra_classes)
     check_sync_batchnorm_args(process_group, group_size, skip_frozen)
     if group_size is not None:
-        process_group = _new_group_of_size(group_size)
+        if not is_distributed():
+            raise ValueError(
+                f"`group_size` needs an initialized process group, got group_size={group_size} without one."
+            )
+        world_size = dist.get_world_size()
+        check_group_divides(group_size, world_size)
+        process_group = None if group_size == world_size else dist.new_subgroups(group_size=group_size)[0]
 
     report = SyncBatchNormReport()
     plan = []  # checked in full before any layer changes, so an error leaves the model untouched
@@ -180,20 +181,18 @@ def convert_sync_batchnorm(
             continue
         if method is None and not isinstance(layer, _BatchNorm):
             continue
-        missing = [a for a in _REQUIRED_ATTRIBUTES if not hasattr(layer, a)]
-        if missing:
+        if missing := [a for a in _REQUIRED_ATTRIBUTES if not hasattr(layer, a)]:
             raise ValueError(
                 f"`extra_classes` declares {type(layer).__qualname__} as batch norm, but layer '{name}' lacks"
                 f" what SyncBatchNorm needs: {', '.join(missing)}. Give the class the attributes of"
                 " torch.nn.BatchNorm2d or remove it from `extra_classes`."
             )
-        reason = _skip_reason(layer, skip_frozen)
-        if reason:
+        if reason := _skip_reason(layer, skip_frozen):
             report.skipped[name] = reason
         else:
             plan.append((name, layer, method))
     for name, layer, method in plan:
-        saved = {key: layer.__dict__[key] for key in _ADDED_ATTRIBUTES if key in layer.__dict__}
+        saved = {"process_group": layer.__dict__["process_group"]} if "process_group" in layer.__dict__ else {}
         layer.__class__ = _synced_class(type(layer), method)
         layer.__dict__["process_group"] = process_group
         layer.__dict__["_sync_batchnorm_saved"] = saved
@@ -216,8 +215,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if original is None:
             continue
         saved = layer.__dict__.pop("_sync_batchnorm_saved", {})
-        for key in _ADDED_ATTRIBUTES:
-            layer.__dict__.pop(key, None)
+        layer.__dict__.pop("process_group", None)
         layer.__dict__.update(saved)
         layer.__class__ = original
     return module
@@ -257,12 +255,10 @@ def _new_synced(original: type, method: str | None) -> nn.Module:
 def _skip_reason(layer: nn.Module, skip_frozen: bool) -> str | None:
     if isinstance(layer, nn.modules.lazy.LazyModuleMixin) and layer.has_uninitialized_params():
         return "uninitialized lazy module: run one forward first"
-    if not skip_frozen:
-        return None
-    if not layer.training:
+    if skip_frozen and not layer.training:
         return "frozen: eval mode"
     params = list(layer.parameters(recurse=False))
-    if params and not any(p.requires_grad for p in params):
+    if skip_frozen and params and not any(p.requires_grad for p in params):
         return "frozen: no trainable parameters"
     return None
 
@@ -285,7 +281,14 @@ def normalize_extra_classes(extra: Any) -> dict[type, str]:
         raise ArgumentTypeError("extra_classes", allowed, problem=f"got {type(extra).__name__}")
     declared: dict[type, str] = {}
     for entry, method in items:
-        cls = _import_class(entry) if isinstance(entry, str) else entry
+        cls = entry
+        if isinstance(entry, str):
+            module_name, _, attr = entry.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError, ValueError) as err:
+                problem = f"got {entry!r}, which cannot be imported ({err})"
+                raise ArgumentValueError("extra_classes", "importable classes", problem=problem) from None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ArgumentValueError("extra_classes", "torch.nn.Module classes or their import paths", entry)
         if not isinstance(method, str) or not callable(getattr(cls, method, None)):
@@ -295,16 +298,6 @@ def normalize_extra_classes(extra: Any) -> dict[type, str]:
             raise ArgumentValueError("extra_classes", allowed, method)
         declared[cls] = method
     return declared
-
-
-def _import_class(path: str) -> Any:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ArgumentValueError(
-            "extra_classes", "importable classes", problem=f"got {path!r}, which cannot be imported ({err})"
-        ) from None
 
 
 def check_sync_batchnorm_args(process_group: Any, group_size: Any, skip_frozen: Any) -> None:
@@ -329,14 +322,3 @@ def check_group_divides(group_size: int | None, world_size: int) -> None:
     """
     if group_size is not None and world_size % group_size:
         raise ArgumentValueError("group_size", f"a divisor of the world size {world_size}", group_size)
-
-
-def _new_group_of_size(group_size: int) -> Any:
-    if not is_distributed():
-        raise ValueError(f"`group_size` needs an initialized process group, got group_size={group_size} without one.")
-    world_size = dist.get_world_size()
-    check_group_divides(group_size, world_size)
-    if group_size == world_size:
-        return None
-    group, _ = dist.new_subgroups(group_size=group_size)
-    return group

@@ -50,9 +50,6 @@ def tree_leaves(data: Any, is_leaf: Callable[[Any], bool] = _is_tensor) -> Itera
     """
     if is_leaf(data):
         yield data
-    elif isinstance(data, Mapping):
-        for value in data.values():
-            yield from tree_leaves(value, is_leaf)
-    elif isinstance(data, (list, tuple)):
-        for value in data:
+    elif isinstance(data, (Mapping, list, tuple)):
+        for value in data.values() if isinstance(data, Mapping) else data:
             yield from tree_leaves(value, is_leaf)

@@ -22,8 +22,7 @@ __all__ = ["AccumulationNoSync"]
 def is_step_boundary(trainer: pl.Trainer, accumulate_grad_batches: int | None = None) -> bool:
     """Whether the current training batch ends an accumulation window (the optimizer steps after it).
 
-    Lightning's own rule, from public progress counters; a callback that runs its own window
-    (:class:`~ddp_plugins.lightning.contracts.OwnsAccumulationWindow`) sets the window that counts.
+    Lightning's own rule, from public progress counters, with :func:`current_accumulation` by default.
     """
     if accumulate_grad_batches is None:
         accumulate_grad_batches = current_accumulation(trainer)
@@ -44,8 +43,7 @@ def current_accumulation(trainer: pl.Trainer) -> int:
 
 def _callbacks(trainer: pl.Trainer) -> list[Callback]:
     """``trainer.callbacks``: public, but set by Lightning's callback connector, so not declared on ``Trainer``."""
-    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-    return callbacks
+    return trainer.callbacks  # type: ignore[attr-defined]
 
 
 class AccumulationNoSync(Callback):
@@ -145,25 +143,22 @@ class AccumulationNoSync(Callback):
             return
         self.check_trainer(trainer, pl_module)
         self._manual = not pl_module.automatic_optimization
-        self._defer_to_trainer = False
-        self.accumulate_grad_batches = self.scheduling_for(trainer.current_epoch)
-        if self._manual:
-            return
-        if trainer.accumulate_grad_batches not in (1, self._applied_to_trainer):
-            # this callback asks for no accumulation (check_trainer refused anything else): the Trainer's K rules
-            self._defer_to_trainer = True
-            self.accumulate_grad_batches = trainer.accumulate_grad_batches
-            return
-        self._apply_to_trainer(trainer)
+        # this callback asks for no accumulation (check_trainer refused anything else): the Trainer's K rules
+        trainer_sets_k = trainer.accumulate_grad_batches not in (1, self._applied_to_trainer)
+        self._defer_to_trainer = trainer_sets_k and not self._manual
+        self._start_window(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_window(trainer)
+
+    def _start_window(self, trainer: pl.Trainer) -> None:
         if self._defer_to_trainer:
             self.accumulate_grad_batches = trainer.accumulate_grad_batches
-            return
-        self.accumulate_grad_batches = self.scheduling_for(trainer.current_epoch)
-        if not self._manual:
-            self._apply_to_trainer(trainer)
+        else:
+            self.accumulate_grad_batches = self.scheduling_for(trainer.current_epoch)
+            if not self._manual:
+                trainer.accumulate_grad_batches = self._applied_to_trainer = self.accumulate_grad_batches
 
     @override
     def on_train_batch_start(
@@ -171,9 +166,7 @@ class AccumulationNoSync(Callback):
     ) -> None:
         k = self.accumulate_grad_batches if self._manual else trainer.accumulate_grad_batches
         self.is_boundary = is_step_boundary(trainer, k)
-        if not self._manual:
-            return
-        ddp = _ddp_model(trainer)
+        ddp = _ddp_model(trainer) if self._manual else None
         if ddp is not None and not self.is_boundary:
             # what `DistributedDataParallel.no_sync()` does; Lightning's `pre_backward` then skips
             # `prepare_for_backward`, so the reducer's autograd hooks do not communicate
@@ -194,10 +187,6 @@ class AccumulationNoSync(Callback):
         if stage == "fit" and self._applied_to_trainer is not None:
             trainer.accumulate_grad_batches = 1  # so a later `fit` on this Trainer passes the clash check
             self._applied_to_trainer = None
-
-    def _apply_to_trainer(self, trainer: pl.Trainer) -> None:
-        trainer.accumulate_grad_batches = self.accumulate_grad_batches
-        self._applied_to_trainer = self.accumulate_grad_batches
 
     def _restore_sync(self, trainer: pl.Trainer) -> None:
         ddp = _ddp_model(trainer)

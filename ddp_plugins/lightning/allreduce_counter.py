@@ -22,7 +22,6 @@ __all__ = ["AllReduceCounter"]
 
 
 def _minus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
-    """``a - b``, element by element (calls, bytes, rounds)."""
     return (a[0] - b[0], a[1] - b[1], a[2] - b[2])
 
 

@@ -37,11 +37,7 @@ class RankAwareSeed(Callback):
     switches to its own stream (:func:`seed_everything_rank_aware`). Checkpoints hold every rank's
     RNG states and a resume restores each rank's own; from another world size the run warns and
     starts fresh streams keyed by ``(seed, rank, global_step)`` (docs/design.md, "Seeding per rank").
-
-    Args:
-        seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.
-        workers: seed DataLoader workers per (seed, rank, worker id, epoch).
-        deterministic: also set torch's deterministic-algorithm flags in ``setup``.
+    The arguments are :func:`seed_everything_rank_aware`'s; ``deterministic`` applies in ``setup``.
 
     Example::
 
@@ -80,11 +76,9 @@ class RankAwareSeed(Callback):
         # sampler's epoch is set; with workers it draws the indices of epoch 0 at once.
         if not self._resume_step:
             return
-        stale: list[DataLoader] = []
-        apply_to_collection(
-            trainer.train_dataloader, DataLoader, lambda dl: stale.append(dl) if _stale_shuffle(dl, trainer) else None
-        )
-        if stale:
+        loaders: list[DataLoader] = []
+        apply_to_collection(trainer.train_dataloader, DataLoader, loaders.append)
+        if any(_stale_shuffle(loader, trainer) for loader in loaders):
             rank_zero_warn(
                 f"The random streams were restored, but Lightning iterates the first resumed epoch"
                 f" ({trainer.current_epoch}) of a shuffled DataLoader with `num_workers` > 0 in the order of"
@@ -101,9 +95,7 @@ class RankAwareSeed(Callback):
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._seed_rank(trainer.global_rank, 0)
 
-    @override
-    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._seed_rank(trainer.global_rank, 0)
+    on_predict_start = on_test_start
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
