@@ -236,6 +236,9 @@ class PlanBatchSampler(Sampler):
         >>> plan = GlobalPlan(dataset_length=5, global_batch_size=4, shuffle=False)
         >>> list(PlanBatchSampler(plan, rank=0, world_size=2, accumulate=2))
         [[0], [2], [4], []]
+
+    Each step is cut into ``accumulate`` micro-batches first (rows 0-1 and 2-3 above), then each
+    micro-batch over the ranks, so micro-batch ``m`` holds the same rows on any world size.
     """
 
     def __init__(
