@@ -9,6 +9,8 @@ evaluation: per epoch). Design and limits in docs/design.md ("The reproducible m
 from __future__ import annotations
 
 import itertools
+import re
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -225,6 +227,10 @@ class _EvalLogs(Callback):
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         for name, (value, rows, kwargs) in self.steps.evaluation_logs().items():
+            # Already every rank's exact mean: Lightning's hint to log it with sync_dist=True (an
+            # all_reduce in float, which would change its bits) does not apply to it.
+            hint = f"It is recommended to use `self.log\\({re.escape(repr(name))}, ..., sync_dist=True\\)`"
+            warnings.filterwarnings("ignore", hint, UserWarning)
             kwargs = {k: v for k, v in kwargs.items() if k not in ("on_step", "on_epoch")}
             pl_module.log(name, value.float(), batch_size=rows, sync_dist=False, on_step=False, on_epoch=True, **kwargs)
 
