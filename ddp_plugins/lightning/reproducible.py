@@ -126,6 +126,17 @@ def reduction_name(log_kwargs: Mapping[str, Any]) -> str:
     return (fx if isinstance(fx, str) else getattr(fx, "__name__", "")).lower()
 
 
+def _log_combined(module: Any, name: str, value: Tensor, **kwargs: Any) -> None:
+    """Log a value already combined exactly over every rank as it is (``sync_dist=False``).
+
+    Lightning hints at ``sync_dist=True`` for an epoch-level value logged so; its float all_reduce
+    would change the bits, so the hint is silenced for this name (training and evaluation alike).
+    """
+    hint = f"It is recommended to use `self.log\\({re.escape(repr(name))}, ..., sync_dist=True\\)`"
+    warnings.filterwarnings("ignore", hint, UserWarning)
+    module.log(name, value.float(), sync_dist=False, **kwargs)
+
+
 @contextmanager
 def _recording(module: Any, training: bool) -> Any:
     recorder = _LogRecorder(module.log, training)
@@ -176,7 +187,7 @@ class ReproducibleSteps:
             names, kwargs = list(logs.values), logs.kwargs
         means = self._step.finish(step_rows=plan.step_size(step), values=values)
         for name, value in zip(names, means[1:], strict=True):
-            module.log(name, value.float(), batch_size=plan.step_size(step), sync_dist=False, **kwargs[name])
+            _log_combined(module, name, value, batch_size=plan.step_size(step), **kwargs[name])
         loss = means[0].to(loss.dtype)
         return {**output, "loss": loss} if isinstance(output, Mapping) else loss
 
@@ -227,11 +238,7 @@ class _EvalLogs(Callback):
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         for name, (value, rows, kwargs) in self.steps.evaluation_logs().items():
-            # Already every rank's exact mean: Lightning's hint to log it with sync_dist=True (an
-            # all_reduce in float, which would change its bits) does not apply to it.
-            hint = f"It is recommended to use `self.log\\({re.escape(repr(name))}, ..., sync_dist=True\\)`"
-            warnings.filterwarnings("ignore", hint, UserWarning)
             kwargs = {k: v for k, v in kwargs.items() if k not in ("on_step", "on_epoch")}
-            pl_module.log(name, value.float(), batch_size=rows, sync_dist=False, on_step=False, on_epoch=True, **kwargs)
+            _log_combined(pl_module, name, value, batch_size=rows, on_step=False, on_epoch=True, **kwargs)
 
     on_test_epoch_end = on_validation_epoch_end

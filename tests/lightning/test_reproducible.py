@@ -9,6 +9,7 @@ mode on the same runs is not (it is checked to differ, so the comparison can fai
 """
 
 import os
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -98,7 +99,10 @@ def _fit(optimizer, global_batch_size, reproducible, ckpt_dir=None):
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(model)
+    with warnings.catch_warnings(record=True) as seen:  # Lightning's hint to sync what is already exact
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    hints = [str(w.message) for w in seen if "sync_dist=True" in str(w.message)]
     checkpoint = None
     if ckpt_dir is not None:
         path = os.path.join(ckpt_dir, f"end-{trainer.world_size}.ckpt")
@@ -111,6 +115,7 @@ def _fit(optimizer, global_batch_size, reproducible, ckpt_dir=None):
         "fingerprint": fingerprint(model.state_dict(), [optimizer_state]),
         "checkpoint_fingerprint": checkpoint,
         "metrics": epochs,
+        "sync_dist_hints": hints,
     }
 
 
@@ -150,6 +155,7 @@ def test_the_same_bits_on_any_number_of_ranks(one_rank, world_size):
             differ = [k for k in expected if not torch.equal(got[k], expected[k])]
             assert not differ, f"{run} on {world_size} ranks, rank {rank}: {differ[:5]} differ"
             assert result[run]["fingerprint"] == reference["fingerprint"]
+            assert result[run]["sync_dist_hints"] == [], result[run]["sync_dist_hints"]  # train/ and val/loss
         if reference["checkpoint_fingerprint"] is not None:
             assert ranks[0][run]["checkpoint_fingerprint"] == reference["checkpoint_fingerprint"]
 
