@@ -34,7 +34,9 @@ APP_TRAINER_ARGS = ("strategy", "precision", "callbacks", "logger", "default_roo
 
 def build_objects(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate the configured strategy, callbacks, model, datamodule, logger and ``Trainer``; start nothing.
-    Each object is built from its own config node, so an error names the key it came from."""
+
+    Each object is built from its own config node, so an error names the key it came from.
+    """
     raw = OmegaConf.to_container(cfg, resolve=False)
     objects: dict[str, Any] = {"model": _build("model", cfg.model, raw), "datamodule": _build("data", cfg.data, raw)}
     objects["strategy"] = _build("strategy", cfg.strategy, raw)
@@ -51,14 +53,14 @@ def build_objects(cfg: DictConfig) -> dict[str, Any]:
         if check is not None:
             with as_config_error(key, raw):
                 check(objects["trainer"], objects["model"])
-    _check_global_batch_rows(objects["strategy"], objects["datamodule"], objects["trainer"], raw)
+    _check_global_batch_rows(objects["strategy"], objects["datamodule"])
+    _check_reproducible(objects["strategy"], objects["datamodule"], objects["trainer"], raw)
     return objects
 
 
-def _check_global_batch_rows(strategy: Any, datamodule: Any, trainer: Any, raw: Any) -> None:
-    """Refuse a global batch larger than the training data (not capped: it would silently not be the one
-    used), and the reproducible mode's limits that the strategy checks in the ranks, here first."""
-    size, shards = getattr(strategy, "global_batch_size", None), getattr(strategy, "virtual_shards", None)
+def _check_global_batch_rows(strategy: Any, datamodule: Any) -> None:
+    """Refuse a global batch larger than the training data (not capped: it would silently not be the one used)."""
+    size = getattr(strategy, "global_batch_size", None)
     rows = getattr(datamodule, "train_rows", None)  # the app's demo data know theirs without loading
     if isinstance(size, int) and isinstance(rows, int) and size > rows:
         raise ConfigError(
@@ -66,6 +68,11 @@ def _check_global_batch_rows(strategy: Any, datamodule: Any, trainer: Any, raw: 
             f"got {size}, more than the {rows} training rows of the data (every epoch would be a single step)",
             f"at most {rows}, or more rows (data.*)",
         )
+
+
+def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, raw: Any) -> None:
+    """The reproducible mode's limits that the strategy checks in the ranks, refused here first."""
+    shards, rows = getattr(strategy, "virtual_shards", None), getattr(datamodule, "train_rows", None)
     if shards is None:
         return
     with as_config_error("trainer", raw):
