@@ -153,8 +153,7 @@ def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Check a composed app config: what the schema's types do not say (bounds, the resume checkpoint, keys
-    added with ``+``), then by building every object it describes (nothing is started)."""
+    """Check a composed app config by building every object it describes (nothing is started)."""
     raw = to_plain_dict(cfg, resolve=False)
     try:
         resolved = to_plain_dict(cfg, resolve=True)
@@ -162,6 +161,12 @@ def check_config(cfg: DictConfig) -> None:
         raise config_error(err) or ConfigError(  # config_error: an interpolated value of the wrong type
             "config", f"cannot be resolved: {one_line(err)}", "valid ${...} interpolations"
         ) from None
+    _check_top_level(resolved, raw)
+    build_objects(cfg)
+
+
+def _check_top_level(resolved: dict[str, Any], raw: dict[str, Any]) -> None:
+    """What the schema's types do not say: bounds, the resume checkpoint, keys added with ``+``."""
     with as_config_error("seed", raw):
         check_seed(resolved.get("seed"))
     with as_config_error("global_batch_size", raw):
@@ -191,7 +196,6 @@ def check_config(cfg: DictConfig) -> None:
     check_trainer_args(trainer)
     _check_devices(trainer.get("devices", "auto"), accelerator)
     _check_global_batch(resolved.get("strategy") or {}, trainer)
-    build_objects(cfg)
 
 
 def check_resume(resume: Any) -> str:

@@ -419,12 +419,16 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         with run_folder_lock(output_dir) if get_rank() == 0 else contextlib.nullcontext():
             return train(cfg, output_dir)
-    except (ConfigError, ResumeMismatch, RendezvousError) as err:
-        # A job whose config changed after the up-front check (or its checkpoint); a resume that every
-        # rank refuses alike (one line, from rank 0); a rank that never came (not a store traceback per rank)
-        if get_rank() == 0 or not isinstance(err, ResumeMismatch):
+    except ConfigError as err:  # a job whose config changed after the up-front check, or its checkpoint
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(_ERROR_EXIT) from None
+    except ResumeMismatch as err:  # every rank refuses the same resume: one line, from rank 0
+        if get_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(1 if isinstance(err, RendezvousError) else _ERROR_EXIT) from None
+        raise SystemExit(_ERROR_EXIT) from None
+    except RendezvousError as err:  # a rank that never came: one line, not a store traceback per rank
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
             raise
