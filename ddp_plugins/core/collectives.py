@@ -76,8 +76,7 @@ def distributed_concat(
     else:
         if error is not None:
             raise ValueError(error)
-        names = [name for name, _ in leaves]
-        _check_consistent([_RankMeta(spec, [_describe(leaf) for _, leaf in leaves], [])], names, pad_value)
+        _check_consistent([_RankMeta(spec, [_describe(leaf) for _, leaf in leaves], [])], leaves, pad_value)
         outs = [list(leaf) if _is_rows(leaf) else leaf for _, leaf in leaves]
     result = _unflatten(data, iter(outs))
     return result if num_total_examples is None else truncate_rows(result, num_total_examples)
@@ -128,7 +127,7 @@ class _RankMeta(NamedTuple):
 
     spec: Any  # the structure of its data, from _flatten
     leaves: list[_LeafMeta]  # one per leaf, in _flatten's order
-    rows: list[list[Any]]  # its row lists themselves, in leaf order (they travel here, not in a tensor)
+    rows: list[list[Any] | None]  # per leaf, its row list itself (they travel here, not in a tensor); None: a tensor
     error: str | None = None  # a failure found on that rank, raised by every rank
 
 
@@ -196,20 +195,18 @@ def _gather_with_metadata(
 ) -> list[Any]:
     """One object gather of every rank's structure, shapes, error and row lists, then one gather per tensor."""
     mine = _RankMeta(
-        spec, [_describe(leaf) for _, leaf in leaves], [leaf for _, leaf in leaves if _is_rows(leaf)], error
+        spec, [_describe(leaf) for _, leaf in leaves], [leaf if _is_rows(leaf) else None for _, leaf in leaves], error
     )
     all_meta: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(all_meta, mine, group=group)
     failed = [(rank, meta.error) for rank, meta in enumerate(all_meta) if meta.error is not None]
     if failed:
         raise ValueError("; ".join(f"rank {rank}: {message}" for rank, message in failed))
-    _check_consistent(all_meta, [name for name, _ in leaves], pad_value)
+    _check_consistent(all_meta, leaves, pad_value)
     outs: list[Any] = []
-    row_leaf = 0
     for j, (_, leaf) in enumerate(leaves):
         if _is_rows(leaf):
-            outs.append([item for meta in all_meta for item in meta.rows[row_leaf]])
-            row_leaf += 1
+            outs.append([item for meta in all_meta for item in meta.rows[j]])
         else:
             outs.append(_gather_tensor(leaf, [meta.leaves[j].shape for meta in all_meta], pad_value, group))
     return outs
@@ -284,8 +281,7 @@ def _gather_tensors(
         buffers.send.numpy().view(np.int64)[: len(words)] = words
     else:
         buffers.send[: 8 * len(words)].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather_single(buffers.recv.view(-1), buffers.send, group=group)
+    _all_gather_single(buffers.recv.view(-1), buffers.send, group)
     read = buffers.recv[:, : 8 * len(words)].cpu().numpy().view(np.int64).tolist()
     headers = [_Header(*row[: len(header)]) for row in read]
     most = max(h.needed for h in headers)  # the same on every rank, and so is the next size
@@ -300,12 +296,11 @@ def _gather_tensors(
         return [torch.cat(part).to(t.device) for t, part in zip(tensors, parts, strict=True)]
     starts = list(itertools.accumulate(dims, initial=len(header)))
     all_shapes = [[tuple(row[i : i + n]) for i, n in zip(starts, dims, strict=False)] for row in read]  # [rank][leaf]
-    names = [str(dtype).replace("torch.", "") for dtype in dtypes]
     all_meta = [
-        _RankMeta(spec, [_LeafMeta("tensor", *leaf) for leaf in zip(names, rank, strict=True)], [])
+        _RankMeta(spec, [_describe(t)._replace(shape=shape) for t, shape in zip(tensors, rank, strict=True)], [])
         for rank in all_shapes
     ]
-    _check_consistent(all_meta, [name for name, _ in leaves], pad_value)  # the same errors as the full exchange
+    _check_consistent(all_meta, leaves, pad_value)  # the same errors as the full exchange
     if any(h.status == _SHAPES for h in headers):
         return [_gather_tensor(t, [rank[j] for rank in all_shapes], pad_value, group) for j, t in enumerate(tensors)]
     pieces = [  # [rank][leaf]
@@ -359,31 +354,36 @@ def _new_buffers(size: int, device: torch.device, world: int) -> _GroupBuffers:
     return _GroupBuffers(empty(size), empty(world, size), {})
 
 
+def _all_gather_single(out: Tensor, local: Tensor, group: Any) -> None:
+    # looked up at each call (count_collectives wraps it); its older name where a torch lacks it (the GPU
+    # machine's torch is older than the floor the CPU suite pins)
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather_single(out, local, group=group)
+
+
 def _cat_pieces(tensor: Tensor, pieces: list[Tensor], pad_value: float | None) -> Tensor:
     """Every rank's rows of one leaf, padded to the largest trailing shape, concatenated on ``tensor``'s device."""
-    filled = [piece for piece in pieces if piece.shape[0] > 0]
-    trailing = tuple(max(sizes) for sizes in zip(*(piece.shape[1:] for piece in filled or pieces), strict=True))
-    if not filled:
-        return tensor.new_empty((0, *trailing))
+    filled = [piece for piece in pieces if piece.shape[0] > 0] or pieces
+    trailing = tuple(max(sizes) for sizes in zip(*(piece.shape[1:] for piece in filled), strict=True))
     return torch.cat([_pad(piece, (piece.shape[0], *trailing), pad_value) for piece in filled]).to(tensor.device)
 
 
-def _check_consistent(all_meta: list[_RankMeta], names: list[str], pad_value: float | None) -> None:
+def _check_consistent(all_meta: list[_RankMeta], leaves: list[tuple[str, Any]], pad_value: float | None) -> None:
     def table() -> str:
         return "; ".join(
-            f"rank {rank}: " + ", ".join(f"{name} {leaf}" for name, leaf in zip(names, meta.leaves, strict=False))
+            f"rank {rank}: " + ", ".join(f"{name} {leaf}" for (name, _), leaf in zip(leaves, meta.leaves, strict=False))
             for rank, meta in enumerate(all_meta)
         )
 
     if len({repr(meta.spec) for meta in all_meta}) > 1:
         shown = "; ".join(f"rank {rank}: {meta.spec}" for rank, meta in enumerate(all_meta))
         raise ValueError(f"`data` has a different structure on each rank, so it cannot be concatenated: {shown}.")
-    for j, name in enumerate(names):
-        leaves = [meta.leaves[j] for meta in all_meta]
-        if len({(leaf.kind, leaf.dtype) for leaf in leaves}) > 1:
+    for j, (name, _) in enumerate(leaves):
+        ranks = [meta.leaves[j] for meta in all_meta]  # this leaf on every rank
+        if len({(leaf.kind, leaf.dtype) for leaf in ranks}) > 1:
             raise ValueError(f"`data` {name} has a different dtype on each rank: {table()}.")
-        shapes = [leaf.shape for leaf in leaves if leaf.kind == "tensor" and leaf.shape and leaf.shape[0] > 0]
-        if len({len(shape) for shape in shapes}) > 1 or any(len(leaf.shape) == 0 for leaf in leaves):
+        shapes = [leaf.shape for leaf in ranks if leaf.kind == "tensor" and leaf.shape and leaf.shape[0] > 0]
+        if len({len(shape) for shape in shapes}) > 1 or any(len(leaf.shape) == 0 for leaf in ranks):
             raise ValueError(f"`data` {name} needs the same number of dims (>= 1) on every rank: {table()}.")
         if len({shape[1:] for shape in shapes}) > 1 and pad_value is None:
             raise ValueError(
@@ -401,8 +401,7 @@ def _gather_tensor(tensor: Tensor, shapes: list[tuple], pad_value: float | None,
     device = collective_device(group)
     local = _pad(tensor.to(device), (max(rows), *trailing), pad_value).contiguous()
     out = torch.empty((len(rows) * max(rows), *trailing), dtype=tensor.dtype, device=device)
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather_single(out, local, group=group)
+    _all_gather_single(out, local, group)
     last = max(r for r, n in enumerate(rows) if n)
     if all(n == max(rows) for n in rows[:last]):  # only trailing ranks are short (the sampler's case): a view
         return out[: sum(rows)].to(tensor.device)
