@@ -175,11 +175,9 @@ class GlobalPlan:
         """The ``accumulate`` micro-batches (lists of rows, maybe empty) of ``rank`` in a step."""
         rows = self.step_indices(epoch, step, order)
         counts = self.counts(step, world_size, accumulate)
-        out = []
-        for m, (a, _) in enumerate(_bounds(even_split(len(rows), accumulate))):
-            start, stop = _bounds([c[m] for c in counts])[rank]
-            out.append(rows[a + start : a + stop])
-        return out
+        # the step's rows lie micro-batch after micro-batch, each one rank after rank
+        bounds = _bounds([c[m] for m in range(accumulate) for c in counts])
+        return [rows[a:b] for a, b in bounds[rank::world_size]]
 
     def loss_weight(self, step: int, micro: int, rank: int, world_size: int, accumulate: int = 1) -> float:
         """The factor on a rank's mean loss (already divided by ``accumulate``) for single-process math.
@@ -384,32 +382,30 @@ class EvenSteps:
         k = check_int("window", self.window() if callable(self.window) else self.window, 1)
         batches = self._keeping_template()
         skip, self.start = self.start, 0  # a resume skips once, in its first epoch
-        for _ in itertools.islice(batches, skip):
-            pass
+        deque(itertools.islice(batches, skip), maxlen=0)
         while True:
             window = list(itertools.islice(batches, k))
             mine = [self.rows_of(batch) for batch in window] + [0] * (k - len(window))
-            # rows per micro-batch | rank without a template | ranks with one | batches here (one-hot) | flag (one-hot)
-            counts = torch.zeros(k + 1 + world + k + 1 + _FLAGS, dtype=torch.int64)
-            counts[:k] = torch.tensor(mine)
-            counts[k] = int(self._template is None)
-            counts[k + 1 + rank] = int(self._template is not None)
-            counts[k + 1 + world + len(window)] = 1  # one-hot: the sum keeps the longest rank's count
-            counts[k + 1 + world + k + 1 + (self.flag() if self.flag is not None else 0)] = 1
-            counts = counts.to(self.device or collective_device(self.group)).contiguous()
+            # rows per micro-batch | ranks without a template | ranks with one | batches here | flag (one-hots)
+            sizes = [k, 1, world, k + 1, _FLAGS]
+            counts = torch.zeros(sum(sizes), dtype=torch.int64)
+            rows, missing, holders, here, flags = counts.split(sizes)  # views: filled in place
+            rows[:] = torch.tensor(mine)
+            missing[0] = int(self._template is None)
+            holders[rank] = int(self._template is not None)
+            here[len(window)] = 1  # one-hot: the sum keeps the longest rank's count
+            flags[self.flag() if self.flag is not None else 0] = 1
+            counts = counts.to(self.device or collective_device(self.group))
             dist.all_reduce(counts, group=self.group)
-            counts = counts.cpu()
-            micro_rows = [int(v) for v in counts[:k].tolist()]
-            holders = counts[k + 1 : k + 1 + world]
-            present = int(torch.nonzero(counts[k + 1 + world : k + 1 + world + k + 1])[-1])
-            agreed = int(torch.nonzero(counts[k + 1 + world + k + 1 :])[-1])
+            rows, missing, holders, here, flags = counts.cpu().split(sizes)
+            micro_rows = rows.tolist()
+            present, agreed = int(here.nonzero()[-1]), int(flags.nonzero()[-1])
             if present == 0:
                 return
-            if int(counts[k]):  # a rank that never had a batch: the lowest rank with one sends it
-                source = int(torch.nonzero(holders)[0])
+            if int(missing):  # a rank that never had a batch: the lowest rank with one sends it
+                source = int(holders.nonzero()[0])
                 box = [self._template if rank == source else None]
-                src = source if self.group is None else dist.get_global_rank(self.group, source)
-                dist.broadcast_object_list(box, src=src, group=self.group)
+                dist.broadcast_object_list(box, group=self.group, group_src=source)
                 if self._template is None:
                     self._template = box[0]
             step_rows = sum(micro_rows)

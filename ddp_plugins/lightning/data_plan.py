@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -309,14 +310,14 @@ def train_loader(
     accumulate = planned.accumulate if plan is not None else trainer.accumulate_grad_batches
     in_step = plan is None and uneven.enabled and world_size > 1 and _per_rank_shards(dataloader)
     if plan is not None:
-        length: float | None = plan.steps_per_epoch * accumulate
+        length: int | None = plan.steps_per_epoch * accumulate
     else:
-        length = _agreed_length(dataloader) if in_step else _length(dataloader)
+        length = _agreed_length(dataloader) if in_step else sized_len(dataloader)
     epoch, start = resume.start(data_record(dataloader, plan, world_size, accumulate), length, trainer)
     if plan is not None:
         return _plan_loader(dataloader, plan, rank, world_size, accumulate, epoch, start)
     if in_step:
-        return uneven.step_together(dataloader, trainer, cast("int | None", length), start)
+        return uneven.step_together(dataloader, trainer, length, start)
     return _resumable_train_loader(dataloader, trainer, epoch, start)
 
 
@@ -434,7 +435,7 @@ class ResumeRecord:
         """A checkpoint was loaded (``record``: its data record, if any): the next training loader starts there."""
         self._resumed, self._restored = record, True
 
-    def start(self, record: dict[str, Any], length: float | None, trainer: Any) -> tuple[int, int]:
+    def start(self, record: dict[str, Any], length: int | None, trainer: Any) -> tuple[int, int]:
         """Keep a new training loader's ``record`` (``length``: its micro-batches per epoch, when
         known) and return the epoch and micro-batch it starts at: where the checkpoint loaded last
         stopped (:func:`resume_start`), else the start of the current epoch.
@@ -510,13 +511,6 @@ def _per_rank_shards(dataloader: Any) -> bool:
     return not isinstance(sampler, DistributedSampler)
 
 
-def _length(dataloader: Any) -> float:
-    try:
-        return len(dataloader)
-    except TypeError:
-        return float("inf")
-
-
 def _limited(length: int, limit: Any) -> int:
     """The batches of an epoch Lightning trains under ``limit_train_batches`` (a count or a fraction)."""
     if isinstance(limit, int) and not isinstance(limit, bool):
@@ -526,8 +520,8 @@ def _limited(length: int, limit: Any) -> int:
 
 def _agreed_length(dataloader: Any) -> int | None:
     """The longest rank's batch count (``None`` when a rank's loader has no length): one all_reduce."""
-    local = _length(dataloader)
-    local = -1 if local == float("inf") else int(local)
+    local = sized_len(dataloader)
+    local = -1 if local is None else local
     both = torch.tensor([local, -local], dtype=torch.int64, device=collective_device())
     dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the longest count, and minus the shortest
     return None if int(both[1]) > 0 else int(both[0])
