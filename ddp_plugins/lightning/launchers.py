@@ -49,11 +49,10 @@ class _RankWatcher(threading.Thread):
     Unlike Lightning's ``_ChildProcessObserver`` (INFO level, usually hidden), it can be stopped.
     """
 
-    def __init__(self, procs: list[Any], period: float = 1.0, halt: threading.Event | None = None) -> None:
+    def __init__(self, procs: list[Any], halt: threading.Event) -> None:
         super().__init__(daemon=True, name="ddp-plugins-rank-watcher")
         self.procs = procs
-        self.period = period
-        self._halt = halt or threading.Event()
+        self._halt = halt
 
     def stop(self) -> None:
         self._halt.set()
@@ -62,7 +61,7 @@ class _RankWatcher(threading.Thread):
 
     @override
     def run(self) -> None:
-        while not self._halt.wait(self.period):
+        while not self._halt.wait(1.0):
             codes = [proc.poll() for proc in self.procs]
             if all(code == 0 or _agreed_code(code) for code in codes):
                 return  # every child ended, or stopped for a preemption signal or refused: rank 0 does the same
@@ -110,7 +109,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 self._halt = threading.Event()
                 self._startup = _StartupSignals(self._stop_startup).install()
                 self._call_children_scripts()
-                watcher = _RankWatcher(self.procs, halt=self._halt)
+                watcher = _RankWatcher(self.procs, self._halt)
                 watcher.start()
             _compat.set_num_threads_if_needed(self.num_processes)
             return function(*args, **kwargs)
@@ -161,7 +160,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             sys.stdout.flush()
         os._exit(code)
 
-    def _stop_children(self, stalled: str | None = None) -> None:
+    def _stop_children(self, stalled: str | None) -> None:
         """Stop the child ranks that still run after rank 0 failed, and say which rank failed first
         (or, for a collective that failed on rank 0, which rank stopped progressing: ``stalled``)."""
         running = _wait_then_kill(self.procs, _CHILD_GRACE_S)
@@ -216,7 +215,7 @@ class _StartupSignals:
         self._thread: threading.Thread | None = None
 
     def install(self) -> _StartupSignals:
-        if threading.current_thread() is not threading.main_thread() or self._thread is not None:
+        if threading.current_thread() is not threading.main_thread():
             return self
         taken = tuple(sig for sig in _STARTUP_SIGNALS if signal.getsignal(sig) not in (signal.SIG_IGN, None))
         read, write = self._pipe = os.pipe()
@@ -316,9 +315,7 @@ def _wait_then_kill(procs: list[Any], grace_s: float) -> list[Any]:
     return running
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is still running"
+def _describe_exit(code: int) -> str:
     if code < 0:
         try:
             return f"was killed by signal {signal.Signals(-code).name}"

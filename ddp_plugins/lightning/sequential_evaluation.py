@@ -121,7 +121,7 @@ class SequentialEvaluation(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._reset()
+        self._buffers.clear()
 
     on_test_epoch_start = on_predict_epoch_start = on_validation_epoch_start
 
@@ -154,7 +154,7 @@ class SequentialEvaluation(Callback):
         for source in self._sources:
             vars(source).pop("dataloader", None)  # back to the class method
         self._sources = []
-        self._reset()
+        self._buffers.clear()
 
     def _wrap_source(self, trainer: Trainer, stage: str, source: Any) -> None:
         """Swap samplers where Lightning requests the dataloaders, before it injects its own."""
@@ -183,9 +183,6 @@ class SequentialEvaluation(Callback):
         combined.flattened = swapped
         return combined
 
-    def _reset(self) -> None:
-        self._buffers = defaultdict(list)
-
     def _collect(self, trainer: Trainer, stage: str, outputs: Any, dataloader_idx: int) -> None:
         if trainer.sanity_checking or stage not in self._samplers:
             return
@@ -193,7 +190,7 @@ class SequentialEvaluation(Callback):
 
     def _finish(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.sanity_checking or stage not in self._samplers:
-            self._reset()
+            self._buffers.clear()
             return
         gathered_all, values = [], {}
         several = len(self._samplers[stage]) > 1
@@ -208,7 +205,7 @@ class SequentialEvaluation(Callback):
             if self.metrics and stage != "predict":
                 suffix = f"/dataloader_idx_{idx}" if several else ""
                 values.update(self._log_metrics(pl_module, stage, gathered, suffix))
-        self._reset()
+        self._buffers.clear()
         if values:
             self.metric_values[stage] = values
         if not trainer.is_global_zero:

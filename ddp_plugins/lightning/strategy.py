@@ -529,7 +529,9 @@ class DDPPluginsStrategy(DDPStrategy):
             dataloader.worker_init_fn = WorkerInit(
                 dataloader.worker_init_fn, trainer.global_rank, restates=_is_lightning_seeding
             )
-            if _start_method(dataloader) == "forkserver":
+            context = dataloader.multiprocessing_context
+            start_method = context.get_start_method() if context is not None else multiprocessing.get_start_method()
+            if start_method == "forkserver":
                 start_forkserver()  # now, deaf to the job's stop signals, not at the first batch
         return dataloader
 
@@ -762,11 +764,6 @@ def _log_empty_batch(log: Callable[..., None], name: str, value: Any, *args: Any
 
 
 _EVAL_LOADER = 2**31  # the epoch slot of evaluation loaders' generator seed (no training epoch reaches it)
-
-
-def _start_method(dataloader: DataLoader) -> str | None:
-    context = dataloader.multiprocessing_context
-    return context.get_start_method() if context is not None else multiprocessing.get_start_method()
 
 
 DDPPluginsStrategy.register_strategies(StrategyRegistry)
