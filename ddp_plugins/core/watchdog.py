@@ -157,7 +157,7 @@ class ProgressWatchdog:
     def stop(self) -> None:
         self._halt.set()
         self._wake.set()
-        if self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.interval_s + 1)
 
     # the watchdog's thread
@@ -242,13 +242,9 @@ class ProgressWatchdog:
         else:
             # the reporter's line first: a rank that left earlier would fail the reporter's collective
             deadline = time.monotonic() + 2 * self.interval_s
-            while time.monotonic() < deadline:
-                try:
-                    if self.store.check([f"{_KEY}verdict"]):
-                        break
-                except Exception:  # noqa: BLE001 - the store left with the reporter
-                    break
-                time.sleep(0.2)
+            with contextlib.suppress(Exception):  # the store left with the reporter
+                while not self.store.check([f"{_KEY}verdict"]) and time.monotonic() < deadline:
+                    time.sleep(0.2)
         self._exit(STALL_EXIT)
 
 

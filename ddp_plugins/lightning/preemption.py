@@ -83,8 +83,7 @@ class PreemptionCheckpoint(Callback):
         self._agreement = SignalAgreement()
         self._rows_pending = False  # a checkpoint was written; its metrics rows are counted at the next hook
         self._trainer: pl.Trainer | None = None
-        self._saving: str | None = None
-        self._pending_path: str | None = None
+        self._pending_path: str | None = None  # our own last file; another callback's is known to our strategy only
         self._stop: Preempted | None = None
         self._due: tuple[int, bool] | None = None  # (signal, step checkpoint) due at the epoch's end
         self.resumed_from: str | None = None
@@ -213,11 +212,8 @@ class PreemptionCheckpoint(Callback):
     def _save(self, trainer: pl.Trainer, name: str) -> Path:
         assert self.dirpath is not None
         path = Path(self.dirpath) / name
-        self._saving = str(path)
-        try:
-            trainer.save_checkpoint(path, weights_only=False)  # the full state (and no log line about it)
-        finally:
-            self._saving = None
+        trainer.save_checkpoint(path, weights_only=False)  # the full state (and no log line about it)
+        self._pending_path = str(path)
         if trainer.is_global_zero:
             # keep the newest `keep` step checkpoints of this callback (preemption ones included), by
             # the write order the checkpoint IO records (modification times where it recorded none)
@@ -235,8 +231,6 @@ class PreemptionCheckpoint(Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         # the checkpoint being written now gets its final row count at the next hook
         self._rows_pending = True
-        if self._saving is not None:  # our own file; another callback's is known to our strategy only
-            self._pending_path = self._saving
 
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
