@@ -74,11 +74,9 @@ def loopback_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[st
         >>> env["MASTER_ADDR"], env["MASTER_PORT"], "RANK" in env
         ('127.0.0.1', '1234', False)
     """
-    env = {**(os.environ if base is None else base), **LOOPBACK_ENV, **extra}
-    for key in _LAUNCHER_KEYS:
-        if key not in extra:
-            env.pop(key, None)
-    return env
+    base = os.environ if base is None else base
+    inherited = {key: value for key, value in base.items() if key not in _LAUNCHER_KEYS}
+    return {**inherited, **LOOPBACK_ENV, **extra}
 
 
 def _rank_main(
@@ -451,9 +449,8 @@ def _serve() -> None:
     """The rank server's loop (``python -m ddp_plugins.testing``): import once, fork per request."""
     for name in _PRELOAD:
         importlib.import_module(name)
-    requests, replies = sys.stdin.buffer, sys.stdout.buffer
     dies_with_server = parent_death_signal(signal.SIGKILL)  # looked up here, called in each rank
-    for raw in requests:
+    for raw in sys.stdin.buffer:
         request = json.loads(raw)
         pids = {}
         for rank in range(request["world_size"]):
@@ -461,13 +458,11 @@ def _serve() -> None:
             if pid == 0:
                 _rank(request, rank, dies_with_server)  # never returns
             pids[pid] = rank
-        replies.write(f"pids {' '.join(map(str, pids))}\n".encode())
-        replies.flush()
+        print("pids", *pids, flush=True)
         while pids:
             pid, status = os.wait()
             if pid in pids:
-                replies.write(f"exit {pids.pop(pid)} {os.waitstatus_to_exitcode(status)}\n".encode())
-                replies.flush()
+                print("exit", pids.pop(pid), os.waitstatus_to_exitcode(status), flush=True)
 
 
 def _rank(request: dict[str, Any], rank: int, dies_with_server: Callable[[], None] | None) -> None:
@@ -478,12 +473,9 @@ def _rank(request: dict[str, Any], rank: int, dies_with_server: Callable[[], Non
         if dies_with_server is not None:
             dies_with_server()
         out_dir = Path(request["out_dir"])
-        log = os.open(out_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        for fd, target in ((null, 0), (log, 1), (log, 2)):
-            os.dup2(fd, target)
-        os.close(log)
-        os.close(null)
+        with open(os.devnull) as null, open(out_dir / f"rank{rank}.log", "w") as log:
+            for file, fd in ((null, 0), (log, 1), (log, 2)):
+                os.dup2(file.fileno(), fd)
         world_size = str(request["world_size"])
         os.environ.update(
             request["env"], RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=world_size,
