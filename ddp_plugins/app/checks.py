@@ -86,7 +86,7 @@ def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, raw: Any) 
 def _build_logger(node: Any, raw: Any) -> Any:
     """The ``logger`` group's logger (its ``save_dir`` is the run folder: here a folder it never writes to,
     as a logger writes at its first log); a TensorBoard logger without its writer package is one line."""
-    cls = _import_target("logger", str(node.get("_target_", "")))
+    cls = _import_target("logger", node)
     if issubclass(cls, TensorBoardLogger) and not tensorboard_logger.writer_installed():
         raise ConfigError(
             "logger",
@@ -98,8 +98,7 @@ def _build_logger(node: Any, raw: Any) -> Any:
 
 def _build(key: str, node: Any, raw: Any, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate(node, **kwargs)``, its argument errors restated with ``key``."""
-    target = str(node.get("_target_", ""))
-    cls = _import_target(key, target)
+    cls = _import_target(key, node)
     params = _init_params(cls)
     if params is not None:
         for name in node:
@@ -110,12 +109,12 @@ def _build(key: str, node: Any, raw: Any, **kwargs: Any) -> Any:
         try:
             return instantiate(node, **kwargs)
         except InstantiationException as err:
-            cause = err.__cause__ or err
-            raise cause from None
+            raise (err.__cause__ or err) from None
 
 
-def _import_target(key: str, target: str) -> type:
-    """The class ``target`` names (``pkg.module.Class``), or a one-line error on ``key._target_``."""
+def _import_target(key: str, node: Any) -> type:
+    """The class ``node._target_`` names (``pkg.module.Class``), or a one-line error on ``key._target_``."""
+    target = str(node.get("_target_", ""))
     module_name, _, attr = target.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
@@ -241,8 +240,6 @@ def _quiet_trainer(cfg: DictConfig, objects: dict[str, Any]) -> Any:
                 logger=False,
                 enable_checkpointing=False,
             )
-    except ConfigError:
-        raise
     except ArgumentError as err:  # the strategy's checks; devices and num_nodes are the trainer's keys
         group = "trainer" if err.argument in args else "strategy"
         raise ConfigError(f"{group}.{err.argument}", err.problem, err.allowed) from None

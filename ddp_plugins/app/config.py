@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ddp_plugins import _compat
 from ddp_plugins.core.preemption import stable_run_name
@@ -53,9 +53,9 @@ __all__ = [
 CONFIG_MODULE = "ddp_plugins.conf"
 CONFIG_NAME = "train"
 SCHEMA_NAME = "train_schema"
-PRECISIONS = ("auto", "32-true", "64-true", "16-mixed", "bf16-mixed")
 # What `resolve_precision` hands to `lightning.pytorch.Trainer(precision=...)`.
 Precision = Literal["32-true", "64-true", "16-mixed", "bf16-mixed"]
+PRECISIONS = ("auto", *typing.get_args(Precision))
 
 
 @dataclass
@@ -192,7 +192,7 @@ def config_error(err: BaseException) -> ConfigError | None:
     while seen is not None and not isinstance(seen, ValidationError):
         seen = seen.__cause__ or seen.__context__
     key = str(getattr(seen, "full_key", "") or "")
-    if seen is None or isinstance(seen, ConfigKeyError) or not key:
+    if seen is None or not key:
         return None
     allowed = _schema_allowed(key) or f"what the schema allows ({one_line(seen.msg)})"
     return ConfigError(key, f"got {getattr(seen, 'value', None)!r}", allowed)
