@@ -47,7 +47,7 @@ def fingerprint(*states: Any) -> str:
     digest = hashlib.sha256()
 
     def feed(value: Any) -> None:
-        if hasattr(value, "state_dict") and callable(value.state_dict):
+        if callable(getattr(value, "state_dict", None)):
             value = value.state_dict()
         if isinstance(value, Tensor):
             tensor = value.detach().cpu().contiguous().reshape(-1)
@@ -167,7 +167,7 @@ def exact_row_sum(
     top[:count] = top[:count].where(present, -1.0)
     top[-1] = len(rows)
     distributed = is_distributed()
-    device = collective_device(group) if distributed else torch.device("cpu")
+    device = collective_device(group)  # the CPU without a process group
     if distributed:
         top = top.to(device)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -225,7 +225,6 @@ class _ShardStats:
         self.first = _flat64(self.start)
         self.keep = _flat64(torch.full((2 * m.num_features,), 1.0 - float(m.momentum or 0.0)) for m in self.layers)
         self.updates = torch.zeros(virtual_shards, len(self.first), dtype=torch.float64)
-        self.count = 0
 
     def before(self) -> None:
         for buffer, start in zip(self.buffers, self.start, strict=True):
@@ -234,10 +233,9 @@ class _ShardStats:
     def after(self, shard: int) -> None:
         # + 0.0: a -0.0 becomes +0.0, so that the exchange (a sum with zeros) keeps every bit
         self.updates[shard] = _flat64(self.buffers) - self.keep * self.first + 0.0
-        self.count += 1
 
-    def apply(self, updates: Tensor) -> None:
-        """Apply every shard's updates (all ranks', from the exchange) in shard order."""
+    def apply(self, updates: Tensor, local_shards: int) -> None:
+        """Apply every shard's updates (all ranks', from the exchange) in shard order; ``local_shards``: this rank's."""
         value = self.first.clone()
         for update in updates:
             value = self.keep * value + update
@@ -245,7 +243,7 @@ class _ShardStats:
             buffer.copy_(piece.reshape(buffer.shape))
         for layer in self.layers:
             if layer.num_batches_tracked is not None:
-                layer.num_batches_tracked.sub_(self.count).add_(len(updates))
+                layer.num_batches_tracked.sub_(local_shards).add_(len(updates))
 
 
 class ShardedStep:
@@ -334,16 +332,15 @@ class ShardedStep:
         sums, present, (updates,) = exact_row_sum(
             self._grads, self._rows, sizes, present, self.group, bits=[stats.updates]
         )
-        stats.apply(updates)
+        stats.apply(updates, local_shards=len(self._rows))
         pieces = (sums / step_rows).split(sizes)
         self.grads = [
             piece.to(p.dtype).reshape(p.shape) if there else None
             for piece, p, there in zip(pieces, self.params, present.tolist(), strict=False)
         ]
-        means = [piece.reshape(()) for piece in pieces[len(self.params) :]]
         self._grads, self._rows, self._stats = [], [], None
         self._present = torch.zeros(len(self.params), dtype=torch.bool)
-        return means
+        return [piece.reshape(()) for piece in pieces[len(self.params) :]]
 
     def apply(self) -> None:
         """Write the reduced gradients into the parameters' ``.grad``."""

@@ -179,7 +179,6 @@ def decode_rng_states(states: dict[str, Any]) -> dict[str, Any]:
         keys = numpy_state["keys"].numpy().astype(np.uint32)
         rest = (numpy_state[key] for key in ("pos", "has_gauss", "cached_gaussian"))
         states["numpy"] = (numpy_state["name"], keys, *rest)
-    cuda_states = states.get("torch.cuda") or []
-    if len(cuda_states) != (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+    if len(states.get("torch.cuda") or []) != (torch.cuda.device_count() if torch.cuda.is_available() else 0):
         states.pop("torch.cuda", None)  # saved with other CUDA devices: keep the torch.manual_seed ones
     return states

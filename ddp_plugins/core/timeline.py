@@ -179,8 +179,7 @@ class TimedCommHook:
     def __call__(self, state, bucket):
         # no annotations: DDP compares them with the real classes
         buffer = bucket.buffer()
-        nbytes = buffer.numel() * buffer.element_size()
-        record = self.timeline._start("ddp_bucket", "all_reduce", nbytes, (), cuda=buffer.is_cuda)
+        record = self.timeline._start("ddp_bucket", "all_reduce", buffer.nbytes, (), cuda=buffer.is_cuda)
         with _untimed():
             future = self.hook(state, bucket)
         if record is None:
@@ -284,7 +283,7 @@ class Timeline:
             spread = torch.tensor([(max(estimates) - min(estimates)) // 2], dtype=torch.int64, device=device)
             dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
             origin = torch.tensor([time.perf_counter_ns() - offset], dtype=torch.int64, device=device)
-            dist.broadcast(origin, 0 if self.group is None else dist.get_global_rank(self.group, 0), group=self.group)
+            dist.broadcast(origin, group=self.group, group_src=0)
         self.offset_ns, self.clock_residual_ns, self.origin_ns = offset, int(spread), int(origin)
         return self.offset_ns, self.clock_residual_ns
 

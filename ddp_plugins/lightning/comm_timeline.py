@@ -105,7 +105,7 @@ class CommTimeline(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        timeline = self.timeline = Timeline(
+        self.timeline = Timeline(
             history=self.history,
             blame_threshold_s=self.blame_threshold_ms / 1e3,
             score_decay=self.score_decay,
@@ -114,7 +114,7 @@ class CommTimeline(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy):
             self._strategy, self._user_hook = strategy, _compat.strategy_comm_hook(strategy)
-            self._hook = wrap_comm_hook(strategy, lambda hook: TimedCommHook(timeline, hook))
+            self._hook = wrap_comm_hook(strategy, self.timeline.comm_hook)
         if self.trace_path is None:
             self.trace_path = Path(trainer.log_dir or trainer.default_root_dir) / "comm_timeline.json"
 
@@ -204,10 +204,9 @@ class CommTimeline(Callback):
 
     def export_results(self) -> str:
         """Write the summary (spawned rank 0) to a temporary file; the path travels back."""
-        fd, path = tempfile.mkstemp(prefix="ddp_plugins_timeline_", suffix=".json")
-        with os.fdopen(fd, "w") as file:
+        with tempfile.NamedTemporaryFile("w", prefix="ddp_plugins_timeline_", suffix=".json", delete=False) as file:
             json.dump(self._summary, file)
-        return path
+        return file.name
 
     def import_results(self, path: str) -> None:
         """Take the summary a spawned rank 0 exported to ``path`` (and remove the file)."""
@@ -246,9 +245,9 @@ class CommTimeline(Callback):
         scores = report["scores"]
         if scores:
             slowest = max(scores, key=scores.get)
-            metrics["straggler/slowest_rank"] = float(slowest)
+            metrics["straggler/slowest_rank"] = slowest
             metrics["straggler/score_max_ms"] = scores[slowest]
-        metrics["straggler/blamed_steps"] = float(len(report["blamed"]))
+        metrics["straggler/blamed_steps"] = len(report["blamed"])
         if trainer.world_size <= _MAX_PER_RANK_SCORES:
             metrics.update({f"straggler/score_rank{r}": score for r, score in scores.items()})
         log_to_loggers(trainer, {k: float(v) for k, v in metrics.items()})

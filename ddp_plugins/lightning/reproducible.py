@@ -172,8 +172,8 @@ class ReproducibleSteps:
             self._step = ShardedStep(module, self.virtual_shards, seed=plan.seed)
         first, stop = plan.rank_shards(world_size)[rank]
         values, output = [], None
-        ends = list(itertools.accumulate(plan.shard_sizes(step)[first:stop], initial=0))
-        for shard, a, b in zip(range(first, stop), ends, ends[1:], strict=False):
+        ends = itertools.accumulate(plan.shard_sizes(step)[first:stop], initial=0)
+        for shard, (a, b) in enumerate(itertools.pairwise(ends), start=first):
             with _recording(module, training=True) as logs, self._step.shard(shard, b - a, epoch, step):
                 with context():
                     output = module.training_step(tree_map(_rows_of(a, b), batch), *args[1:])
