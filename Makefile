@@ -6,12 +6,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: train lint test gpu-check gpu-tests matrix bench clean
 
+# pip compiles the bytecode of what it installs one file at a time (about a third of the set-up): it
+# is skipped there and done once on every core (`compileall -j 0`, the same .pyc files). compileall
+# exits 1 for the few files that are not Python 3.11 (torch's py312 test intrinsics), which pip skips too.
+PIP_INSTALL := -m pip install -q --no-compile
+COMPILE_SITE = $(1) -m compileall -q -j 0 "$$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
+
 $(STAMP): pyproject.toml requirements.lock
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: an unpinned torch would pull several GB of CUDA wheels.
-	$(PY) -m pip install -q $$(grep '^torch==' requirements.lock)
-	$(PY) -m pip install -q -c requirements.lock -e '.[test]'
+	$(PY) $(PIP_INSTALL) $$(grep '^torch==' requirements.lock)
+	$(PY) $(PIP_INSTALL) -c requirements.lock -e '.[test]'
+	$(call COMPILE_SITE,$(PY))
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -27,11 +34,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy ddp_plugins
 
-# Two pytest workers (pytest-xdist): most tests wait on processes they started (ranks importing
-# Lightning, timeouts, Slurm), so two at a time fill the 2 cores (three measured slower: the ranks
-# then compete for them). Work stealing: a worker that runs out takes half of the other's queue, so
-# the run does not end on one worker's last long tests.
-XDIST := -n 2 --dist worksteal
+# Three pytest workers (pytest-xdist) on this 2-core machine: the tests wait on processes they started
+# (ranks importing Lightning, timeouts, Slurm), and a third worker fills those waits. Measured back to
+# back (2026-11-26): 2 workers 516 s, 3 workers 457 s, 4 workers 505 s (the ranks then compete for
+# the cores, and a straggler notebook's timing broke). Work stealing: a worker that runs out takes half
+# of another's queue, so the run does not end on one worker's last long tests.
+XDIST := -n 3 --dist worksteal
 
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
@@ -67,9 +75,10 @@ MATRIX_SLOW := tests/lightning/test_rank_aware_seed.py tests/lightning/test_sequ
 
 $(MATRIX_VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(MATRIX_PY) || $(PYTHON) -m venv $(MATRIX_VENV)
-	$(MATRIX_PY) -m pip install -q $$(grep '^torch==' requirements.lock)
+	$(MATRIX_PY) $(PIP_INSTALL) $$(grep '^torch==' requirements.lock)
 	grep -E '^($(MATRIX_PINS))==' requirements.lock > $(MATRIX_VENV)/constraints.txt
-	$(MATRIX_PY) -m pip install -q -c $(MATRIX_VENV)/constraints.txt -e '.[test]' 'lightning==$(OLDEST_LIGHTNING)'
+	$(MATRIX_PY) $(PIP_INSTALL) -c $(MATRIX_VENV)/constraints.txt -e '.[test]' 'lightning==$(OLDEST_LIGHTNING)'
+	$(call COMPILE_SITE,$(MATRIX_PY))
 	touch $@
 
 matrix: $(STAMP) $(MATRIX_VENV)/.installed
