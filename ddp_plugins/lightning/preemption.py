@@ -160,10 +160,8 @@ class PreemptionCheckpoint(Callback):
             path = self._save(trainer, f"step-{step}-preempted.ckpt")
             if trainer.is_global_zero:
                 log.warning("preempted by signal %d at step %d: checkpoint %s", signum, step, path)
-                requeue = self.requeue == "always" or signum in self._requeue_signals
-                if self.requeue != "never" and requeue and slurm_job_id() is not None:
-                    slurm_requeue()
-            # Raised at the next hook, once Lightning has logged this step's metrics
+            # Raised at the next hook, once Lightning has logged this step's metrics; the job is
+            # requeued only then, as a stop agreed at the last step ends a finished run instead
             self._stop = Preempted(signum, str(path))
         elif step_due:
             self._save(trainer, f"step-{step}.ckpt")
@@ -204,9 +202,18 @@ class PreemptionCheckpoint(Callback):
         self._finish_rows(trainer)
         if self._stop is not None:
             stop, self._stop = self._stop, None
+            requeue = self.requeue == "always" or stop.signum in self._requeue_signals
+            if trainer.is_global_zero and self.requeue != "never" and requeue and slurm_job_id() is not None:
+                slurm_requeue()
             raise stop
 
     def _signum(self) -> int:
+        return self._flag.signum
+
+    @property
+    def signal_received(self) -> int:
+        """The first stop signal this rank has received during fitting, 0 for none (read-only: the
+        stop itself is agreed between the ranks at a step boundary)."""
         return self._flag.signum
 
     def _save(self, trainer: pl.Trainer, name: str) -> Path:

@@ -230,12 +230,17 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     """`scancel --signal=USR1` (what `--signal=USR1@90` sends before preemption) on a `--requeue`
     job: every task stops at one step and checkpoints, the job requeues itself, and the requeued
     job continues in its own folder (outputs/slurm-<job id>) to the reference's end state."""
-    srun = f"srun {sys.executable} -m ddp_plugins.train trainer.devices=2 {' '.join(SMALL)}"
+    # Every task holds after step 3 until Slurm's USR1 has reached it (AwaitSignal), and the ranks agree
+    # on it at the next step: the signal lands mid-training however fast the job trains (it once came
+    # after the last step, and the job had finished).
+    hold = ["+callbacks.await_signal._target_=tests.helpers.interrupt.AwaitSignal",
+            "callbacks.preemption.check_every_n_steps=1"]  # fmt: skip
+    srun = f"srun {sys.executable} -m ddp_plugins.train trainer.devices=2 {' '.join([*SMALL, *hold])}"
     job, folder = submit_requeue_job(tmp_path, "ddp-preempt", srun, loopback_env())
     try:
         deadline = time.monotonic() + 240
-        while not list((folder / "checkpoints").glob("step-*.ckpt")):  # the first step checkpoint (pruned later)
-            assert time.monotonic() < deadline, f"job {job} wrote no step checkpoint: {job_fields(job)}"
+        while not (folder / "awaiting-signal").exists():
+            assert time.monotonic() < deadline, f"job {job} did not reach step 3: {job_fields(job)}"
             time.sleep(0.3)
         subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
         released = False
@@ -250,10 +255,9 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{log[-3000:]}"
     found = RESUMING.findall(log)  # the requeued job's log (Slurm truncates it on requeue)
     assert len(found) == 1, f"one resume, printed once:\n{log[-3000:]}"
-    assert (
-        re.fullmatch(r"step-\d+-preempted\.ckpt", Path(found[0][0]).name)
-        and Path(found[0][0]).parent == folder / "checkpoints"
-    )
+    stop = Path(found[0][0])
+    assert stop.parent == folder / "checkpoints" and re.fullmatch(r"step-\d+-preempted\.ckpt", stop.name), stop
+    assert 3 < _step(stop) < 16, f"{stop.name}: not a stop after the signal (step 3) and before the last step (16)"
     assert_equal_states(final_state(reference), final_state(folder))
     assert metrics_rows(folder) == metrics_rows(reference)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from ddp_plugins.lightning import PreemptionCheckpoint
+
 HOOKS = ("train_batch_end", "train_batch_start", "validation_batch_start", "save_checkpoint")
 
 
@@ -78,3 +80,30 @@ class SlowStop(Callback):
     def on_exception(self, trainer, pl_module, exception):
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)
+
+
+class AwaitSignal(Callback):
+    """Every rank holds after optimizer step ``step`` until the app's PreemptionCheckpoint has received
+    a signal sent from outside the run (``scancel --signal``), once per run folder. Rank 0 writes
+    ``marker`` in the run's root folder when it starts to wait: the test sends the signal then. The
+    signal so lands mid-training however fast the machine trains (a run that finished first made
+    the Slurm requeue test fail by chance); ``timeout`` seconds without it fail the run."""
+
+    def __init__(self, step: int = 3, marker: str = "awaiting-signal", timeout: float = 120.0) -> None:
+        self.step, self.marker, self.timeout = step, marker, timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        (preemption,) = [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)]
+        marker = Path(trainer.default_root_dir) / self.marker
+        waited_before = marker.exists()  # read on every rank before rank 0 writes it
+        trainer.strategy.barrier("await-signal")
+        if waited_before:
+            return
+        if trainer.is_global_zero:
+            marker.write_text(f"waiting after step {trainer.global_step}\n")
+        deadline = time.monotonic() + self.timeout
+        while not preemption.signal_received:
+            assert time.monotonic() < deadline, f"no signal within {self.timeout} s of {marker}"
+            time.sleep(0.05)

@@ -89,6 +89,30 @@ def test_in_a_submitit_job_usr2_stops_at_the_step_and_requeues(tmp_path, monkeyp
         signal.signal(signal.SIGUSR2, previous)
 
 
+def test_a_slurm_signal_at_the_last_step_finishes_the_job_without_a_requeue(tmp_path, monkeypatch):
+    """Issue 45: Slurm's USR1 agreed at the last step has nothing left to stop. The run ends as a
+    finished one and the job is not requeued (a requeued job would only say it had finished)."""
+    requeued = []
+    monkeypatch.setattr("ddp_plugins.lightning.preemption.slurm_requeue", lambda: requeued.append(True))
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    callback = PreemptionCheckpoint(check_every_n_steps=1)
+    trainer = _trainer(tmp_path, _SigtermAt(8, signal.SIGUSR1), callback)
+    trainer.fit(BoringModel())  # no Preempted: training and its end ran
+    assert callback.signal_received == signal.SIGUSR1, "the signal was not received"
+    assert trainer.global_step == 8 and requeued == [], "a finished job was requeued"
+    assert (tmp_path / "checkpoints" / "step-8-preempted.ckpt").exists()
+
+
+def test_a_slurm_signal_before_the_last_step_requeues_once(tmp_path, monkeypatch):
+    requeued = []
+    monkeypatch.setattr("ddp_plugins.lightning.preemption.slurm_requeue", lambda: requeued.append(True))
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    trainer = _trainer(tmp_path, _SigtermAt(5, signal.SIGUSR1), PreemptionCheckpoint(check_every_n_steps=1))
+    with pytest.raises(Preempted) as stop:
+        trainer.fit(BoringModel())
+    assert stop.value.signum == signal.SIGUSR1 and trainer.global_step == 5 and requeued == [True]
+
+
 def test_step_checkpoints_keep_the_newest_and_finish_normally(tmp_path):
     trainer = _trainer(tmp_path, PreemptionCheckpoint(every_n_train_steps=2, keep=2))
     trainer.fit(BoringModel())
