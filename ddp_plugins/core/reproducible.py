@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -100,13 +102,14 @@ def exact_sum(
     weights: Sequence[float] | None = None,
     group: Any = None,
     bits: Sequence[Tensor] = (),
+    total_shards: int | None = None,
 ) -> tuple[list[Tensor | None], list[Tensor]]:
     """Sum ``weights[s] * shards[s][i]`` over this rank's shards ``s`` and all ranks, the same bits in any grouping.
 
     Each tensor ``i`` gets one exponent, agreed over all shards of all ranks (an ``all_reduce``
-    of the largest magnitude); every value becomes an integer of at most ``52 - ceil(log2(shards))``
+    of the largest magnitude); every value becomes an integer of at most ``52 - ceil(log2(total_shards))``
     bits at that exponent, held in float64, so that every partial sum is an integer below
-    ``2**53``: exact, in any order and grouping. A value smaller than ``2**-(52 - ceil(log2(shards)))``
+    ``2**53``: exact, in any order and grouping. A value smaller than ``2**-(52 - ceil(log2(total_shards)))``
     of its tensor's largest is rounded to that grid (float32 keeps 24 bits; float64 tensors lose
     their last bits). A tensor with a NaN or an infinity anywhere sums to NaN.
 
@@ -117,9 +120,15 @@ def exact_sum(
         group: the process group (the default one; none at all runs on one process).
         bits: float64 tensors that ride in the same ``all_reduce`` as a plain sum: one that each
             rank fills only in its own slots (zeros elsewhere) comes back whole, bit-exact.
+        total_shards: the most shards of non-zero weight all ranks together may give. It sets the
+            grid, so it must not depend on the number of ranks: a plan's shard count, or ``None`` to
+            count them (one more ``all_reduce``), the same on any number of ranks when the shards are.
 
     Returns:
         The sums (``None`` where no shard of any rank gave a tensor), and ``bits`` reduced.
+
+    Raises:
+        ValueError: the ranks gave more than ``total_shards`` shards in all.
 
     Example (one process)::
 
@@ -131,7 +140,13 @@ def exact_sum(
     rows = [_flat64(torch.zeros(n) if t is None else t for t, n in zip(shard, sizes, strict=True)) for shard in shards]
     present = torch.tensor([any(shard[i] is not None for shard in shards) for i in range(len(like))], dtype=torch.bool)
     weights = [1.0] * len(shards) if weights is None else [float(w) for w in weights]
-    flat, present, out_bits = exact_row_sum(rows, weights, sizes, present, group, bits)
+    if total_shards is None:
+        count = torch.tensor([float(sum(w != 0 for w in weights))], dtype=torch.float64)
+        if is_distributed():
+            count = count.to(collective_device(group))
+            dist.all_reduce(count, group=group)
+        total_shards = int(count.item())
+    flat, present, out_bits = exact_row_sum(rows, weights, sizes, present, total_shards, group, bits)
     sums: list[Tensor | None] = [
         piece.to(t.dtype).reshape(t.shape).to(t.device) if there else None
         for piece, t, there in zip(flat.split(sizes), like, present.tolist(), strict=True)
@@ -144,18 +159,51 @@ def exact_row_sum(
     weights: Sequence[float],
     sizes: Sequence[int],
     present: Tensor,
+    total_shards: int,
     group: Any = None,
     bits: Sequence[Tensor] = (),
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """:func:`exact_sum` of ``weights[s] * rows[s]`` (one flat row per local shard, the tensors laid end to end).
 
-    ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave. The rows
-    may be float32: each is widened to float64 one at a time. Returns the float64 sums laid out
-    alike, which tensors any rank gave, and ``bits`` reduced.
+    ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave;
+    ``total_shards``: the most shards of all ranks together, which sets the grid (a plan's ``V``,
+    never a count of ranks). The rows may be float32: each is widened to float64 one at a time.
+    Returns the float64 sums laid out alike, which tensors any rank gave, and ``bits`` reduced.
+
+    The three stages (:func:`_grid_top`, :func:`_grid_integers`, :func:`_grid_values`) are pure
+    functions of one rank's rows; between them run one ``all_reduce`` (MAX) and one (SUM).
     """
-    count, total = len(sizes), sum(sizes)
-    # per tensor: the largest finite magnitude (-1: absent), a non-finite flag; then this rank's shards
-    top = torch.zeros(2 * count + 1, dtype=torch.float64)
+    distributed = is_distributed()
+    device = collective_device(group)  # the CPU without a process group
+    top = _grid_top(rows, weights, sizes, present)
+    if distributed:
+        top = top.to(device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        top = top.cpu()
+    sums = _grid_integers(rows, weights, sizes, top, total_shards)
+    payload = _flat64([sums, torch.tensor([float(sum(w != 0 for w in weights))]), *bits])
+    if distributed:
+        payload = payload.to(device)
+        dist.all_reduce(payload, group=group)
+        payload = payload.cpu()
+    total = len(sums)
+    if payload[total] > total_shards:
+        raise ValueError(
+            f"exact_sum: the ranks gave {int(payload[total])} shards of non-zero weight in all, more than"
+            f" total_shards={total_shards} that set the rounding grid; pass the real bound (the same on any number"
+            " of ranks)."
+        )
+    pieces = payload[total + 1 :].split([b.numel() for b in bits])
+    out_bits = [p.reshape(b.shape) for p, b in zip(pieces, bits, strict=True)]
+    return _grid_values(payload[:total], sizes, top, total_shards), top[: len(sizes)] >= 0, out_bits
+
+
+def _grid_top(rows: Sequence[Tensor], weights: Sequence[float], sizes: Sequence[int], present: Tensor) -> Tensor:
+    """One rank's part of the grid: per tensor its largest finite ``|weight * value|`` (-1: absent
+    on this rank), then a flag per tensor for a NaN or an infinity. The ranks' parts combine by
+    an elementwise maximum (an ``all_reduce`` MAX)."""
+    count = len(sizes)
+    top = torch.zeros(2 * count, dtype=torch.float64)
     for row, weight in zip(rows, weights, strict=True):  # |w * x| = w * |x| exactly: w is a row count
         top[:count] = torch.maximum(top[:count], torch.stack([_largest(t) for t in row.split(sizes)]).double() * weight)
     if not bool(torch.isfinite(top[:count]).all()):  # rare: find the tensors, keep the finite maxima
@@ -165,18 +213,23 @@ def exact_row_sum(
                 top[count + i] = max(float(top[count + i]), float((~finite).any()))
                 top[i] = max(float(top[i].nan_to_num(0.0, 0.0, 0.0)), float(_largest(t.where(finite, 0.0))) * weight)
     top[:count] = top[:count].where(present, -1.0)
-    top[-1] = len(rows)
-    distributed = is_distributed()
-    device = collective_device(group)  # the CPU without a process group
-    if distributed:
-        top = top.to(device)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        top = top.cpu()
-    total_shards = int(top[-1]) * (dist.get_world_size(group) if distributed else 1)
+    return top
+
+
+def _exponents(top: Tensor, count: int, total_shards: int) -> list[int]:
+    """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``."""
     room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
-    exponents = [room - math.frexp(m)[1] if m > 0 else 0 for m in top[:count].tolist()]
-    flags = top[count : 2 * count].tolist()
-    sums, scaled = torch.zeros(total, dtype=torch.float64), torch.empty(total, dtype=torch.float64)
+    return [room - math.frexp(m)[1] if m > 0 else 0 for m in top[:count].tolist()]
+
+
+def _grid_integers(
+    rows: Sequence[Tensor], weights: Sequence[float], sizes: Sequence[int], top: Tensor, total_shards: int
+) -> Tensor:
+    """One rank's sum of its rows on the agreed grid (``top``: every rank's :func:`_grid_top`, combined):
+    integers in float64, whose sum over the ranks is exact in any order."""
+    count = len(sizes)
+    exponents, flags = _exponents(top, count, total_shards), top[count:].tolist()
+    sums, scaled = torch.zeros(sum(sizes), dtype=torch.float64), torch.empty(sum(sizes), dtype=torch.float64)
     for row, weight in zip(rows, weights, strict=True):
         scaled.copy_(row).mul_(weight)  # exact: a float32 value times a row count fits float64
         if any(flags):
@@ -184,20 +237,20 @@ def exact_row_sum(
         for t, e in zip(scaled.split(sizes), exponents, strict=True):
             t.mul_(2.0 ** (e // 2)).mul_(2.0 ** (e - e // 2))  # exact: two powers of two, neither overflows
         sums += scaled.round_()  # integers below 2**53 in float64: exact, in any order and grouping
-    payload = _flat64([sums, *bits])
-    if distributed:
-        payload = payload.to(device)
-        dist.all_reduce(payload, group=group)
-        payload = payload.cpu()
-    sums = payload[:total]
-    for t, e, bad in zip(sums.split(sizes), exponents, flags, strict=True):
+    return sums
+
+
+def _grid_values(sums: Tensor, sizes: Sequence[int], top: Tensor, total_shards: int) -> Tensor:
+    """The ranks' integer sums (:func:`_grid_integers`, summed) back at their tensors' scale; NaN where
+    a value was not finite."""
+    count = len(sizes)
+    sums = sums.clone()
+    for t, e, bad in zip(sums.split(sizes), _exponents(top, count, total_shards), top[count:].tolist(), strict=True):
         if bad:
             t.fill_(math.nan)
         else:
             t.mul_(2.0 ** -(e // 2)).mul_(2.0 ** -(e - e // 2))
-    pieces = payload[total:].split([b.numel() for b in bits])
-    out_bits = [p.reshape(b.shape) for p, b in zip(pieces, bits, strict=True)]
-    return sums, top[:count] >= 0, out_bits
+    return sums
 
 
 class _ShardStats:
@@ -251,7 +304,8 @@ class ShardedStep:
 
     For each of this rank's shards, in order, run the forward and backward inside
     :meth:`shard`: the model's BatchNorm layers start from the step's statistics, the random
-    streams (CPU, and CUDA where the model is) are seeded by :func:`shard_seed`, and the
+    streams (torch's CPU one, CUDA's where the model is, Python's ``random`` and NumPy's global one)
+    are seeded by :func:`shard_seed`, any other buffer the forward changes is refused, and the
     gradients are taken away afterwards. :meth:`finish` sums every shard of every rank with
     :func:`exact_sum`, weighted by rows (the gradient of the mean loss over the step's rows, as
     one process), applies the shards' BatchNorm updates in shard order, and returns the combined
@@ -288,6 +342,8 @@ class ShardedStep:
         cuda = {p.device for p in self.params if p.device.type == "cuda"}
         self._generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in cuda)]
         self._rng: list[Tensor] = []
+        self._host_rng: tuple[Any, Any] | None = None  # Python's and NumPy's global streams, given back in finish()
+        self._buffers: list[tuple[str, Tensor, Tensor]] = []  # (name, buffer, its value at the step's start)
         self._grads: list[Tensor] = []
         self._rows: list[int] = []
         self._stats: _ShardStats | None = None
@@ -299,12 +355,27 @@ class ShardedStep:
         if self._stats is None:
             self._stats = _ShardStats(self.module, self.virtual_shards)
             self._rng = [g.get_state() for g in self._generators]  # given back in finish()
+            self._host_rng = (random.getstate(), np.random.get_state())
+            normalized = {id(b) for m in self._stats.layers for b in m.buffers(recurse=False)}
+            self._buffers = [
+                (name, b, b.detach().clone()) for name, b in self.module.named_buffers() if id(b) not in normalized
+            ]
         self._stats.before()
         for p in self.params:  # the shard's own gradient only (the last step's is still there)
             p.grad = None
+        seed = shard_seed(self.seed, epoch, step, index)
         for generator in self._generators:
-            generator.manual_seed(shard_seed(self.seed, epoch, step, index))
+            generator.manual_seed(seed)
+        random.seed(seed)  # every stream a shard may draw from: torch's, Python's and NumPy's
+        np.random.seed(seed % 2**32)
         yield
+        for name, buffer, start in self._buffers:
+            if not torch.equal(buffer, start):
+                raise ValueError(
+                    f"reproducible mode: the forward updated buffer {name!r}, which each rank would update from its own"
+                    " shards only, so the bits would depend on the number of ranks. Make it a BatchNorm (combined"
+                    " in shard order), a parameter, or update it outside training_step."
+                )
         grads = [p.grad for p in self.params]
         self._present |= torch.tensor([g is not None for g in grads])
         self._grads.append(
@@ -323,6 +394,9 @@ class ShardedStep:
         assert self._stats is not None, "finish() before any shard()"
         for generator, state in zip(self._generators, self._rng, strict=True):
             generator.set_state(state)
+        if self._host_rng is not None:
+            random.setstate(self._host_rng[0])
+            np.random.set_state(self._host_rng[1])
         stats, sizes = self._stats, [p.numel() for p in self.params]
         for i, shard in enumerate(values):  # each row grows by its scalars, one row at a time
             row = self._grads[i]
@@ -330,7 +404,7 @@ class ShardedStep:
         sizes += [1] * (len(values[0]) if values else 0)
         present = torch.cat([self._present, torch.ones(len(sizes) - len(self.params), dtype=torch.bool)])
         sums, present, (updates,) = exact_row_sum(
-            self._grads, self._rows, sizes, present, self.group, bits=[stats.updates]
+            self._grads, self._rows, sizes, present, self.virtual_shards, self.group, bits=[stats.updates]
         )
         stats.apply(updates, local_shards=len(self._rows))
         pieces = (sums / step_rows).split(sizes)
