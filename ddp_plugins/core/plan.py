@@ -98,15 +98,19 @@ class GlobalPlan:
             )
         if self.virtual_shards is not None:
             check_int("virtual_shards", self.virtual_shards, 1)
-            last = self.step_size(self.steps_per_epoch - 1)
-            if last < self.virtual_shards:
+            last, shards = self.step_size(self.steps_per_epoch - 1), self.virtual_shards
+            if min(self.global_batch_size, last) < shards:
+                whole = self.global_batch_size < shards  # every step is too small, not only the last
                 raise ArgumentValueError(
                     "global_batch_size",
-                    f"one that leaves every step at least virtual_shards={self.virtual_shards} rows",
+                    f"one that leaves every step at least virtual_shards={shards} rows",
                     self.global_batch_size,
-                    problem=f"the last step of {self.dataset_length} rows has {last}",
-                    hint="Use drop_last=True or another global_batch_size, so that no virtual shard is empty.",
-                )
+                    problem=f"got {self.global_batch_size}, fewer rows than shards in every step" if whole else (
+                        f"got {self.global_batch_size}: {self.dataset_length} rows leave a last step of {last} rows"
+                    ),
+                    hint=f"Use virtual_shards<={self.global_batch_size} or global_batch_size>={shards}." if whole
+                    else "Use drop_last=True or another global_batch_size.",
+                )  # fmt: skip
 
     @property
     def steps_per_epoch(self) -> int:

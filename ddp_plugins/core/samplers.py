@@ -28,7 +28,9 @@ class SequentialDistributedSampler(DistributedSampler):
     Args:
         dataset: a map-style dataset (with ``__len__``).
         align: each shard's length is a multiple of this (the loader's batch size), so that
-            every batch holds the same rows on any number of ranks (the reproducible mode).
+            every batch holds the same rows on any number of ranks (the reproducible mode). Then
+            nothing pads a batch: the dataset's last batch is short, and a rank past the dataset's
+            end gets one padding sample (a batch that counts for nothing) so that it evaluates too.
 
     Example::
 
@@ -36,6 +38,8 @@ class SequentialDistributedSampler(DistributedSampler):
         [[0, 1, 2], [3, 4, 4]]
         >>> SequentialDistributedSampler(range(5), num_replicas=2, rank=1).num_real_samples
         2
+        >>> [list(SequentialDistributedSampler(range(10), num_replicas=4, rank=r, align=4)) for r in range(4)]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [9]]
     """
 
     def __init__(
@@ -51,15 +55,16 @@ class SequentialDistributedSampler(DistributedSampler):
             )
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
         self.dataset_length = len(dataset)
-        self.num_samples = math.ceil(math.ceil(self.dataset_length / self.num_replicas) / align) * align
-        self.total_size = self.num_samples * self.num_replicas
-        self.num_real_samples = max(0, min(self.num_samples, self.dataset_length - self.rank * self.num_samples))
+        shard = math.ceil(math.ceil(self.dataset_length / self.num_replicas) / align) * align
+        self.total_size = shard * self.num_replicas
+        self.start = self.rank * shard
+        self.num_real_samples = max(0, min(shard, self.dataset_length - self.start))
+        self.num_samples = shard if align == 1 else max(self.num_real_samples, 1)
 
     @override
     def __iter__(self) -> Iterator[int]:
-        start = self.rank * self.num_samples
         padding = [self.dataset_length - 1] * (self.num_samples - self.num_real_samples)
-        return iter(list(range(start, start + self.num_real_samples)) + padding)
+        return iter(list(range(self.start, self.start + self.num_real_samples)) + padding)
 
 
 _LOADER_SEED_TAG = 0xD47A  # spawn-key tag: the loader streams never equal a rank's own stream

@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, IterableDataset
+from torchmetrics import Metric
 
+from ddp_plugins._compat import update_dataloader
 from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import GlobalPlan, first_tensor_rows
 from ddp_plugins.core.ranks import is_distributed
@@ -73,6 +76,50 @@ def check_trainer(trainer: Any, world_size: int, virtual_shards: int) -> None:
         )  # fmt: skip
 
 
+def check_options(**options: Any) -> None:
+    """DDP options that the mode would bypass are refused, not ignored: its exact sums run outside
+    ``DistributedDataParallel``'s reducer, which is what runs comm hooks and finds unused parameters.
+
+    Example::
+
+        >>> check_options(comm_hook="none", find_unused_parameters=False)
+        >>> check_options(comm_hook="fp16")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ddp_plugins.core.checks.ArgumentValueError: `comm_hook` should be 'none' with reproducible=True, got 'fp16'. ...
+    """
+    for name, value in options.items():
+        if value != _BYPASSED[name]:
+            raise ArgumentValueError(
+                name, f"{_BYPASSED[name]!r} with reproducible=True", value,
+                hint="The mode sums the gradients exactly itself, outside DistributedDataParallel's reducer, which"
+                " is what runs comm hooks and finds unused parameters (unused ones get no gradient in this mode).",
+            )  # fmt: skip
+
+
+_BYPASSED: dict[str, Any] = {"comm_hook": "none", "ddp_comm_hook": None, "find_unused_parameters": False}
+
+
+def check_shards(module: nn.Module, plan: GlobalPlan) -> None:
+    """Refuse a plan whose virtual shards are too small for the model's ``BatchNorm1d`` layers.
+
+    BatchNorm normalizes each shard on its own, and a ``BatchNorm1d`` over ``(rows, features)``
+    needs two rows or more; the refusal names the step and what would work.
+    """
+    if not any(isinstance(m, nn.BatchNorm1d) and m.training for m in module.modules()):
+        return
+    for step in sorted({0, plan.steps_per_epoch - 1}):  # every other step is as long as the first
+        sizes = plan.shard_sizes(step)
+        if any(size == 1 for size in sizes):
+            rows, most = sum(sizes), max(1, sum(sizes) // 2)
+            raise _refuse(
+                f"normalizes BatchNorm1d over each virtual shard, but step {step} has {rows} rows, which"
+                f" virtual_shards={plan.virtual_shards} cut into shards of 1 row (BatchNorm1d needs 2 or more)",
+                f"Use virtual_shards<={most} (the same for every run you compare), drop_last=True, or a"
+                f" global_batch_size whose every step has at least {2 * (plan.virtual_shards or 1)} rows.",
+            )
+
+
 def check_model(module: nn.Module) -> None:
     """Refuse what would break the guarantee in the model (one line)."""
     if not getattr(module, "automatic_optimization", True):
@@ -84,10 +131,12 @@ def check_model(module: nn.Module) -> None:
             "Use plain BatchNorm (SyncBatchNormCallback steps aside in this mode).",
         )
     cuda = any(p.device.type == "cuda" for p in module.parameters())
-    if cuda and not torch.are_deterministic_algorithms_enabled():
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if cuda and (not torch.are_deterministic_algorithms_enabled() or warn_only):
+        got = "warn-only deterministic kernels (deterministic='warn')" if warn_only else "nondeterministic kernels"
         raise _refuse(
-            "on CUDA needs deterministic kernels",
-            "Turn on torch.use_deterministic_algorithms (Trainer(deterministic=True)).",
+            f"on CUDA needs deterministic kernels, got {got}",
+            "Use Trainer(deterministic=True): a kernel that only warns would change the bits.",
         )
 
 
@@ -103,6 +152,16 @@ class _LogRecorder:
         self.kwargs: dict[str, dict[str, Any]] = {}
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        floats = [k for k, v in value.metric_state.items() if isinstance(v, Tensor) and v.is_floating_point()] if (
+            isinstance(value, Metric)
+        ) else []  # fmt: skip
+        if floats:  # integer counts (accuracy's) and concatenated rows sum the same in any grouping; floats do not
+            raise _refuse(
+                f"cannot combine the torchmetrics {type(value).__name__} logged as {name!r} exactly: its state"
+                f" {floats[0]!r} is a float sum per rank",
+                "Log a tensor value (a mean is combined exactly), or give the metric to"
+                " SequentialEvaluation(metrics=...), which computes it once over every row.",
+            )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = torch.tensor(float(value))
         scalar = isinstance(value, Tensor) and value.numel() == 1 and not args
@@ -169,6 +228,7 @@ class ReproducibleSteps:
         """Run this rank's shards of the step (``args[0]`` holds their rows in order); return the step's mean loss."""
         batch, step, epoch = args[0], args[1], module.trainer.current_epoch
         if self._step is None or self._step.module is not module:
+            check_shards(module, plan)
             self._step = ShardedStep(module, self.virtual_shards, seed=plan.seed)
         first, stop = plan.rank_shards(world_size)[rank]
         values, output = [], None
@@ -196,12 +256,34 @@ class ReproducibleSteps:
         assert self._step is not None
         self._step.apply()
 
+    @staticmethod
+    def evaluation_loader(dataloader: Any, world_size: int, rank: int) -> Any:
+        """``dataloader`` cut into the same batches on any number of ranks, each rank whole batches in order.
+
+        Lightning's ``DistributedSampler`` deals rows out one by one and repeats some to even out the
+        ranks, so a batch's mean (and its padding) would depend on the number of ranks.
+
+        Raises:
+            ValueError: a loader that cannot be rebuilt so (an iterable dataset, no ``batch_size``).
+        """
+        if isinstance(getattr(dataloader, "sampler", None), SequentialDistributedSampler):
+            return dataloader  # SequentialEvaluation's, aligned the same way
+        dataset, batch_size = getattr(dataloader, "dataset", None), getattr(dataloader, "batch_size", None)
+        if not isinstance(dataloader, DataLoader) or not batch_size or isinstance(dataset, IterableDataset):
+            raise _refuse(
+                "evaluates the same batches on any number of ranks, which needs a map-style dataset batched by"
+                f" `batch_size=`, got {type(dataset).__name__} in a loader with batch_size={batch_size}",
+                "Give the evaluation loader a dataset with a length and a batch_size.",
+            )
+        sampler = SequentialDistributedSampler(dataset, num_replicas=world_size, rank=rank, align=batch_size)
+        return update_dataloader(dataloader, sampler)
+
     @contextmanager
     def evaluation_batch(self, module: Any, batch: Any, batch_idx: int, sampler: Any) -> Any:
         """Keep the mean values an evaluation step logs with ``sync_dist``, weighted by the batch's real rows."""
         rows = max(first_tensor_rows(batch), 0)
-        if isinstance(sampler, SequentialDistributedSampler):  # the padding at a shard's end counts for nothing
-            rows = max(0, min(rows, sampler.num_real_samples - batch_idx * rows))
+        if isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples:
+            rows = 0  # the padding batch of a rank past the dataset's end counts for nothing
         with _recording(module, training=False) as logs:
             yield
         if logs.values:

@@ -55,6 +55,7 @@ from ddp_plugins.lightning.reproducible import (
     FINGERPRINT_KEY,
     ReproducibleSteps,
     check_model,
+    check_options,
     check_trainer,
     reduction_name,
     state_fingerprint,
@@ -248,6 +249,9 @@ class DDPPluginsStrategy(DDPStrategy):
                 "global_batch_size", "an integer with reproducible=True", None,
                 hint="The mode cuts each step of global_batch_size rows into virtual shards.",
             )  # fmt: skip
+        if reproducible:
+            hook, unused = kwargs.get("ddp_comm_hook"), find_unused_parameters
+            check_options(comm_hook=comm_hook, ddp_comm_hook=hook, find_unused_parameters=unused)
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ArgumentValueError(
                 "comm_hook",
@@ -519,7 +523,9 @@ class DDPPluginsStrategy(DDPStrategy):
             dataloader = train_loader(
                 dataloader, trainer, self.global_rank, self.world_size, self._planned, self._uneven, self._resume
             )
-        elif isinstance(dataloader, DataLoader) and dataloader.generator is None:
+        elif self._repro is not None and not trainer.predicting:
+            dataloader = self._repro.evaluation_loader(dataloader, self.world_size, self.global_rank)
+        if not trainer.training and isinstance(dataloader, DataLoader) and dataloader.generator is None:
             # Making an iterator draws the workers' base seed from the loader's generator, else
             # from the global stream: a resumed run, which makes its evaluation iterators at other
             # points (no sanity check, persistent workers), would shift the training stream.

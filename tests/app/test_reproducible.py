@@ -76,7 +76,12 @@ def test_the_modes_limits_are_one_line_each(tmp_path):
             ["global_batch_size=48", "callbacks.accumulation_no_sync.accumulate_grad_batches=2"],
             "accumulate_grad_batches got 2",
         ),
-        "short_last_step": (["global_batch_size=63"], "the last step of 320 rows has 5"),
+        "short_last_step": (["global_batch_size=63"], "got 63: 320 rows leave a last step of 5 rows"),
+        "comm_hook": (["global_batch_size=48", "strategy.comm_hook=fp16"], "'none' with reproducible=True"),
+        "shards_larger_than_steps": (
+            ["global_batch_size=48", "strategy.virtual_shards=64"],
+            "fewer rows than shards in every step",
+        ),
     }
     for name, (args, expected) in cases.items():
         line = _one_line_failure(run_warm([*common, *args], timeout=120), 2)

@@ -1,0 +1,147 @@
+"""The reproducible mode is exact, or refuses in one line what it cannot make exact (issue 43).
+
+Each case is something that would make the bits depend on the number of ranks: options the mode
+bypasses, a torchmetrics object that sums floats logged, a buffer the forward updates, shards too small for
+BatchNorm1d. Python's and NumPy's random streams are reseeded per shard like torch's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.functional import cross_entropy
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+
+from ddp_plugins.core.plan import GlobalPlan
+from ddp_plugins.core.reproducible import ShardedStep, shard_seed
+from ddp_plugins.lightning.reproducible import check_shards
+from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+
+ROWS = 49
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message and message.endswith("."), f"not one whole sentence: {message!r}"
+    return message
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("comm_hook", "fp16"), ("find_unused_parameters", True), ("ddp_comm_hook", lambda state, bucket: None)],
+)
+def test_options_the_mode_bypasses_are_refused(option, value):
+    with pytest.raises(ValueError) as error:
+        DDPPluginsStrategy(global_batch_size=16, reproducible=True, **{option: value})
+    assert _one_line(error).startswith(f"`{option}` should be"), str(error.value)
+    assert "with reproducible=True" in str(error.value) and "outside DistributedDataParallel's reducer" in str(
+        error.value
+    )
+    DDPPluginsStrategy(global_batch_size=16, **{option: value})  # the default mode takes them
+
+
+class _EMA(nn.Module):
+    """A normalizer that keeps an average of its input in a buffer, updated in forward."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(features))
+
+    def forward(self, x):
+        if self.training:
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return x - self.mean
+
+
+class _Model(pl.LightningModule):
+    def __init__(self, body: nn.Module, log_metric: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.log_metric = nn.Sequential(body, nn.Linear(4, 3)), log_metric
+        self.mean = MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        if self.log_metric:
+            self.mean(logits.max(dim=1).values)
+            self.log("train/top", self.mean, sync_dist=True)
+        return cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(
+            TensorDataset(torch.randn(ROWS, 4, generator=g), torch.randint(0, 3, (ROWS,), generator=g)), 8
+        )
+
+
+def _fit(model, global_batch_size=40):
+    strategy = DDPPluginsStrategy(global_batch_size=global_batch_size, reproducible=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy,
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model)
+
+
+def test_a_logged_torchmetrics_object_summing_floats_is_refused_with_the_alternative():
+    """Accuracy's integer counts sum exactly in any grouping (the demo logs one); a float sum does not."""
+    with pytest.raises(ValueError) as error:
+        _fit(_Model(nn.Identity(), log_metric=True))
+    message = _one_line(error)
+    assert "torchmetrics MeanMetric logged as 'train/top' exactly: its state 'mean_value'" in message, message
+    assert "SequentialEvaluation(metrics=...)" in message
+
+
+def test_a_buffer_updated_in_forward_is_refused_by_name():
+    with pytest.raises(ValueError) as error:
+        _fit(_Model(_EMA(4)))
+    assert "the forward updated buffer 'net.0.mean'" in _one_line(error), str(error.value)
+
+
+def test_shards_too_small_for_batchnorm1d_are_refused_before_the_first_step():
+    # 49 rows, G = 40: the last step of 9 rows is cut into 8 shards of 2, 1, 1, ... rows
+    with pytest.raises(ValueError) as error:
+        _fit(_Model(nn.BatchNorm1d(4)), global_batch_size=40)
+    message = _one_line(error)
+    assert "step 1 has 9 rows" in message and "virtual_shards<=4" in message, message
+    plan = GlobalPlan(49, 40, drop_last=True, virtual_shards=8)  # what the message offers works
+    check_shards(nn.BatchNorm1d(4), plan)
+    check_shards(nn.BatchNorm1d(4), GlobalPlan(49, 40, virtual_shards=4))
+    check_shards(nn.BatchNorm2d(4), GlobalPlan(49, 40, virtual_shards=8))  # a conv map has rows x pixels
+
+
+def test_python_and_numpy_streams_are_the_shards_own_and_given_back(isolated):
+    model = nn.Linear(2, 1)
+    random.seed(1)
+    np.random.seed(1)
+    before = random.getstate(), np.random.get_state()[1].copy()
+    draws = {}
+    step = ShardedStep(model, virtual_shards=4, seed=5)
+    for shard in (2, 3):  # this rank's shards; shard 3 draws the same on any split
+        with step.shard(shard, rows=1, epoch=0, step=7):
+            draws[shard] = (random.random(), float(np.random.rand()))
+            model(torch.ones(1, 2)).sum().backward()
+    step.finish(step_rows=2)
+    seed = shard_seed(5, 0, 7, 3)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    assert draws[3] == (random.random(), float(np.random.rand()))
+    assert draws[2] != draws[3]
+    assert random.getstate() != before[0]  # (reseeded just above) ...
+    step = ShardedStep(model, virtual_shards=4, seed=5)
+    random.seed(1)
+    np.random.seed(1)
+    with step.shard(0, rows=1, epoch=0, step=0):
+        model(torch.ones(1, 2)).sum().backward()
+    step.finish(step_rows=1)
+    assert random.getstate() == before[0] and np.array_equal(np.random.get_state()[1], before[1]), "not given back"
