@@ -122,6 +122,13 @@ def _newest_first(folder: str | os.PathLike) -> list[Path]:
 
 
 DIGEST_SUFFIX = ".sha256"
+# The sidecars' hidden folder beside the checkpoints. Lightning reads checkpoint folders by file name:
+# `_CheckpointConnector.__max_ckpt_version_in_folder` takes every name holding "hpc_ckpt_" (or "ckpt_")
+# and reads the digits after it, so `hpc_ckpt_1.ckpt.sha256` was version 1256 and `fit(ckpt_path="hpc")`
+# looked for hpc_ckpt_1256.ckpt; ModelCheckpoint's `file_exists` (its `-v1` version counter),
+# `_find_last_checkpoints` and `_link_checkpoint` read names too. This folder's name holds neither
+# "ckpt_" nor a checkpoint's name, and is no `.ckpt` file.
+_DIGEST_FOLDER = ".sha256"
 # why a file that verifies is passed over: its digest was not written by this pack
 _UNNUMBERED = "its digest has no write number (made by hand?): its place among the checkpoints is unknown"
 NO_DIGEST = "no digest"  # how verify_checkpoint's reason begins for a file without a sidecar
@@ -130,9 +137,46 @@ _WRITE_NUMBER = re.compile(r"^# write (\d+)$", re.MULTILINE)
 
 
 def digest_path(path: str | os.PathLike) -> Path:
-    """The SHA-256 sidecar of a checkpoint file: ``<name>.sha256`` beside it."""
+    """The SHA-256 sidecar that vouches for a checkpoint file: ``.sha256/<name>.sha256`` in its folder.
+
+    Where only an earlier version's sidecar exists (``<name>.sha256`` beside the file), that one, so
+    existing runs still verify. A symbolic link (ModelCheckpoint's ``save_last="link"``) is vouched for
+    by its target's sidecar. The hidden folder keeps the sidecars out of Lightning's scans of checkpoint
+    names (``hpc_ckpt_<N>.ckpt``, ``<name>-v<N>.ckpt``, ``last`` links): a sidecar beside
+    ``hpc_ckpt_1.ckpt`` made Lightning's ``fit(ckpt_path="hpc")`` look for ``hpc_ckpt_1256.ckpt``.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> path = save_checkpoint_file({}, folder / "hpc_ckpt_1.ckpt")
+        >>> digest_path(path).relative_to(folder).as_posix()
+        '.sha256/hpc_ckpt_1.ckpt.sha256'
+        >>> _ = (folder / "old.ckpt").write_bytes(b"x"); _ = (folder / "old.ckpt.sha256").write_text("")
+        >>> digest_path(folder / "old.ckpt").name, digest_path(folder / "new.ckpt").parent.name
+        ('old.ckpt.sha256', '.sha256')
+    """
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    sidecar = _sidecar_home(path)
+    legacy = _legacy_sidecar(path)
+    return legacy if not sidecar.exists() and legacy.exists() else sidecar
+
+
+def _sidecar_home(path: Path) -> Path:
+    """Where :func:`save_checkpoint_file` writes ``path``'s sidecar."""
+    return path.parent / _DIGEST_FOLDER / (path.name + DIGEST_SUFFIX)
+
+
+def _legacy_sidecar(path: Path) -> Path:
+    """Where earlier versions wrote ``path``'s sidecar: beside it (Lightning's scans read it)."""
     return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def _sidecars(folder: Path) -> list[Path]:
+    """Every checkpoint sidecar of ``folder``, of this version and of earlier ones."""
+    return [*(folder / _DIGEST_FOLDER).glob("*" + DIGEST_SUFFIX), *folder.glob("*.ckpt" + DIGEST_SUFFIX)]
 
 
 def _sha256(path: Path) -> str:
@@ -144,31 +188,34 @@ def _sha256(path: Path) -> str:
 
 
 def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 in ``<name>.sha256``.
+    """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 in :func:`digest_path`.
 
     The digest is written before the rename, so a visible checkpoint has one; the sidecar is
-    ``sha256sum -c``'s format plus its :func:`write_number`.
+    ``sha256sum -c``'s format (run from the checkpoint's folder) plus its :func:`write_number`. An
+    earlier version's sidecar of the same name, beside the file, is removed.
 
     Example::
 
         >>> import tempfile
         >>> path = save_checkpoint_file({"global_step": 3}, Path(tempfile.mkdtemp()) / "a.ckpt")
         >>> sorted(p.name for p in path.parent.iterdir()), verify_checkpoint(path)
-        (['a.ckpt', 'a.ckpt.sha256'], None)
+        (['.sha256', 'a.ckpt'], None)
     """
     path = Path(path)
 
     def write_digest(tmp: Path) -> None:
-        numbers = (_recorded_number(sidecar) for sidecar in path.parent.glob("*" + DIGEST_SUFFIX))
+        numbers = (_recorded_number(sidecar) for sidecar in _sidecars(path.parent))
         number = 1 + max((n for n in numbers if n is not None), default=0)
-        write_text_atomic(digest_path(path), f"{_sha256(tmp)}  {path.name}\n# write {number}\n")
+        write_text_atomic(_sidecar_home(path), f"{_sha256(tmp)}  {path.name}\n# write {number}\n")
 
     try:
-        return save_atomic(obj, path, before_rename=write_digest)
+        save_atomic(obj, path, before_rename=write_digest)
     except BaseException as err:
         if _no_space(err):
             raise OSError(errno.ENOSPC, f"cannot write checkpoint {path}: no space left on device") from None
         raise
+    _legacy_sidecar(path).unlink(missing_ok=True)  # stale: the digest of the file just replaced
+    return path
 
 
 def _no_space(error: BaseException | None) -> bool:
@@ -180,9 +227,14 @@ def _no_space(error: BaseException | None) -> bool:
 
 
 def remove_checkpoint_file(path: str | os.PathLike) -> None:
-    """Remove a checkpoint and its digest (either may be missing)."""
-    Path(path).unlink(missing_ok=True)
-    digest_path(path).unlink(missing_ok=True)
+    """Remove a checkpoint and its digest, of this version or an earlier one (any may be missing).
+
+    A symbolic link goes without its target's digest.
+    """
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    _sidecar_home(path).unlink(missing_ok=True)
+    _legacy_sidecar(path).unlink(missing_ok=True)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
@@ -262,8 +314,10 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
         (['.step-4.ckpt.123.tmp', 'gone.ckpt.sha256'], ['kept.ckpt'])
     """
     removed = []
-    for path in Path(folder).glob("*"):  # hidden files too; none without the folder
-        checkpoint = path.with_name(path.name[: -len(DIGEST_SUFFIX)])
+    folder = Path(folder)
+    for path in [*folder.glob("*"), *(folder / _DIGEST_FOLDER).glob("*")]:  # hidden files too; none without the folder
+        name = path.name[: -len(DIGEST_SUFFIX)]
+        checkpoint = folder / name
         orphan = path.name.endswith(".ckpt" + DIGEST_SUFFIX) and not checkpoint.exists()
         if (is_temporary(path) or orphan) and path.is_file():
             path.unlink(missing_ok=True)

@@ -21,7 +21,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Local files go through :func:`ddp_plugins.core.checkpoints.save_checkpoint_file` (whole or absent,
     with a SHA-256 sidecar removed with them); remote (fsspec) paths stay Lightning's.
-    ``DDPPluginsStrategy``'s default.
+    ``DDPPluginsStrategy``'s default. The sidecars live in a hidden ``.sha256`` folder, so the folder's
+    file names are Lightning's own: ``fit(ckpt_path="hpc")`` and Slurm's auto-requeue find
+    ``hpc_ckpt_<N>.ckpt``, ``ModelCheckpoint`` numbers ``-v1`` and links ``last`` as without this plugin.
 
     Example::
 
@@ -30,7 +32,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         >>> io = AtomicCheckpointIO()
         >>> io.save_checkpoint({"global_step": 3}, os.path.join(folder, "a.ckpt"))
         >>> sorted(os.listdir(folder)), io.load_checkpoint(os.path.join(folder, "a.ckpt"))
-        (['a.ckpt', 'a.ckpt.sha256'], {'global_step': 3})
+        (['.sha256', 'a.ckpt'], {'global_step': 3})
     """
 
     @override

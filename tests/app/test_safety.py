@@ -91,6 +91,7 @@ def test_a_crafted_checkpoint_runs_nothing(one_epoch, tmp_path):
 
     # its own digest beside it does not help: it does not load with weights_only=True
     digest = hashlib.sha256(crafted.read_bytes()).hexdigest()
+    digest_path(crafted).parent.mkdir(exist_ok=True)
     digest_path(crafted).write_text(f"{digest}  {crafted.name}\n")
     result = run_warm([*APP, *SMALL, f"resume={crafted}", f"hydra.run.dir={tmp_path / 'b'}"], timeout=120)
     assert "does not load with weights_only=True" in _one_line_failure(result, 2)
@@ -230,8 +231,7 @@ def test_a_rendezvous_for_a_node_that_never_comes_gives_up_within_the_timeout_wi
 def test_checkpoints_of_an_earlier_version_without_digests_are_not_dropped_silently(one_epoch, tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(one_epoch, folder)
-    for sidecar in (folder / "checkpoints").glob("*.sha256"):
-        sidecar.unlink()
+    shutil.rmtree(digest_path(folder / "checkpoints" / "last.ckpt").parent)  # the folder of every sidecar
     cmd = [*APP, *SMALL, *STEPS, "trainer.max_epochs=2", f"hydra.run.dir={folder}"]
     refused = run_warm(cmd, timeout=120)  # auto would otherwise start over and lose the run
     line = _one_line_failure(refused, 2)

@@ -255,9 +255,11 @@ def test_the_write_order_outlives_a_copy_that_drops_modification_times_and_sha25
     copy.mkdir()
     now = time.time_ns()
     for i, name in enumerate(written):  # the newest write gets the oldest time, as if it was copied first
-        for path in (run / name, digest_path(run / name)):
-            shutil.copyfile(path, copy / path.name)
-            os.utime(copy / path.name, ns=(now + i * 10**9, now + i * 10**9))
+        for path in (run / name, digest_path(run / name)):  # the sidecar in its hidden folder
+            target = copy / path.relative_to(run)
+            target.parent.mkdir(exist_ok=True)
+            shutil.copyfile(path, target)
+            os.utime(target, ns=(now + i * 10**9, now + i * 10**9))
     assert latest_checkpoint(copy).name == "step-6.ckpt"
     assert newest_valid_checkpoint(copy) == (copy / "step-6.ckpt", [])
     # a file another tool wrote (no sidecar) is older than every numbered one, whatever its time; written
@@ -271,7 +273,8 @@ def test_the_write_order_outlives_a_copy_that_drops_modification_times_and_sha25
     ]
     sha256sum = shutil.which("sha256sum")
     if sha256sum is not None:  # the sidecar stays `sha256sum -c`'s format (the write number is a comment)
-        checked = subprocess.run([sha256sum, "--strict", "-c", "last.ckpt.sha256"], cwd=copy, capture_output=True)
+        sidecar = digest_path(copy / "last.ckpt").relative_to(copy)  # checked from the checkpoints' folder
+        checked = subprocess.run([sha256sum, "--strict", "-c", sidecar], cwd=copy, capture_output=True)
         assert checked.returncode == 0 and checked.stdout == b"last.ckpt: OK\n", checked
 
 
