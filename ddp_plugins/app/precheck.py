@@ -229,10 +229,16 @@ def check_resume(resume: Any) -> str:
 
 
 def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
-    """(epoch, global step) of a Lightning checkpoint, loaded with ``weights_only=True``; else a ``ValueError``."""
+    """(epoch, global step) of a Lightning checkpoint, loaded with ``weights_only=True``; else a ``ValueError``.
+
+    A Lightning checkpoint holds the model's ``state_dict`` and the ``loops``' progress (even a
+    ``save_weights_only`` one): a file with weights alone is refused here, before any folder or rank exists.
+    """
     checkpoint = load_checkpoint_safely(path)
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError("not a Lightning checkpoint (no state_dict)")
+    if not isinstance(checkpoint.get("loops"), dict):
+        raise ValueError("not a Lightning checkpoint (a state_dict without loops: weights alone, not Trainer.fit's)")
     return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
 
 

@@ -226,10 +226,6 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
         checkpoint = load_checkpoint_safely(path)
     except ValueError as err:
         raise ConfigError("resume", f"got {path!r} ({err})", "a checkpoint written by ddp_plugins") from None
-    # A file with a digest was verified on the way here (resume_path or the up-front check): no second hash
-    digest = checkpoints.digest_path(path)
-    if get_rank() == 0 and not digest.is_file():
-        log.warning("resume: %s is not verified (%s: %s missing)", path, checkpoints.NO_DIGEST, digest.name)
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or not isinstance(checkpoint.get("loops"), dict):
         found = "a bare state_dict" if isinstance(checkpoint, dict) and state is None else "no state_dict and loops"
@@ -287,6 +283,11 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
             record, now, epoch, done, last_batch=bool(progress.get("is_last_batch")),
             in_batch_end=int(current.get("completed", done)) < done,
         )  # fmt: skip
+    # A file with a digest was verified on the way here (resume_path or the up-front check): no second hash.
+    # Said after every refusal above, so that a refusal stays one line.
+    digest = checkpoints.digest_path(path)
+    if get_rank() == 0 and not digest.is_file():
+        log.warning("resume: %s is not verified (%s: %s missing)", path, checkpoints.NO_DIGEST, digest.name)
     return ResumePoint(epoch, step, was, finished, _recorded_accuracy(checkpoint, _accuracy_key(cfg)))
 
 

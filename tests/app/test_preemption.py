@@ -187,12 +187,15 @@ def test_resume_never_starts_over_and_a_path_resumes_from_it(reference, tmp_path
         ("nowhere.ckpt", None, "no such file"),
         ("config.yaml", b"trainer:\n  max_epochs: 3\n", "does not load with weights_only=True: not a zip archive"),
         ("weights.ckpt", "state_dict", "not a Lightning checkpoint (no state_dict)"),
+        ("model.ckpt", "state_dict only", "not a Lightning checkpoint (a state_dict without loops"),
     ],
-    ids=["missing", "a YAML file", "a bare state_dict"],
+    ids=["missing", "a YAML file", "a bare state_dict", "a state_dict under its key"],
 )
 def test_bad_resume_is_a_one_line_error(tmp_path, name, content, why):
     if content == "state_dict":
         torch.save({"features.0.weight": torch.ones(2)}, tmp_path / name)
+    elif content == "state_dict only":  # `torch.save({"state_dict": model.state_dict()}, ...)`
+        torch.save({"state_dict": {"features.0.weight": torch.ones(2)}}, tmp_path / name)
     elif content is not None:
         (tmp_path / name).write_bytes(content)
     result = run_warm([*APP, f"resume={name}", "hydra.run.dir=run"], timeout=60, cwd=tmp_path)
@@ -201,6 +204,15 @@ def test_bad_resume_is_a_one_line_error(tmp_path, name, content, why):
     assert result.stderr.strip().endswith("allowed: 'auto', 'never' or the path of a checkpoint file"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "run").exists(), "a refused run writes no folder"
+
+
+def test_an_unverified_checkpoint_that_does_not_fit_is_one_line(tmp_path):
+    """Past the up-front check (a Lightning layout, no digest): the refusal is still the only line."""
+    torch.save({"state_dict": {"features.0.weight": torch.ones(2)}, "loops": {}}, tmp_path / "other.ckpt")
+    result = run_warm([*APP, "resume=other.ckpt", "hydra.run.dir=run"], timeout=60, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().startswith("error: resume other.ckpt does not fit the model"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 @pytest.mark.slow
