@@ -44,6 +44,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         process_group: Any,
     ) -> Tensor:
+        """No host synchronization, so that ``torch.compile`` keeps a model in one graph: the group's count
+        stays a 0-dim tensor (the moments divide by it, the unbiased factor of ``running_var`` is built
+        from it and applied with ``addcmul_``, which rounds as ``add_(alpha=...)`` did) and is saved for
+        backward. It is read on the host only where this rank holds at most one value per channel (a
+        shape known when tracing): only then can the group hold fewer than two, which every rank then
+        refuses alike. Dynamo traces ``dist.all_reduce`` here and in backward as torch's functional
+        all_reduce (its own remapping, no private name), so the function needs no ``allow_in_graph``."""
         channels = input.size(1)
         local = input.numel() // channels
         low_precision = input.dtype in (torch.float16, torch.bfloat16)
@@ -70,18 +77,16 @@ class SyncBatchNormFunction(torch.autograd.Function):
         payload = for_collective(payload, process_group)
         dist.all_reduce(payload, group=process_group)
         payload = payload.to(input.device)
-        total = int(payload[-1])
-        if total <= 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got {total} over the process group"
-            )
+        total = payload[-1]  # the group's count stays a tensor: no host synchronization
+        if local <= 1:  # only then can the group hold fewer than 2 values per channel: read it to say so
+            _check_count(int(total))
         moments = payload[:-1].view(2, channels) / total
         mean = moments[0]
         var = torch.addcmul(moments[1], mean, mean, value=-1).clamp_(min=0)
         if running_mean is not None:  # in-place ops cast the float64 statistics to the buffers' dtype
             running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-        if running_var is not None:
-            running_var.mul_(1 - momentum).add_(var, alpha=momentum * total / (total - 1))  # unbiased
+        if running_var is not None:  # unbiased; addcmul_ by a 0-dim factor rounds as add_(alpha=factor) does
+            running_var.mul_(1 - momentum).addcmul_(var, momentum * total / (total - 1))
         # y = x * scale + shift per channel (as the native kernel applies given statistics)
         invstd = (var + eps).rsqrt_()
         scale = invstd if weight is None else invstd * weight
@@ -97,14 +102,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 output = output.to(input.dtype)
         else:
             output = torch.empty_like(input)
-        ctx.save_for_backward(input, weight, coefs)
-        ctx.eps, ctx.total, ctx.process_group = eps, total, process_group
+        ctx.save_for_backward(input, weight, coefs, total)
+        ctx.eps, ctx.process_group = eps, process_group
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        input, weight, coefs = ctx.saved_tensors
+        input, weight, coefs, total = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         input_dtype, stat_dtype = input.dtype, coefs.dtype
         if input_dtype != stat_dtype:  # float16/bfloat16
@@ -136,7 +141,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             if input.numel() > 0:
                 # grad_input = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)) = scale*dy + coef_x*x + shift
                 # rows of terms: -scale * mean(dy), coef_x = -scale * invstd * mean(dy * x_hat)
-                terms = coefs[2:4] * (payload / -ctx.total).view(2, channels)
+                terms = coefs[2:4] * (payload / -total).view(2, channels)
                 shift = torch.addcmul(terms[0], terms[1], mean, value=-1)
                 shape = (1, channels) + (1,) * (input.dim() - 2)
                 grad_input = torch.mul(grad_output, coefs[2].view(shape))
@@ -188,3 +193,9 @@ def sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
     return SyncBatchNormFunction.apply(
         input, layer.weight, layer.bias, running_mean, running_var, layer.eps, factor, group
     )
+
+
+def _check_count(total: int) -> None:
+    """Refuse a group with fewer than 2 values per channel (a variance needs two), on every rank alike."""
+    if total <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got {total} over the process group")
