@@ -85,12 +85,14 @@ def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, raw: Any) 
 
 def _build_logger(node: Any, raw: Any) -> Any:
     """The ``logger`` group's logger (its ``save_dir`` is the run folder: here a folder it never writes to,
-    as a logger writes at its first log); a TensorBoard logger without its writer package is one line."""
+    as a logger writes at its first log); a TensorBoard logger whose writer package is missing or does
+    not import is one line."""
     cls = _import_target("logger", node)
-    if issubclass(cls, TensorBoardLogger) and not tensorboard_logger.writer_installed():
+    problem = tensorboard_logger.writer_problem() if issubclass(cls, TensorBoardLogger) else None
+    if problem is not None:
         raise ConfigError(
             "logger",
-            "got 'tensorboard', but tensorboardX (or tensorboard) is not installed",
+            f"got 'tensorboard', but {problem}",
             "'csv', or 'tensorboard' after `pip install 'ddp_plugins[tensorboard]'`",
         )
     return _build("logger", node, raw, save_dir=os.curdir)

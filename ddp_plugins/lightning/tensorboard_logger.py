@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import glob
+import importlib
 import importlib.util
 import os
+import struct
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,10 +19,76 @@ from typing_extensions import override
 
 __all__ = ["ResumableTensorBoardLogger"]
 
+# The writers Lightning's TensorBoardLogger uses, in its order: torch's where `tensorboard` is installed
+_WRITERS = (("tensorboard", "torch.utils.tensorboard"), ("tensorboardX", "tensorboardX"))
 
-def writer_installed() -> bool:
-    """Whether a TensorBoard writer package (``tensorboard`` or ``tensorboardX``) can be imported."""
-    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
+
+def writer_problem() -> str | None:
+    """Why the TensorBoard writer Lightning would use cannot be used (one line), or None.
+
+    The writer is imported, not only looked up: an installed tensorboardX that fails to import
+    (a protobuf it does not support, say) would otherwise fail at the first log of rank 0.
+    """
+    for package, module in _WRITERS:
+        if importlib.util.find_spec(package) is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - an import can fail in any way; the caller reports one line
+            first = " ".join(str(err).split())[:200]
+            return f"{package} is installed but does not import ({type(err).__name__}: {first})"
+        return None
+    return "tensorboardX (or tensorboard) is not installed"
+
+
+def _events_in(folder: str) -> set[str]:
+    return set(glob.glob(os.path.join(glob.escape(folder), "events.out.tfevents.*")))
+
+
+class _SynchronousEvents:
+    """What tensorboardX's ``FileWriter`` writes through (its ``event_writer``), without a queue.
+
+    tensorboardX hands every event to a thread through a queue, and its ``flush()`` writes out only
+    what that thread has already taken: the points logged last before a ``kill -9`` were lost, also
+    those logged before the last checkpoint. Here ``add_event`` returns with the event in the file
+    (in the operating system's cache, which a killed process does not lose); ``flush`` also fsyncs.
+    The records are TFRecord's, as tensorboardX's ``RecordWriter`` writes them.
+    """
+
+    def __init__(self, path: str, logdir: str) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
+        self._crc, self._path, self._logdir = masked_crc32c, path, logdir
+        self._lock = threading.Lock()
+        self._file: Any = open(path, "ab")
+
+    def get_logdir(self) -> str:
+        return self._logdir
+
+    def add_event(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        record = header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data))
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(record)
+                self._file.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            self._file.close()
+
+    def reopen(self) -> None:
+        with self._lock:
+            if self._file.closed:
+                self._file = open(self._path, "ab")
 
 
 class ResumableTensorBoardLogger(TensorBoardLogger):
@@ -28,6 +97,10 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
     Every launch writes its own event file into one folder (``version=""``) and marks the first step
     it logs with ``SummaryWriter(purge_step=step)``'s restart event, so a resumed run shows each step
     once (docs/design.md). ``hp_metric`` is off: it would log step 0 at every launch.
+
+    With tensorboardX (the ``tensorboard`` extra), every point is in the event file when ``log_metrics``
+    returns, so a ``kill -9`` loses none logged before it (tensorboardX's own writer queues them to a
+    thread that its ``flush()`` does not wait for).
 
     Raises:
         ModuleNotFoundError: neither ``tensorboard`` nor ``tensorboardX`` is installed.
@@ -58,8 +131,16 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
         if self._experiment is None:
             # tensorboardX names a file by the second it opened and the host only: a launch within the
             # same second would overwrite the last one's file. A count keeps the names new and in order.
-            launches = len(glob.glob(os.path.join(glob.escape(self.log_dir), "events.out.tfevents.*")))
-            self._kwargs["filename_suffix"] = f".{launches}{self._suffix}"
+            before = _events_in(self.log_dir)
+            self._kwargs["filename_suffix"] = f".{len(before)}{self._suffix}"
+            writer = super().experiment
+            opened = sorted(_events_in(self.log_dir) - before)
+            if type(writer).__module__.split(".")[0] == "tensorboardX" and len(opened) == 1:
+                # Its file, closed by its own writer (the thread stopped, the header written), continued
+                # by one that writes before it returns
+                file_writer = writer.file_writer
+                file_writer.event_writer.close()
+                file_writer.event_writer = _SynchronousEvents(opened[0], file_writer.get_logdir())
         return super().experiment
 
     @override

@@ -165,7 +165,7 @@ def test_precheck_rejects_bad_input(argv, message):
 
 
 def test_tensorboard_without_its_writer_package_is_one_line(monkeypatch):
-    monkeypatch.setattr(tensorboard_logger, "writer_installed", lambda: False)
+    monkeypatch.setattr(tensorboard_logger, "writer_problem", lambda: "tensorboardX (or tensorboard) is not installed")
     with pytest.raises(ConfigError) as err:
         precheck(["logger=tensorboard"])
     assert str(err.value) == (
