@@ -318,7 +318,7 @@ def resolve_backend(backend: str, accelerator: str = "auto") -> str:
 
 def resolve_precision(precision: str, accelerator: str = "auto", reproducible: bool = False) -> Precision:
     """``auto`` -> ``bf16-mixed`` on CUDA (when supported), ``32-true`` otherwise and in the
-    reproducible mode (which takes no mixed precision).
+    reproducible mode (which takes ``bf16-mixed`` when asked for, not by default).
 
     Raises:
         ConfigError: an unknown precision, ``16-mixed`` on CPU, ``bf16-mixed`` on a GPU without it.

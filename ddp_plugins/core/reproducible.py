@@ -12,7 +12,9 @@ to one exponent per tensor. Design and limits: docs/design.md ("The reproducible
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import math
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -83,17 +85,15 @@ def shard_seed(seed: int, epoch: int, step: int, shard: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
-def _flat64(tensors: Iterable[Tensor]) -> Tensor:
-    """The tensors laid end to end as one float64 row (an empty one for none)."""
-    return torch.cat([torch.zeros(0, dtype=torch.float64), *(t.detach().cpu().double().reshape(-1) for t in tensors)])
+def _flat64(tensors: Iterable[Tensor], device: torch.device | str | None = None) -> Tensor:
+    """The tensors laid end to end as one float64 row, on their device (``device`` for none)."""
+    pieces = [t.detach().double().reshape(-1) for t in tensors]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
 
 
-def _largest(t: Tensor) -> Tensor:
-    """The largest magnitude in ``t`` (0 when empty), without a copy of it."""
-    if not t.numel():
-        return torch.zeros((), dtype=t.dtype)
-    low, high = torch.aminmax(t)
-    return torch.maximum(-low, high)
+def _device_of(params: Sequence[Tensor]) -> torch.device:
+    """Where the parameters are (the CPU for none)."""
+    return params[0].device if params else torch.device("cpu")
 
 
 def exact_sum(
@@ -137,7 +137,10 @@ def exact_sum(
         tensor([0.6000, 1.0000])
     """
     sizes = [t.numel() for t in like]
-    rows = [_flat64(torch.zeros(n) if t is None else t for t, n in zip(shard, sizes, strict=True)) for shard in shards]
+    device = next((t.device for shard in shards for t in shard if t is not None), torch.device("cpu"))
+    zeros = [torch.zeros(n, dtype=torch.float64, device=device) for n in sizes]
+    laid = [_flat64([z if t is None else t for t, z in zip(shard, zeros, strict=True)]) for shard in shards]
+    rows = torch.stack(laid) if laid else torch.zeros(0, sum(sizes), dtype=torch.float64, device=device)
     present = torch.tensor([any(shard[i] is not None for shard in shards) for i in range(len(like))], dtype=torch.bool)
     weights = [1.0] * len(shards) if weights is None else [float(w) for w in weights]
     if total_shards is None:
@@ -155,37 +158,34 @@ def exact_sum(
 
 
 def exact_row_sum(
-    rows: Sequence[Tensor],
+    rows: Tensor,
     weights: Sequence[float],
     sizes: Sequence[int],
     present: Tensor,
     total_shards: int,
     group: Any = None,
     bits: Sequence[Tensor] = (),
+    maxima: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """:func:`exact_sum` of ``weights[s] * rows[s]`` (one flat row per local shard, the tensors laid end to end).
+    """:func:`exact_sum` of ``weights[s] * rows[s]`` (``rows``: a flat row per local shard, its tensors end to end).
 
     ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave;
     ``total_shards``: the most shards of all ranks together, which sets the grid (a plan's ``V``,
-    never a count of ranks). The rows may be float32: each is widened to float64 one at a time.
-    Returns the float64 sums laid out alike, which tensors any rank gave, and ``bits`` reduced.
+    never a count of ranks). The rows (float32 or float64) stay on their device, where the
+    scaling, rounding and summing run (elementwise float64 operations: deterministic on any
+    device); the host sees the small vector of maxima, and the sums only where the backend needs
+    them there (gloo). Returns the float64 sums laid out alike, which tensors any rank gave, and
+    ``bits`` (float64, on the rows' device) reduced. ``maxima``: each row's largest magnitude per
+    tensor, where the caller kept them as it filled the rows (else they are computed here).
 
     The three stages (:func:`_grid_top`, :func:`_grid_integers`, :func:`_grid_values`) are pure
     functions of one rank's rows; between them run one ``all_reduce`` (MAX) and one (SUM).
     """
-    distributed = is_distributed()
     device = collective_device(group)  # the CPU without a process group
-    top = _grid_top(rows, weights, sizes, present)
-    if distributed:
-        top = top.to(device)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        top = top.cpu()
+    top = _all_reduce(_grid_top(rows, weights, sizes, present, maxima), device, group, dist.ReduceOp.MAX).cpu()
     sums = _grid_integers(rows, weights, sizes, top, total_shards)
-    payload = _flat64([sums, torch.tensor([float(sum(w != 0 for w in weights))]), *bits])
-    if distributed:
-        payload = payload.to(device)
-        dist.all_reduce(payload, group=group)
-        payload = payload.cpu()
+    count = torch.tensor([float(sum(w != 0 for w in weights))], dtype=torch.float64, device=rows.device)
+    payload = _all_reduce(torch.cat([sums, count, *(b.reshape(-1).to(rows.device) for b in bits)]), device, group)
     total = len(sums)
     if payload[total] > total_shards:
         raise ValueError(
@@ -198,44 +198,81 @@ def exact_row_sum(
     return _grid_values(payload[:total], sizes, top, total_shards), top[: len(sizes)] >= 0, out_bits
 
 
-def _grid_top(rows: Sequence[Tensor], weights: Sequence[float], sizes: Sequence[int], present: Tensor) -> Tensor:
+def _all_reduce(tensor: Tensor, device: torch.device, group: Any, op: Any = dist.ReduceOp.SUM) -> Tensor:
+    """``tensor`` reduced over the ranks (as it is without a process group), back on its own device."""
+    if not is_distributed():
+        return tensor
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=op, group=group)
+    return moved.to(tensor.device)
+
+
+def _largest(t: Tensor) -> Tensor:
+    """The largest magnitude in ``t`` (NaN if it holds one; 0 when empty), without a copy of it."""
+    if not t.numel():
+        return t.new_zeros(())
+    low, high = torch.aminmax(t)
+    return torch.maximum(-low, high)
+
+
+def _row_maxima(rows: Tensor, sizes: Sequence[int]) -> Tensor:
+    """Per row and tensor, its largest magnitude: ``[rows, tensors]`` (contiguous slices, one reduction each)."""
+    if not len(rows):
+        return torch.zeros(0, len(sizes), dtype=rows.dtype, device=rows.device)
+    return torch.stack([torch.stack([_largest(t) for t in row.split(list(sizes))]) for row in rows])
+
+
+def _grid_top(
+    rows: Tensor, weights: Sequence[float], sizes: Sequence[int], present: Tensor, maxima: Tensor | None = None
+) -> Tensor:
     """One rank's part of the grid: per tensor its largest finite ``|weight * value|`` (-1: absent
     on this rank), then a flag per tensor for a NaN or an infinity. The ranks' parts combine by
-    an elementwise maximum (an ``all_reduce`` MAX)."""
+    an elementwise maximum (an ``all_reduce`` MAX). ``maxima``: :func:`_row_maxima` of ``rows``,
+    when the caller kept them as the rows were filled."""
     count = len(sizes)
-    top = torch.zeros(2 * count, dtype=torch.float64)
-    for row, weight in zip(rows, weights, strict=True):  # |w * x| = w * |x| exactly: w is a row count
-        top[:count] = torch.maximum(top[:count], torch.stack([_largest(t) for t in row.split(sizes)]).double() * weight)
-    if not bool(torch.isfinite(top[:count]).all()):  # rare: find the tensors, keep the finite maxima
-        for row, weight in zip(rows, weights, strict=True):
-            for i, t in enumerate(row.split(sizes)):
-                finite = torch.isfinite(t)
-                top[count + i] = max(float(top[count + i]), float((~finite).any()))
-                top[i] = max(float(top[i].nan_to_num(0.0, 0.0, 0.0)), float(_largest(t.where(finite, 0.0))) * weight)
-    top[:count] = top[:count].where(present, -1.0)
+    top = torch.zeros(2 * count, dtype=torch.float64, device=rows.device)
+    if len(rows):
+        w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device=rows.device)
+        maxima = _row_maxima(rows, sizes) if maxima is None else maxima
+        top[:count] = (maxima.double() * w[:, None]).amax(dim=0)  # |w * x| = w * |x| exactly: w is a row count
+        if not bool(torch.isfinite(top[:count]).all()):  # rare: find the tensors, keep the finite maxima
+            finite = torch.isfinite(rows)
+            top[count:] = torch.stack([(~f).any() for f in finite.split(list(sizes), dim=1)]).double()
+            top[:count] = (_row_maxima(rows.where(finite, 0.0), sizes).double() * w[:, None]).amax(dim=0)
+    top[:count] = top[:count].where(present.to(rows.device), -1.0)
     return top
 
 
 def _exponents(top: Tensor, count: int, total_shards: int) -> list[int]:
-    """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``."""
+    """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``.
+
+    ``e`` is kept within +-1000, where ``2**e`` and ``2**-e`` are normal float64 numbers (a tensor
+    whose largest value is below ``2**-950`` keeps fewer bits: the same on any number of ranks)."""
     room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
-    return [room - math.frexp(m)[1] if m > 0 else 0 for m in top[:count].tolist()]
+    return [min(max(room - math.frexp(m)[1], -1000), 1000) if m > 0 else 0 for m in top[:count].tolist()]
+
+
+def _grid_scale(top: Tensor, sizes: Sequence[int], total_shards: int, device: torch.device, sign: int) -> Tensor:
+    """Per value, its tensor's ``2**(sign * e)`` (powers of two: multiplying by one is exact)."""
+    powers = torch.tensor([2.0 ** (sign * e) for e in _exponents(top, len(sizes), total_shards)], dtype=torch.float64)
+    return torch.repeat_interleave(powers, torch.tensor(list(sizes), dtype=torch.long)).to(device)
 
 
 def _grid_integers(
-    rows: Sequence[Tensor], weights: Sequence[float], sizes: Sequence[int], top: Tensor, total_shards: int
+    rows: Tensor, weights: Sequence[float], sizes: Sequence[int], top: Tensor, total_shards: int
 ) -> Tensor:
     """One rank's sum of its rows on the agreed grid (``top``: every rank's :func:`_grid_top`, combined):
     integers in float64, whose sum over the ranks is exact in any order."""
-    count = len(sizes)
-    exponents, flags = _exponents(top, count, total_shards), top[count:].tolist()
-    sums, scaled = torch.zeros(sum(sizes), dtype=torch.float64), torch.empty(sum(sizes), dtype=torch.float64)
+    flags = any(top[len(sizes) :].tolist())
+    scale = _grid_scale(top, sizes, total_shards, rows.device, 1)
+    sums = torch.zeros(sum(sizes), dtype=torch.float64, device=rows.device)
+    scaled = torch.empty_like(sums)
     for row, weight in zip(rows, weights, strict=True):
-        scaled.copy_(row).mul_(weight)  # exact: a float32 value times a row count fits float64
-        if any(flags):
+        torch.mul(row, scale, out=scaled)  # exact: a power of two (the value is widened to float64 first)
+        if weight != 1:
+            scaled.mul_(float(weight))  # one rounding of x * w * 2**e: exact for a float32 x and a row count
+        if flags:
             scaled.nan_to_num_(0.0, 0.0, 0.0)
-        for t, e in zip(scaled.split(sizes), exponents, strict=True):
-            t.mul_(2.0 ** (e // 2)).mul_(2.0 ** (e - e // 2))  # exact: two powers of two, neither overflows
         sums += scaled.round_()  # integers below 2**53 in float64: exact, in any order and grouping
     return sums
 
@@ -244,13 +281,11 @@ def _grid_values(sums: Tensor, sizes: Sequence[int], top: Tensor, total_shards: 
     """The ranks' integer sums (:func:`_grid_integers`, summed) back at their tensors' scale; NaN where
     a value was not finite."""
     count = len(sizes)
-    sums = sums.clone()
-    for t, e, bad in zip(sums.split(sizes), _exponents(top, count, total_shards), top[count:].tolist(), strict=True):
+    values = sums * _grid_scale(top, sizes, total_shards, sums.device, -1)
+    for t, bad in zip(values.split(list(sizes)), top[count:].tolist(), strict=True):
         if bad:
             t.fill_(math.nan)
-        else:
-            t.mul_(2.0 ** -(e // 2)).mul_(2.0 ** -(e - e // 2))
-    return sums
+    return values
 
 
 class _ShardStats:
@@ -275,9 +310,13 @@ class _ShardStats:
                 )
         self.buffers: list[Tensor] = [b for m in self.layers for b in (m.running_mean, m.running_var) if b is not None]
         self.start = [b.detach().clone() for b in self.buffers]
-        self.first = _flat64(self.start)
-        self.keep = _flat64(torch.full((2 * m.num_features,), 1.0 - float(m.momentum or 0.0)) for m in self.layers)
-        self.updates = torch.zeros(virtual_shards, len(self.first), dtype=torch.float64)
+        device = self.buffers[0].device if self.buffers else None
+        self.first = _flat64(self.start, device)
+        self.keep = _flat64(
+            (torch.full((2 * m.num_features,), 1.0 - float(m.momentum or 0.0), device=device) for m in self.layers),
+            device,
+        )
+        self.updates = torch.zeros(virtual_shards, len(self.first), dtype=torch.float64, device=device)
 
     def before(self) -> None:
         for buffer, start in zip(self.buffers, self.start, strict=True):
@@ -285,7 +324,7 @@ class _ShardStats:
 
     def after(self, shard: int) -> None:
         # + 0.0: a -0.0 becomes +0.0, so that the exchange (a sum with zeros) keeps every bit
-        self.updates[shard] = _flat64(self.buffers) - self.keep * self.first + 0.0
+        self.updates[shard] = _flat64(self.buffers, self.first.device) - self.keep * self.first + 0.0
 
     def apply(self, updates: Tensor, local_shards: int) -> None:
         """Apply every shard's updates (all ranks', from the exchange) in shard order; ``local_shards``: this rank's."""
@@ -337,15 +376,19 @@ class ShardedStep:
         self.seed = seed
         self.group = group
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self._zeros = [torch.zeros(p.numel(), dtype=p.dtype) for p in self.params]
-        self._present = torch.zeros(len(self.params), dtype=torch.bool)
+        self._sizes = [p.numel() for p in self.params]
+        self._offsets = list(itertools.accumulate(self._sizes, initial=0))
+        # the shards' gradients, one flat row each, on the parameters' device; the logged values after them
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
+        self._block = torch.zeros(0, self._offsets[-1], dtype=dtype, device=_device_of(self.params))
+        self._present = [False] * len(self.params)
         cuda = {p.device for p in self.params if p.device.type == "cuda"}
         self._generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in cuda)]
         self._rng: list[Tensor] = []
         self._host_rng: tuple[Any, Any] | None = None  # Python's and NumPy's global streams, given back in finish()
         self._buffers: list[tuple[str, Tensor, Tensor]] = []  # (name, buffer, its value at the step's start)
-        self._grads: list[Tensor] = []
-        self._rows: list[int] = []
+        self._rows: list[int] = []  # the rows of this rank's shards of the step, in order
+        self._maxima: list[Tensor] = []  # per shard, each gradient's largest magnitude
         self._stats: _ShardStats | None = None
         self.grads: list[Tensor | None] = []
 
@@ -376,15 +419,26 @@ class ShardedStep:
                     " shards only, so the bits would depend on the number of ranks. Make it a BatchNorm (combined"
                     " in shard order), a parameter, or update it outside training_step."
                 )
-        grads = [p.grad for p in self.params]
-        self._present |= torch.tensor([g is not None for g in grads])
-        self._grads.append(
-            torch.cat([g.detach().reshape(-1).cpu() if g is not None else self._zeros[i] for i, g in enumerate(grads)])
-        )
-        for p in self.params:
+        row = self._row(len(self._rows))[: self._offsets[-1]]
+        for i, p in enumerate(self.params):  # copied into the shard's row where they are: no host copy
+            piece = row[self._offsets[i] : self._offsets[i + 1]]
+            if p.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(p.grad.detach().reshape(-1))
+                self._present[i] = True
             p.grad = None
+        self._maxima.append(torch.stack([_largest(t) for t in row.split(self._sizes)]))
         self._rows.append(rows)
         self._stats.after(index)
+
+    def _row(self, k: int) -> Tensor:
+        """Row ``k`` of the block (grown, never shrunk, as the rank's shards per step need)."""
+        if k >= len(self._block):
+            grown = self._block.new_zeros(k + 1, self._block.shape[1])
+            grown[: len(self._block)] = self._block
+            self._block = grown
+        return self._block[k]
 
     def finish(self, step_rows: int, values: Sequence[Sequence[Tensor]] = ()) -> list[Tensor]:
         """Reduce the shards of all ranks; ``values[s]``: scalars of shard ``s`` to average by rows.
@@ -397,26 +451,33 @@ class ShardedStep:
         if self._host_rng is not None:
             random.setstate(self._host_rng[0])
             np.random.set_state(self._host_rng[1])
-        stats, sizes = self._stats, [p.numel() for p in self.params]
-        for i, shard in enumerate(values):  # each row grows by its scalars, one row at a time
-            row = self._grads[i]
-            self._grads[i] = torch.cat([row, torch.tensor([float(v) for v in shard], dtype=row.dtype)])
-        sizes += [1] * (len(values[0]) if values else 0)
-        present = torch.cat([self._present, torch.ones(len(sizes) - len(self.params), dtype=torch.bool)])
+        stats, local = self._stats, len(self._rows)
+        count, width = len(values[0]) if values else 0, self._offsets[-1]
+        if width + count > self._block.shape[1]:  # room for the scalars after the gradients (grown once)
+            grown = self._block.new_zeros(len(self._block), width + count)
+            grown[:, :width] = self._block[:, :width]
+            self._block = grown
+        block = self._block[:local, : width + count]
+        if count:  # the shards' scalars ride after their gradients (a device copy, no host sync)
+            block[:, width:] = torch.stack([torch.stack([v.detach().reshape(()) for v in shard]) for shard in values])
+        sizes = self._sizes + [1] * count
+        present = torch.tensor(self._present + [True] * count)
+        maxima = torch.stack(self._maxima)
+        if count:
+            maxima = torch.cat([maxima, block[:, width:].abs().to(maxima)], dim=1)
         sums, present, (updates,) = exact_row_sum(
-            self._grads, self._rows, sizes, present, self.virtual_shards, self.group, bits=[stats.updates]
+            block, self._rows, sizes, present, self.virtual_shards, self.group, bits=[stats.updates], maxima=maxima
         )
-        stats.apply(updates, local_shards=len(self._rows))
+        stats.apply(updates, local_shards=local)
         pieces = (sums / step_rows).split(sizes)
         self.grads = [
             piece.to(p.dtype).reshape(p.shape) if there else None
             for piece, p, there in zip(pieces, self.params, present.tolist(), strict=False)
         ]
-        self._grads, self._rows, self._stats = [], [], None
-        self._present = torch.zeros(len(self.params), dtype=torch.bool)
+        self._rows, self._maxima, self._stats, self._present = [], [], None, [False] * len(self.params)
         return [piece.reshape(()) for piece in pieces[len(self.params) :]]
 
     def apply(self) -> None:
         """Write the reduced gradients into the parameters' ``.grad``."""
         for p, grad in zip(self.params, self.grads, strict=True):
-            p.grad = None if grad is None else grad.to(p.device)
+            p.grad = grad  # on the parameter's device already

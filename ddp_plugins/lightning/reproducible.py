@@ -48,7 +48,8 @@ def state_fingerprint(state_dict: Any, optimizer_states: Any) -> str:
     return fingerprint({"state_dict": state_dict, "optimizer_states": list(optimizer_states or [])})
 
 
-_PRECISIONS = ("32-true", "64-true", "32", "64")
+# bf16 autocast runs inside each shard, on the same rows on any number of ranks: the same kernels and bits
+_PRECISIONS = ("32-true", "64-true", "32", "64", "bf16-mixed", "bf16")
 
 
 def _refuse(what: str, hint: str) -> ValueError:
@@ -59,7 +60,7 @@ def check_trainer(trainer: Any, world_size: int, virtual_shards: int) -> None:
     """What the mode needs of the Trainer, checked before any rank starts (one line each).
 
     Raises:
-        ArgumentValueError: gradient accumulation, mixed precision, or more ranks than shards.
+        ArgumentValueError: gradient accumulation, float16 precision, or more ranks than shards.
     """
     accumulate = run_accumulation(trainer)
     if accumulate != 1:
@@ -68,7 +69,10 @@ def check_trainer(trainer: Any, world_size: int, virtual_shards: int) -> None:
             hint="The mode cuts each step into virtual shards itself: global_batch_size is the step's rows.",
         )  # fmt: skip
     if str(trainer.precision) not in _PRECISIONS:
-        raise ArgumentValueError("precision", "'32-true' or '64-true' with reproducible=True", str(trainer.precision))
+        raise ArgumentValueError(
+            "precision", "'32-true', '64-true' or 'bf16-mixed' with reproducible=True", str(trainer.precision),
+            hint="float16 needs a loss scaler, whose skipped steps the mode does not reproduce; bf16-mixed needs none.",
+        )  # fmt: skip
     if world_size > virtual_shards:
         raise ArgumentValueError(
             "devices", f"at most virtual_shards={virtual_shards} ranks in all with reproducible=True", world_size,
@@ -275,7 +279,7 @@ class ReproducibleSteps:
                 f" `batch_size=`, got {type(dataset).__name__} in a loader with batch_size={batch_size}",
                 "Give the evaluation loader a dataset with a length and a batch_size.",
             )
-        sampler = SequentialDistributedSampler(dataset, num_replicas=world_size, rank=rank, align=batch_size)
+        sampler = SequentialDistributedSampler(dataloader.dataset, num_replicas=world_size, rank=rank, align=batch_size)
         return update_dataloader(dataloader, sampler)
 
     @contextmanager

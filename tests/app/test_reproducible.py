@@ -68,9 +68,9 @@ def test_the_modes_limits_are_one_line_each(tmp_path):
             ["global_batch_size=48", "strategy.virtual_shards=2", "trainer.devices=3"],
             "at most virtual_shards=2 ranks",
         ),
-        "mixed_precision": (
-            ["global_batch_size=48", "precision=bf16-mixed"],
-            "'32-true' or '64-true' with reproducible=True",
+        "float16": (
+            ["global_batch_size=48", "precision=16-mixed"],
+            "16-mixed",
         ),
         "accumulation": (
             ["global_batch_size=48", "callbacks.accumulation_no_sync.accumulate_grad_batches=2"],

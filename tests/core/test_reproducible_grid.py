@@ -36,6 +36,7 @@ def _shards() -> tuple[list[torch.Tensor], list[float], list[bool]]:
 def _simulated(world_size: int, total_shards: int = V) -> torch.Tensor:
     """What ``exact_row_sum`` returns on ``world_size`` ranks, the collectives done by hand."""
     rows, weights, present = _shards()
+    rows = torch.stack(rows)
     split = GlobalPlan(64, 32, virtual_shards=V).rank_shards(world_size)
     ranks = [(rows[a:b], weights[a:b]) for a, b in split]
     top = torch.stack([_grid_top(r, w, SIZES, torch.tensor(present)) for r, w in ranks]).amax(dim=0)  # MAX
@@ -57,6 +58,7 @@ def test_the_grid_is_the_same_for_every_split_of_the_shards():
 
 def _test_two_ranks(rank, world_size):
     rows, weights, present = _shards()
+    rows = torch.stack(rows)
     a, b = GlobalPlan(64, 32, virtual_shards=V).rank_shards(world_size)[rank]
     sums, there, _ = exact_row_sum(rows[a:b], weights[a:b], SIZES, torch.tensor(present), V)
     return sums, there

@@ -145,3 +145,13 @@ def test_python_and_numpy_streams_are_the_shards_own_and_given_back(isolated):
         model(torch.ones(1, 2)).sum().backward()
     step.finish(step_rows=1)
     assert random.getstate() == before[0] and np.array_equal(np.random.get_state()[1], before[1]), "not given back"
+
+
+def test_float16_is_refused_and_bfloat16_taken():
+    strategy = DDPPluginsStrategy(global_batch_size=40, reproducible=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="16-true", logger=False, strategy=strategy)
+    with pytest.raises(ValueError) as error:
+        trainer.fit(_Model(nn.Identity()))
+    message = _one_line(error)
+    assert message.startswith("`precision` should be '32-true', '64-true' or 'bf16-mixed' with reproducible=True")
+    assert "got '16-true'" in message and "loss scaler" in message, message

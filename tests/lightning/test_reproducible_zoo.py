@@ -2,8 +2,8 @@
 
 A zoo of small models unlike ours, each trained 2 epochs on 1, 2, 3, 4, 5, 6, 7 and 8 ranks of
 ``DDPPluginsStrategy(global_batch_size=16, reproducible=True)`` (V = 8 virtual shards; 60 rows:
-a short last step of 12 rows), in float32 and in ``64-true``, where any difference of the rounding
-grid between world sizes shows in the last bits:
+a short last step of 12 rows), in float32, in ``64-true``, where any difference of the rounding
+grid between world sizes shows in the last bits, and in ``bf16-mixed`` (CPU autocast):
 
 - an MLP over an ``nn.Embedding`` with LayerNorm, GELU and Dropout, trained by AdamW with weight
   decay, a per-step OneCycleLR and gradient clipping;
@@ -125,7 +125,10 @@ def _fit(kind: str, precision: str) -> dict:
     }
 
 
-RUNS = [("mlp", "32-true"), ("cnn", "32-true"), ("transformer", "32-true"), ("mlp", "64-true"), ("cnn", "64-true")]
+RUNS = [
+    ("mlp", "32-true"), ("cnn", "32-true"), ("transformer", "32-true"), ("mlp", "64-true"), ("cnn", "64-true"),
+    ("mlp", "bf16-mixed"), ("transformer", "bf16-mixed"),  # CPU autocast in bfloat16 inside each shard
+]  # fmt: skip
 
 
 def _zoo(out_dir):
@@ -153,8 +156,10 @@ def test_a_zoo_of_models_gives_the_same_bits_on_1_to_8_ranks():
         expected = _tensors(result)
         assert {"/metrics/1/val/loss", "/metrics/1/train/loss"} <= set(expected), run
         logged, direct = result["metrics"][1]["val/loss"], result["val_direct"]
-        # 20 rows in batches of 8: a short last batch, never padded (a padded one was 1% off)
-        assert abs(float(logged) - float(direct)) <= 2e-6 * float(direct), (run, float(logged), float(direct))
+        # 20 rows in batches of 8: a short last batch, never padded (a padded one was 1% off); in
+        # bfloat16 the batches' own losses are rounded to 8 bits
+        tolerance = 2e-2 if run[1] == "bf16-mixed" else 2e-6
+        assert abs(float(logged) - float(direct)) <= tolerance * float(direct), (run, float(logged), float(direct))
         assert result["state"]["net.1.weight" if run[0] == "cnn" else "net.0.weight"].dtype == (
             torch.float64 if run[1] == "64-true" else torch.float32
         )
