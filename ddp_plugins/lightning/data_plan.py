@@ -8,6 +8,7 @@ docs/design.md ("One global plan per epoch, and uneven data", "Checkpoints and r
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import warnings
@@ -29,6 +30,8 @@ from ddp_plugins.core.ranks import collective_device
 from ddp_plugins.core.samplers import ResumableSampler
 from ddp_plugins.lightning.accumulation import current_accumulation
 from ddp_plugins.lightning.contracts import AccumulationSchedule, of_kind
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BatchRows",
@@ -456,6 +459,8 @@ class ResumeRecord:
         # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the loaders
         # built here (a plan, shards in step, a resumable sampler) resume exactly.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+        if (switched := mode_switch(self._resumed, record)) and trainer.is_global_zero:
+            log.warning(switched)
         return epoch, start
 
     def checkpoint_record(self, module: Any, planned: PlannedLoader) -> dict[str, Any] | None:
@@ -478,6 +483,32 @@ class ResumeRecord:
         if isinstance(batches, int):
             record["batches_per_epoch"] = batches
         return dict(record, **planned.position(trainer))
+
+
+def mode_switch(saved: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
+    """One line when a resume at an epoch's end turns the reproducible mode on or off, or changes
+    its ``virtual_shards`` (in the middle of an epoch :func:`check_resume` refuses it); else ``None``.
+
+    Example::
+
+        >>> plan = {"dataset_length": 100, "global_batch_size": 8, "virtual_shards": None}
+        >>> mode_switch({"plan": plan}, {"plan": dict(plan, virtual_shards=8)})  # doctest: +ELLIPSIS
+        'resume: the checkpoint was trained with reproducible=False and this run goes on with reproducible=True ...'
+        >>> mode_switch({"plan": plan}, {"plan": plan}) is None
+        True
+    """
+    before = ((saved or {}).get("plan") or {}).get("virtual_shards")
+    after = (now.get("plan") or {}).get("virtual_shards")
+    if not saved or before == after:
+        return None
+
+    def mode(shards: Any) -> str:
+        return f"reproducible=True (virtual_shards={shards})" if shards else "reproducible=False"
+
+    return (
+        f"resume: the checkpoint was trained with {mode(before)} and this run goes on with {mode(after)}: its"
+        " bits from here on are the same only as those of runs resumed the same way, not of one run in either mode."
+    )
 
 
 def run_accumulation(trainer: Any) -> int:

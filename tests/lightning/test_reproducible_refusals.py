@@ -155,3 +155,30 @@ def test_float16_is_refused_and_bfloat16_taken():
     message = _one_line(error)
     assert message.startswith("`precision` should be '32-true', '64-true' or 'bf16-mixed' with reproducible=True")
     assert "got '16-true'" in message and "loss scaler" in message, message
+
+
+def test_switching_the_mode_on_a_resume_is_said_in_one_line(tmp_path, caplog):
+    """At an epoch's end the mode may change (mid-epoch the plan's check refuses it), and the log says so."""
+
+    def fit(reproducible, epochs, ckpt_path=None):
+        strategy = DDPPluginsStrategy(global_batch_size=40, reproducible=reproducible)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, logger=False, enable_progress_bar=False,
+            enable_checkpointing=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(_Model(nn.Identity()), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(False, 1).save_checkpoint(tmp_path / "default.ckpt")
+    with caplog.at_level("WARNING", logger="ddp_plugins"):
+        fit(True, 2, tmp_path / "default.ckpt").save_checkpoint(tmp_path / "reproducible.ckpt")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume:")]
+    assert said == [
+        "resume: the checkpoint was trained with reproducible=False and this run goes on with reproducible=True"
+        " (virtual_shards=8): its bits from here on are the same only as those of runs resumed the same way, not of"
+        " one run in either mode."
+    ], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ddp_plugins"):
+        fit(False, 3, tmp_path / "reproducible.ckpt")
+    assert [r.getMessage() for r in caplog.records if "reproducible=True (virtual_shards=8) and this" in r.getMessage()]
