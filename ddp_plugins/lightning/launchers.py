@@ -12,11 +12,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 from typing_extensions import override
 
 from ddp_plugins import _compat
+from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_process, parent_death_signal
 from ddp_plugins.core.stalls import describe_collective_failure
@@ -28,14 +29,24 @@ __all__ = ["REFUSAL_EXIT", "ChildCommand", "CleanExitMultiprocessingLauncher", "
 _CHILD_GRACE_S = 2.0  # seconds a child rank gets to exit on its own once rank 0 failed, before it is killed
 _PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_WATCH_S = 1.0  # how often the rank watcher looks at the child ranks
+# A child rank that refused or exited 0 while the ranks start: rank 0 gets this long to end its start-up alike
+_STARTUP_GRACE_S = 3.0
+_DRAIN_S = 1.0  # seconds to wait for the last stderr bytes of a child rank that exited
+_TAIL_BYTES = 4096  # the end of a child rank's start-up stderr kept for its last line
+_REFUSAL_PREFIX = "error: "  # a refusing rank's one line (the app's "error: <key> ..., allowed: ...")
 # In a child rank's environment: it got a parent-death signal, to clear once its start-up is done
 _DIES_WITH_LAUNCHER = "DDP_PLUGINS_DIES_WITH_LAUNCHER"
+# In a child rank's environment: the launcher's stderr (a descriptor number), for the child to take back once started
+_STDERR_FD = "DDP_PLUGINS_STDERR_FD"
 _SPAWN_RESULTS_KEY = "ddp_plugins.spawn_results"  # callbacks' results, from spawned rank 0
 ChildCommand = Callable[[int], tuple[list[str], str | None]]  # local rank -> (command, working folder)
 
 REFUSAL_EXIT = 2
 """The exit code of a rank that refused its job with one line (a config or a resume it cannot run):
-every rank decides alike and rank 0 prints the line, so it is no crash to report."""
+every rank decides alike and rank 0 prints the line, so it is no crash to report. During start-up a
+child rank's exit 2 is a refusal only when its last stderr line is one (``error: ...``): Python's own
+exit 2 (a script it cannot open, a bad option) is a failure."""
 
 
 def _agreed_code(code: int | None) -> bool:
@@ -47,12 +58,21 @@ class _RankWatcher(threading.Thread):
     """Watches the child ranks; when one fails, says which and how on stderr, and stops every rank.
 
     Unlike Lightning's ``_ChildProcessObserver`` (INFO level, usually hidden), it can be stopped.
+    While the ranks start (until ``ranks_met`` is set), rank 0 may wait in the rendezvous for a rank
+    that is gone: any exit of a child rank then ends the job, at once or, for a refusal (exit 2 with
+    an ``error: ...`` line) or an exit 0, after :data:`_STARTUP_GRACE_S` in which rank 0 did not end
+    its start-up (or its job) itself.
     """
 
-    def __init__(self, procs: list[Any], halt: threading.Event) -> None:
+    def __init__(
+        self, procs: list[Any], tees: list[_StderrTee | None], halt: threading.Event, ranks_met: threading.Event
+    ) -> None:
         super().__init__(daemon=True, name="ddp-plugins-rank-watcher")
         self.procs = procs
+        self._tees = tees
         self._halt = halt
+        self._ranks_met = ranks_met
+        self._lines: dict[int, str] = {}  # a child rank's last start-up stderr line, read once it exited
 
     def stop(self) -> None:
         self._halt.set()
@@ -61,8 +81,14 @@ class _RankWatcher(threading.Thread):
 
     @override
     def run(self) -> None:
-        while not self._halt.wait(1.0):
+        seen: dict[int, float] = {}  # when a child rank's exit was first seen during start-up
+        while not self._halt.wait(_WATCH_S):
             codes = [proc.poll() for proc in self.procs]
+            if not self._ranks_met.is_set():
+                for rank, code in enumerate(codes, 1):
+                    if code is not None:
+                        self._during_startup(rank, code, seen.setdefault(rank, time.monotonic()))
+                continue
             if all(code == 0 or _agreed_code(code) for code in codes):
                 return  # every child ended, or stopped for a preemption signal or refused: rank 0 does the same
             failed = [(rank, code) for rank, code in enumerate(codes, 1) if code and not _agreed_code(code)]
@@ -75,17 +101,78 @@ class _RankWatcher(threading.Thread):
                         other.send_signal(signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    def _during_startup(self, rank: int, code: int, seen_at: float) -> None:
+        """Child rank ``rank`` exited with ``code`` while the ranks start (first seen at ``seen_at``):
+        end the job, unless it is a refusal or a clean exit that rank 0 still has time to match."""
+        if rank not in self._lines:
+            tee = self._tees[rank - 1]
+            self._lines[rank] = tee.last_line(_DRAIN_S) if tee is not None else ""
+        line = self._lines[rank]
+        refused = code == REFUSAL_EXIT and line.startswith(_REFUSAL_PREFIX)
+        if (refused or code == 0) and time.monotonic() - seen_at < _STARTUP_GRACE_S:
+            return
+        if self._halt.is_set():  # the launcher is stopping the ranks itself (a signal, rank 0 failed)
+            return
+        proc = self.procs[rank - 1]
+        how = f"{_describe_exit(code)}{' (a refusal)' if refused else ''} while the ranks were starting"
+        said = f"its last stderr line: {line}" if line else "it wrote nothing to stderr"
+        print(f"[ddp_plugins] rank {rank} (PID {proc.pid}) {how}; stopped every rank; {said}", file=sys.stderr)
+        for other in self.procs:
+            if other.poll() is None:
+                other.send_signal(signal.SIGKILL)
+        for stream in (sys.stderr, sys.stdout):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        # the main thread may be waiting in the rendezvous, where neither exceptions nor atexit handlers can run
+        os._exit(REFUSAL_EXIT if refused else 1)
+
+
+class _StderrTee(threading.Thread):
+    """A child rank's stderr while it starts, passed on to the launcher's stderr; keeps the last line.
+
+    Once started, the child rank writes to that stderr directly (:meth:`JobSubprocessLauncher.startup_done`):
+    a pipe through this process would break for a child rank that outlives it.
+    """
+
+    def __init__(self, source: IO[bytes], target: int) -> None:
+        super().__init__(daemon=True, name="ddp-plugins-stderr-tee")
+        self._source = source
+        self._target = target  # the launcher's stderr as the child rank got it (a duplicate of fd 2)
+        self._tail = b""
+
+    @override
+    def run(self) -> None:
+        try:
+            while chunk := os.read(self._source.fileno(), 65536):
+                self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
+                with contextlib.suppress(OSError):  # a closed stderr must not block the child rank
+                    while chunk:
+                        chunk = chunk[os.write(self._target, chunk) :]
+        finally:
+            os.close(self._target)
+            self._source.close()
+
+    def last_line(self, wait_s: float) -> str:
+        """The last non-blank line the child rank wrote to stderr while it started (after up to ``wait_s``
+        seconds for the rest of it: a DataLoader worker that outlives the child keeps the pipe open)."""
+        self.join(wait_s)
+        lines = [line.strip() for line in self._tail.decode(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
 
 class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
     """Lightning's subprocess launcher with a rank watcher, and no orphans.
 
     ``child_command(local_rank)`` gives each child rank's command and working folder (default:
-    Lightning's). It stops the child ranks when rank 0 raises (not only on ``KeyboardInterrupt``),
-    and holds SIGTERM and SIGINT from before the first child starts until :meth:`startup_done`.
+    Lightning's, which re-runs this command line: refused before any child starts where it cannot be
+    re-run). It stops the child ranks when rank 0 raises (not only on ``KeyboardInterrupt``), holds
+    SIGTERM and SIGINT from before the first child starts until :meth:`startup_done`, and until then
+    passes each child rank's stderr on, keeping its last line for the one line of a failed start-up.
     """
 
     _startup: _StartupSignals | None = None
     _halt: threading.Event | None = None
+    _ranks_met: threading.Event | None = None
 
     def __init__(
         self,
@@ -97,19 +184,28 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         super().__init__(*args, **kwargs)
         self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
         self.child_command = child_command or _compat.subprocess_cmd  # default: Lightning's command
+        self._reruns_command_line = child_command is None
+        self._tees: list[_StderrTee | None] = []  # each child rank's stderr while it starts
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if self.before_launch is not None and trainer is not None:
             self.before_launch(trainer)
+        starts_children = not self.cluster_environment.creates_processes_externally and self.num_processes > 1
+        if starts_children and self._reruns_command_line:
+            self._check_can_spawn_children()  # Lightning's refusal of a child rank that would start ranks, first
+            _check_rerunnable(*self.child_command(1))
         watcher = None
         try:
             if not self.cluster_environment.creates_processes_externally:
-                self._halt = threading.Event()
+                self._halt, self._ranks_met = threading.Event(), threading.Event()
                 self._startup = _StartupSignals(self._stop_startup).install()
                 self._call_children_scripts()
-                watcher = _RankWatcher(self.procs, self._halt)
+                for tee in self._tees:
+                    if tee is not None:
+                        tee.start()
+                watcher = _RankWatcher(self.procs, self._tees, self._halt, self._ranks_met)
                 watcher.start()
             _compat.set_num_threads_if_needed(self.num_processes)
             return function(*args, **kwargs)
@@ -133,7 +229,10 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
 
     def startup_done(self) -> None:
         """The ranks have met (the strategy calls this once set up): SIGTERM and SIGINT get their
-        handlers back, and a child rank's parent-death signal is cleared."""
+        handlers back, a child rank's parent-death signal is cleared, and a child rank writes to the
+        launcher's stderr directly again."""
+        if self._ranks_met is not None:
+            self._ranks_met.set()
         if self._startup is not None:
             self._startup.restore()
             self._startup = None
@@ -141,6 +240,13 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             clear = parent_death_signal(0)
             if clear is not None:
                 clear()
+        stderr = os.environ.pop(_STDERR_FD, None)
+        if stderr is not None:
+            with contextlib.suppress(Exception):  # sys.stderr may be anything by now
+                sys.stderr.flush()
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(int(stderr), 2)
+                os.close(int(stderr))
 
     def _stop_startup(self, signum: int) -> None:
         """SIGTERM or SIGINT while the ranks start: forward it to the child ranks, kill those left after
@@ -153,6 +259,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             if proc.poll() is None:
                 proc.send_signal(signum)
         _wait_then_kill(procs, _CHILD_GRACE_S)
+        _drain(self._tees)  # what the child ranks said on their way out, before this line
         code = 128 + signum
         message = f"{signal.Signals(signum).name} while the ranks were starting: stopped child ranks"
         print(f"[ddp_plugins] {message} {[proc.pid for proc in procs]}; exit code {code}.", file=sys.stderr, flush=True)
@@ -164,26 +271,34 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         """Stop the child ranks that still run after rank 0 failed, and say which rank failed first
         (or, for a collective that failed on rank 0, which rank stopped progressing: ``stalled``)."""
         running = _wait_then_kill(self.procs, _CHILD_GRACE_S)
-        failed_first = [
-            f"rank {rank} (PID {proc.pid}) {_describe_exit(proc.returncode)}"
+        _drain(self._tees)
+        failed = [
+            (rank, proc)
             for rank, proc in enumerate(self.procs, 1)
             if proc not in running and proc.returncode and proc.returncode != REFUSAL_EXIT
         ]
-        cause = f"{'; '.join(failed_first)} first, then rank 0 failed" if failed_first else "rank 0 failed"
-        if stalled and not failed_first:
+        cause = "; ".join(f"rank {rank} (PID {proc.pid}) {_describe_exit(proc.returncode)}" for rank, proc in failed)
+        cause = f"{cause} first, then rank 0 failed" if failed else "rank 0 failed"
+        if stalled and not failed:
             cause += f" in a collective: {stalled.split(':')[0]}"
         stopped = [proc.pid for proc in running]
-        print(f"[ddp_plugins] {cause}; stopped child ranks {stopped}.", file=sys.stderr, flush=True)
+        said = "."
+        if failed and not (self._ranks_met and self._ranks_met.is_set()):  # it still wrote through this process
+            tee = dict(zip(self.procs, self._tees, strict=False)).get(failed[0][1])
+            line = tee.last_line(0.0) if tee is not None else ""
+            said = f"; its last stderr line: {line}" if line else said
+        print(f"[ddp_plugins] {cause}; stopped child ranks {stopped}{said}", file=sys.stderr, flush=True)
 
     @override
     def _call_children_scripts(self) -> None:
         """Lightning's, with ``child_command``'s command, and a parent-death signal for each child rank.
 
         Until :meth:`startup_done`, a child gets ``SIGKILL`` when the launcher dies: alone in the
-        rendezvous it would wait out the whole timeout (docs/design.md).
+        rendezvous it would wait out the whole timeout (docs/design.md); and its stderr is a pipe
+        that :class:`_StderrTee` passes on, with the launcher's own stderr at hand to take back.
         """
         self._check_can_spawn_children()
-        self.procs = []  # reset in case it is called twice, as Lightning's does
+        self.procs, self._tees = [], []  # reset in case it is called twice, as Lightning's does
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
         os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
@@ -196,7 +311,23 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             if dies_with_launcher is not None:
                 env_copy[_DIES_WITH_LAUNCHER] = "1"
             command, cwd = self.child_command(local_rank)
-            self.procs.append(subprocess.Popen(command, env=env_copy, cwd=cwd, preexec_fn=dies_with_launcher))
+            try:
+                stderr = os.dup(2)  # the launcher's stderr, for the tee to write to and the child to take back
+            except OSError:  # none to pass on
+                self.procs.append(subprocess.Popen(command, env=env_copy, cwd=cwd, preexec_fn=dies_with_launcher))
+                self._tees.append(None)
+                continue
+            env_copy[_STDERR_FD] = str(stderr)
+            try:
+                proc = subprocess.Popen(
+                    command, env=env_copy, cwd=cwd, preexec_fn=dies_with_launcher,
+                    stderr=subprocess.PIPE, pass_fds=(stderr,),
+                )  # fmt: skip
+            except BaseException:
+                os.close(stderr)
+                raise
+            self.procs.append(proc)
+            self._tees.append(_StderrTee(proc.stderr, stderr) if proc.stderr is not None else None)
 
 
 class _StartupSignals:
@@ -302,6 +433,42 @@ def failure_tag(module: Any) -> str:
     """The tag under which the ranks whose collective failed record themselves: the global step,
     the same on every rank in one collective (a fit that failed earlier left other tags)."""
     return str(getattr(module, "global_step", ""))
+
+
+def _check_rerunnable(command: list[str], cwd: str | None) -> None:
+    """Refuse, before any child rank starts, a child command that re-runs a script this process cannot
+    give again: ``python -c`` and ``python -`` (stdin), or a script that is not a file (any more)."""
+    if len(command) > 1 and command[1] == "-m":
+        return  # a module: found again by name
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 in ("-c", "-"):
+        problem = (
+            "got '-c' (`python -c` keeps no copy of its code for a child rank)"
+            if argv0 == "-c"
+            else "got '-' (`python -` reads the script from stdin, which no child rank can read again)"
+        )
+    else:
+        script = command[1] if len(command) > 1 else ""
+        if os.path.isfile(os.path.join(cwd or os.getcwd(), script)):
+            return
+        problem = f"got {argv0!r}, and {script!r} is not a file"
+    raise ArgumentValueError(
+        "sys.argv[0]",
+        "a script file that each child rank re-runs",
+        problem=problem,
+        hint=(
+            "Save the script to a file and run `python file.py`, run it as a module (`python -m package.module`),"
+            " start the ranks with torchrun, or use strategy='ddp_plugins_notebook' (forked ranks: nothing re-run)."
+        ),
+    )
+
+
+def _drain(tees: list[_StderrTee | None], seconds: float = _DRAIN_S) -> None:
+    """Wait up to ``seconds`` in all for the child ranks' start-up stderr to be passed on."""
+    deadline = time.monotonic() + seconds
+    for tee in tees:
+        if tee is not None and tee.ident is not None:
+            tee.join(max(0.0, deadline - time.monotonic()))
 
 
 def _wait_then_kill(procs: list[Any], grace_s: float) -> list[Any]:
