@@ -166,6 +166,7 @@ def exact_row_sum(
     group: Any = None,
     bits: Sequence[Tensor] = (),
     maxima: Tensor | None = None,
+    workspace: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """:func:`exact_sum` of ``weights[s] * rows[s]`` (``rows``: a flat row per local shard, its tensors end to end).
 
@@ -176,17 +177,25 @@ def exact_row_sum(
     device); the host sees the small vector of maxima, and the sums only where the backend needs
     them there (gloo). Returns the float64 sums laid out alike, which tensors any rank gave, and
     ``bits`` (float64, on the rows' device) reduced. ``maxima``: each row's largest magnitude per
-    tensor, where the caller kept them as it filled the rows (else they are computed here).
+    tensor, where the caller kept them as it filled the rows (else they are computed here);
+    ``workspace``: a dict that keeps the large buffers from call to call (the returned sums and
+    ``bits`` live in it until the next call).
 
     The three stages (:func:`_grid_top`, :func:`_grid_integers`, :func:`_grid_values`) are pure
     functions of one rank's rows; between them run one ``all_reduce`` (MAX) and one (SUM).
     """
     device = collective_device(group)  # the CPU without a process group
     top = _all_reduce(_grid_top(rows, weights, sizes, present, maxima), device, group, dist.ReduceOp.MAX).cpu()
-    sums = _grid_integers(rows, weights, sizes, top, total_shards)
-    count = torch.tensor([float(sum(w != 0 for w in weights))], dtype=torch.float64, device=rows.device)
-    payload = _all_reduce(torch.cat([sums, count, *(b.reshape(-1).to(rows.device) for b in bits)]), device, group)
-    total = len(sums)
+    total = sum(sizes)
+    work = {} if workspace is None else workspace
+    payload = _scratch(work, "payload", total + 1 + sum(b.numel() for b in bits), rows.device)
+    _grid_integers(
+        rows, weights, sizes, top, total_shards, payload[:total], _scratch(work, "scaled", total, rows.device)
+    )
+    payload[total] = float(sum(w != 0 for w in weights))
+    for piece, b in zip(payload[total + 1 :].split([b.numel() for b in bits]), bits, strict=True):
+        piece.copy_(b.reshape(-1))
+    payload = _all_reduce(payload, device, group)
     if payload[total] > total_shards:
         raise ValueError(
             f"exact_sum: the ranks gave {int(payload[total])} shards of non-zero weight in all, more than"
@@ -196,6 +205,15 @@ def exact_row_sum(
     pieces = payload[total + 1 :].split([b.numel() for b in bits])
     out_bits = [p.reshape(b.shape) for p, b in zip(pieces, bits, strict=True)]
     return _grid_values(payload[:total], sizes, top, total_shards), top[: len(sizes)] >= 0, out_bits
+
+
+def _scratch(workspace: dict[str, Tensor], name: str, size: int, device: torch.device) -> Tensor:
+    """A float64 buffer of ``size`` kept in ``workspace`` from call to call: a step's large buffers are
+    allocated once, not zero-filled by the system at every step."""
+    buffer = workspace.get(name)
+    if buffer is None or buffer.numel() < size or buffer.device != device:
+        buffer = workspace[name] = torch.empty(size, dtype=torch.float64, device=device)
+    return buffer[:size]
 
 
 def _all_reduce(tensor: Tensor, device: torch.device, group: Any, op: Any = dist.ReduceOp.SUM) -> Tensor:
@@ -246,31 +264,35 @@ def _grid_top(
 def _exponents(top: Tensor, count: int, total_shards: int) -> list[int]:
     """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``.
 
-    ``e`` is kept within +-1000, where ``2**e`` and ``2**-e`` are normal float64 numbers (a tensor
-    whose largest value is below ``2**-950`` keeps fewer bits: the same on any number of ranks)."""
+    ``e`` is kept within +-900, where ``2**e`` times a row count and ``2**-e`` are normal float64
+    numbers (a tensor whose largest value is below ``2**-850`` keeps fewer bits: the same on any
+    number of ranks)."""
     room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
-    return [min(max(room - math.frexp(m)[1], -1000), 1000) if m > 0 else 0 for m in top[:count].tolist()]
-
-
-def _grid_scale(top: Tensor, sizes: Sequence[int], total_shards: int, device: torch.device, sign: int) -> Tensor:
-    """Per value, its tensor's ``2**(sign * e)`` (powers of two: multiplying by one is exact)."""
-    powers = torch.tensor([2.0 ** (sign * e) for e in _exponents(top, len(sizes), total_shards)], dtype=torch.float64)
-    return torch.repeat_interleave(powers, torch.tensor(list(sizes), dtype=torch.long)).to(device)
+    return [min(max(room - math.frexp(m)[1], -900), 900) if m > 0 else 0 for m in top[:count].tolist()]
 
 
 def _grid_integers(
-    rows: Tensor, weights: Sequence[float], sizes: Sequence[int], top: Tensor, total_shards: int
+    rows: Tensor,
+    weights: Sequence[float],
+    sizes: Sequence[int],
+    top: Tensor,
+    total_shards: int,
+    out: Tensor | None = None,
+    scaled: Tensor | None = None,
 ) -> Tensor:
     """One rank's sum of its rows on the agreed grid (``top``: every rank's :func:`_grid_top`, combined):
-    integers in float64, whose sum over the ranks is exact in any order."""
-    flags = any(top[len(sizes) :].tolist())
-    scale = _grid_scale(top, sizes, total_shards, rows.device, 1)
-    sums = torch.zeros(sum(sizes), dtype=torch.float64, device=rows.device)
-    scaled = torch.empty_like(sums)
+    integers in float64, whose sum over the ranks is exact in any order (in ``out``, with ``scaled``
+    as scratch, where given)."""
+    exponents, flags = _exponents(top, len(sizes), total_shards), any(top[len(sizes) :].tolist())
+    total = sum(sizes)
+    sums = torch.empty(total, dtype=torch.float64, device=rows.device) if out is None else out
+    scaled = torch.empty_like(sums) if scaled is None else scaled
+    sums.zero_()
     for row, weight in zip(rows, weights, strict=True):
-        torch.mul(row, scale, out=scaled)  # exact: a power of two (the value is widened to float64 first)
-        if weight != 1:
-            scaled.mul_(float(weight))  # one rounding of x * w * 2**e: exact for a float32 x and a row count
+        scaled.copy_(row)  # widened to float64: exact
+        for t, e in zip(scaled.split(list(sizes)), exponents, strict=True):
+            # one rounding of x * w * 2**e (w * 2**e is exact): none for a float32 x and a row count w
+            t.mul_(float(weight) * 2.0**e)
         if flags:
             scaled.nan_to_num_(0.0, 0.0, 0.0)
         sums += scaled.round_()  # integers below 2**53 in float64: exact, in any order and grouping
@@ -278,14 +300,14 @@ def _grid_integers(
 
 
 def _grid_values(sums: Tensor, sizes: Sequence[int], top: Tensor, total_shards: int) -> Tensor:
-    """The ranks' integer sums (:func:`_grid_integers`, summed) back at their tensors' scale; NaN where
-    a value was not finite."""
+    """The ranks' integer sums (:func:`_grid_integers`, summed) back at their tensors' scale, in place;
+    NaN where a value was not finite."""
     count = len(sizes)
-    values = sums * _grid_scale(top, sizes, total_shards, sums.device, -1)
-    for t, bad in zip(values.split(list(sizes)), top[count:].tolist(), strict=True):
-        if bad:
-            t.fill_(math.nan)
-    return values
+    for t, e, bad in zip(
+        sums.split(list(sizes)), _exponents(top, count, total_shards), top[count:].tolist(), strict=True
+    ):
+        t.fill_(math.nan) if bad else t.mul_(2.0**-e)  # in place, exact: a power of two
+    return sums
 
 
 class _ShardStats:
@@ -389,6 +411,8 @@ class ShardedStep:
         self._buffers: list[tuple[str, Tensor, Tensor]] = []  # (name, buffer, its value at the step's start)
         self._rows: list[int] = []  # the rows of this rank's shards of the step, in order
         self._maxima: list[Tensor] = []  # per shard, each gradient's largest magnitude
+        self._work: dict[str, Tensor] = {}  # the exact sum's large buffers, kept from step to step
+        self._out: list[Tensor] = []
         self._stats: _ShardStats | None = None
         self.grads: list[Tensor | None] = []
 
@@ -466,16 +490,18 @@ class ShardedStep:
         if count:
             maxima = torch.cat([maxima, block[:, width:].abs().to(maxima)], dim=1)
         sums, present, (updates,) = exact_row_sum(
-            block, self._rows, sizes, present, self.virtual_shards, self.group, bits=[stats.updates], maxima=maxima
+            block, self._rows, sizes, present, self.virtual_shards, self.group, [stats.updates], maxima, self._work
         )
         stats.apply(updates, local_shards=local)
-        pieces = (sums / step_rows).split(sizes)
+        pieces = sums.div_(step_rows).split(sizes)
+        if not self._out:  # the reduced gradients' own tensors, kept from step to step
+            self._out = [torch.empty_like(p) for p in self.params]
         self.grads = [
-            piece.to(p.dtype).reshape(p.shape) if there else None
-            for piece, p, there in zip(pieces, self.params, present.tolist(), strict=False)
+            out.copy_(piece.view(p.shape)) if there else None
+            for piece, p, out, there in zip(pieces, self.params, self._out, present.tolist(), strict=False)
         ]
         self._rows, self._maxima, self._stats, self._present = [], [], None, [False] * len(self.params)
-        return [piece.reshape(()) for piece in pieces[len(self.params) :]]
+        return [piece.reshape(()).clone() for piece in pieces[len(self.params) :]]
 
     def apply(self) -> None:
         """Write the reduced gradients into the parameters' ``.grad``."""
