@@ -24,11 +24,13 @@ __all__ = [
     "BatchNormBase",
     "TorchSyncBatchNormFunction",
     "combined_loader_mode",
+    "compiled_by_lightning",
     "default_store",
     "explicit_trainer_plugins",
     "hydra_config_search_path",
     "hydra_create_main",
     "hydra_sweep_batches",
+    "add_to_epoch_sum",
     "logger_step",
     "loop_data_source",
     "set_group_timeout",
@@ -38,6 +40,7 @@ __all__ = [
     "strategy_comm_state_and_wrapper",
     "strategy_timeout",
     "subprocess_cmd",
+    "training_epoch_results",
     "update_dataloader",
 ]
 
@@ -88,8 +91,9 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lightning.pytorch.utilities.combined_loader", "CombinedLoader", ("_mode",)),
     ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", ("_data_source",)),
     ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop", ("_data_source",)),
-    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop", ("_batches_that_stepped",)),
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop", ("_batches_that_stepped", "_results")),
     ("lightning.pytorch.trainer.trainer", "Trainer", ("_checkpoint_connector",)),
+    ("lightning.pytorch.core.module", "LightningModule", ("_compiler_ctx",)),
 )
 
 #: The ``torch.distributed`` function DDP broadcasts its buffers with before each forward (and its
@@ -184,6 +188,23 @@ def logger_step(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
+def training_epoch_results(trainer: Any) -> Any:
+    """The training loop's running epoch aggregation of what ``self.log`` gave: a mapping of
+    ``"<hook>.<name>"`` to Lightning's ``_ResultMetric`` (``.meta``, ``.is_tensor``, ``.value``,
+    ``.cumulated_batch_size``). Lightning keeps it in memory only and no public API reads or
+    restores it, so a mid-epoch resume would lose the epoch's sums (lightning/epoch_partials.py)."""
+    return trainer.fit_loop.epoch_loop._results
+
+
+def add_to_epoch_sum(entry: Any, value: Any, count: Any | None) -> None:
+    """Add a saved running sum (and row count, for a mean) to a ``_ResultMetric`` of the running
+    epoch. Its torchmetrics ``merge_state`` would do it, but Lightning leaves ``full_state_update``
+    unset, which that method refuses; these two states are exactly what ``update`` accumulates."""
+    entry.value = entry.value + value.to(entry.value)
+    if count is not None:
+        entry.cumulated_batch_size = entry.cumulated_batch_size + count.to(entry.cumulated_batch_size)
+
+
 def combined_loader_mode(combined: Any) -> str:
     """The mode of a ``CombinedLoader`` ("sequential", "max_size_cycle", ...).
 
@@ -194,6 +215,20 @@ def combined_loader_mode(combined: Any) -> str:
         'sequential'
     """
     return str(combined._mode)
+
+
+def compiled_by_lightning(module: Any) -> bool:
+    """Whether Lightning unwrapped ``module`` from ``torch.compile(module)`` (``from_compiled`` keeps
+    the original step methods in ``module._compiler_ctx``; ``to_uncompiled`` clears it): no public
+    attribute tells.
+
+    Example::
+
+        >>> from lightning.pytorch import LightningModule
+        >>> compiled_by_lightning(LightningModule())
+        False
+    """
+    return getattr(module, "_compiler_ctx", None) is not None
 
 
 def hydra_sweep_batches(overrides: list[Any]) -> list[list[list[str]]]:

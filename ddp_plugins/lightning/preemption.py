@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
-from ddp_plugins.core.checkpoints import remove_checkpoint_file, write_order
+from ddp_plugins.core.checkpoints import PER_RANK, remove_checkpoint_file, write_order
 from ddp_plugins.core.checks import check_choice, check_int
 from ddp_plugins.core.files import count_csv_rows, read_json, truncate_csv_rows, write_text_atomic
 from ddp_plugins.core.preemption import (
@@ -32,6 +32,7 @@ from ddp_plugins.core.preemption import (
 )
 from ddp_plugins.lightning.accumulation import is_step_boundary
 from ddp_plugins.lightning.contracts import SavesCheckpoints, StepAgreement, implements
+from ddp_plugins.lightning.epoch_partials import EpochPartials
 
 __all__ = ["PreemptionCheckpoint"]
 
@@ -43,6 +44,10 @@ _STEP_FILE = re.compile(r"^step-(\d+)(-preempted)?\.ckpt$")
 
 class PreemptionCheckpoint(Callback):
     """Stop every rank at the same step on a signal, checkpoint, exit ``128 + signal``; step checkpoints.
+
+    Its checkpoints also carry each rank's running sums of the epoch's ``on_epoch`` values, which
+    Lightning keeps in memory only: after a mid-epoch resume the epoch's means are the uninterrupted
+    run's (:class:`~ddp_plugins.lightning.epoch_partials.EpochPartials`).
 
     Args:
         dirpath: folder of the checkpoints (default: ``<default_root_dir>/checkpoints``).
@@ -86,6 +91,7 @@ class PreemptionCheckpoint(Callback):
         self._pending_path: str | None = None  # our own last file; another callback's is known to our strategy only
         self._stop: Preempted | None = None
         self._due: tuple[int, bool] | None = None  # (signal, step checkpoint) due at the epoch's end
+        self._partials = EpochPartials()  # the interrupted epoch's running sums, added back after a resume
         self.resumed_from: str | None = None
 
     @override
@@ -135,6 +141,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._partials.after_batch(trainer)
         if not is_step_boundary(trainer):
             return
         progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -171,6 +178,7 @@ class PreemptionCheckpoint(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._after_step(trainer)
+        self._partials.before_batch(trainer, pl_module)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -183,6 +191,7 @@ class PreemptionCheckpoint(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._partials.after_batch(trainer)  # names the resumed epoch logged late
         if self._due is not None:  # the epoch's last step, deferred until validation is done
             due, self._due = self._due, None
             self._checkpoint(trainer, *due)
@@ -231,8 +240,13 @@ class PreemptionCheckpoint(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # no collective: rank 0 writes the file, and only its count matters
-        return {"metrics_rows": _logged_rows(self._trainer) if self._trainer is not None else None}
+        # no collective: rank 0 writes the file, and only its count matters; the epoch's running sums
+        # are each rank's (PER_RANK: gathered when the checkpoint is saved, with every rank in step)
+        trainer = self._trainer
+        return {
+            "metrics_rows": _logged_rows(trainer) if trainer is not None else None,
+            PER_RANK: EpochPartials.save(trainer) if trainer is not None else None,
+        }
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
@@ -242,10 +256,15 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         self.resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path else None
-        if not trainer.is_global_zero:
-            return
         callbacks = checkpoint.get("callbacks", {})
         state: dict[str, Any] = next((v for k, v in callbacks.items() if k.startswith(type(self).__name__)), {})
+        parts = state.get(PER_RANK)
+        if isinstance(parts, dict) and trainer.world_size == 1:  # one rank's, under a strategy that does not gather
+            parts = [parts]
+        if isinstance(parts, list):  # every rank's
+            self._partials.load(parts, trainer)
+        if not trainer.is_global_zero:
+            return
         rows = state.get("metrics_rows")
         if self.resumed_from is not None:
             ledger = read_json(Path(self.resumed_from).parent / ROWS_LEDGER)

@@ -1,0 +1,116 @@
+"""The epoch's running means across a resume: what ``self.log(..., on_epoch=True)`` had summed so far.
+
+Lightning keeps each epoch-level value's running sum and row count in memory only (its training
+loop's result collection), so after a mid-epoch resume the epoch's mean covered only the steps
+after the resume. :class:`EpochPartials` saves each rank's partial sums with a checkpoint and adds
+them back when the resumed epoch logs the same names again. Addition is commutative in floating
+point, so ``resumed + saved`` has the bits of the uninterrupted ``saved + resumed``; a torchmetrics
+object's states are merged before its first update of the resumed epoch (its own ``merge_state``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import Tensor
+from torchmetrics import Metric
+
+from ddp_plugins import _compat
+
+__all__ = ["EpochPartials"]
+
+log = logging.getLogger(__name__)
+
+
+class EpochPartials:
+    """Save and restore the running sums of the training epoch's ``on_epoch`` values, per rank.
+
+    ``save(trainer)`` gives this rank's part (plain tensors and names: a checkpoint loads it with
+    ``weights_only=True``); ``load(parts, trainer)`` takes every rank's parts from a checkpoint; then
+    ``before_batch`` and ``after_batch`` add them back where the resumed epoch logs each name. On the
+    same number of ranks each rank gets its own part; on another number, rank 0 gets every rank's
+    sums (Lightning sums over the ranks before it divides, so the epoch's mean is the same).
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] = {}
+        self._epoch: int | None = None
+
+    @staticmethod
+    def save(trainer: Any) -> dict[str, Any]:
+        """This rank's partial sums of the current training epoch (no collective)."""
+        entries: dict[str, Any] = {}
+        for key, entry in _compat.training_epoch_results(trainer).items():
+            meta = getattr(entry, "meta", None)
+            if meta is None or not meta.on_epoch:
+                continue
+            if entry.is_tensor and (meta.is_mean_reduction or meta.is_sum_reduction):
+                count = entry.cumulated_batch_size.detach().clone() if meta.is_mean_reduction else None
+                entries[key] = {"value": entry.value.detach().clone(), "count": count}
+            elif not entry.is_tensor and isinstance(entry.value, Metric) and meta.metric_attribute:
+                states = {k: _detached(v) for k, v in entry.value.metric_state.items()}
+                entries[key] = {"attribute": meta.metric_attribute, "states": states}
+            else:  # a max or min: no sum to carry
+                entries[key] = {"skipped": str(getattr(meta.reduce_fx, "__name__", meta.reduce_fx))}
+        return {"epoch": trainer.current_epoch, "entries": entries}
+
+    def load(self, parts: list[Any], trainer: Any) -> None:
+        """Take the checkpoint's parts (one per rank that wrote it) for the resumed epoch."""
+        rank, world = trainer.global_rank, trainer.world_size
+        parts = [p for p in parts if isinstance(p, dict) and isinstance(p.get("entries"), dict)]
+        if not parts:
+            return
+        mine = [parts[rank]] if len(parts) == world else parts if rank == 0 else []
+        self._epoch = int(parts[0].get("epoch", -1))
+        self._pending = {}
+        for part in mine:
+            for key, entry in part["entries"].items():
+                self._pending.setdefault(key, []).append(entry)
+        skipped = sorted({k for k, entries in self._pending.items() for e in entries if "skipped" in e})
+        for key in skipped:
+            del self._pending[key]
+        if skipped and rank == 0:
+            log.warning(
+                "resume: the interrupted epoch's %s of %s covers only the steps after the resume (Lightning keeps no"
+                " sum for it to carry over).",
+                "maximum or minimum",
+                ", ".join(skipped),
+            )
+
+    def before_batch(self, trainer: Any, pl_module: Any) -> None:
+        """Merge torchmetrics states before their first update of the resumed epoch."""
+        if not self._current(trainer):
+            return
+        for key, entries in list(self._pending.items()):
+            if all("attribute" in e for e in entries):
+                metric = pl_module.get_submodule(entries[0]["attribute"])
+                for entry in entries:
+                    metric.merge_state(entry["states"])
+                del self._pending[key]
+
+    def after_batch(self, trainer: Any) -> None:
+        """Add the saved sums to the values the resumed epoch has logged by now."""
+        if not self._current(trainer):
+            return
+        results = _compat.training_epoch_results(trainer)
+        for key, entries in list(self._pending.items()):
+            if key not in results or any("value" not in e for e in entries):
+                continue
+            for entry in entries:
+                _compat.add_to_epoch_sum(results[key], entry["value"], entry["count"])
+            del self._pending[key]
+
+    def _current(self, trainer: Any) -> bool:
+        """Whether the saved sums belong to the running epoch; forgotten once it is another."""
+        if self._pending and self._epoch != trainer.current_epoch:
+            self._pending = {}
+        return bool(self._pending)
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    return value

@@ -1,0 +1,118 @@
+"""Epoch means survive a mid-epoch resume (issue 44).
+
+Lightning keeps the running sums of ``self.log(..., on_epoch=True)`` in memory only, so after a
+mid-epoch resume the interrupted epoch's mean covered only the steps after it. With
+``PreemptionCheckpoint`` the checkpoint carries each rank's sums (a tensor mean, a sum, and a
+torchmetrics object's states), and the resumed run's epoch rows of metrics.csv and its
+``callback_metrics`` equal the uninterrupted run's, bitwise: on one process and on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from ddp_plugins.core import Preempted
+from ddp_plugins.lightning import DDPPluginsStrategy, PreemptionCheckpoint, ResumableCSVLogger
+from ddp_plugins.testing import run_lightning
+from tests.helpers.runs import metrics_rows
+
+
+class _Logged(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.top = MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        self.log("train/rows", float(len(y)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        self.acc(logits, y)
+        self.log("train/acc", self.acc, on_step=False, on_epoch=True)
+        self.top(logits.max(dim=1).values)
+        self.log("train/top", self.top, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(96, 4, generator=g), torch.randint(0, 3, (96,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=6)  # 16 batches per epoch on 1 rank, 8 on 2
+
+
+class _StopAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not os.path.exists(os.path.join(trainer.default_root_dir, "stopped")):
+            open(os.path.join(trainer.default_root_dir, "stopped"), "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _fit(folder, devices, stop_at=None):
+    epochs = {}
+
+    class Record(pl.Callback):  # an epoch's values, once Lightning has computed them (at the next epoch's start)
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch > 0:
+                epochs[trainer.current_epoch - 1] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+
+    def run(ckpt_path=None):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=devices, strategy=DDPPluginsStrategy(backend="gloo"), max_epochs=2,
+            default_root_dir=folder, logger=ResumableCSVLogger(folder, name="metrics", version=""),
+            callbacks=[PreemptionCheckpoint(check_every_n_steps=1), Record(), *([_StopAt(stop_at)] if stop_at else [])],
+            log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(_Logged(), ckpt_path=ckpt_path)
+        return trainer
+
+    try:
+        trainer = run()
+    except Preempted as stop:
+        trainer = run(stop.checkpoint)
+    epochs[trainer.current_epoch - 1] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+    return {"epochs": epochs, "rows": metrics_rows(folder) if trainer.is_global_zero else None}
+
+
+def _two_ranks(out_dir, stop_at):
+    return _fit(os.path.join(out_dir, "run"), 2, stop_at)
+
+
+def _assert_same(resumed, reference):
+    assert resumed["epochs"].keys() == reference["epochs"].keys() == {0, 1}
+    for epoch, values in reference["epochs"].items():
+        for name in ("train/loss_epoch", "train/rows", "train/acc", "train/top"):
+            got, expected = resumed["epochs"][epoch][name], values[name]
+            assert torch.equal(got, expected), f"epoch {epoch} {name}: {float(got)} after the resume, {float(expected)}"
+    assert resumed["rows"] == reference["rows"], "metrics.csv differs"
+
+
+def test_one_process_resumed_mid_epoch_logs_the_uninterrupted_epoch_means(tmp_path):
+    reference = _fit(tmp_path / "reference", 1)
+    resumed = _fit(tmp_path / "resumed", 1, stop_at=5)  # epoch 0 of 16 steps, stopped after step 5
+    assert (tmp_path / "resumed" / "stopped").exists()
+    _assert_same(resumed, reference)
+
+
+@pytest.mark.slow
+def test_two_ranks_resumed_mid_epoch_log_the_uninterrupted_epoch_means():
+    reference = run_lightning(_two_ranks, None, world_size=2, timeout=180)[0]
+    resumed = run_lightning(_two_ranks, 3, world_size=2, timeout=180)[0]  # epoch 0 of 8 steps
+    _assert_same(resumed, reference)
