@@ -51,6 +51,7 @@ _INSTANCES = {
     "_PredictionLoop": lambda cls, tmp_path: _trainer().predict_loop,
     "_TrainingEpochLoop": lambda cls, tmp_path: _trainer().fit_loop.epoch_loop,
     "Trainer": lambda cls, tmp_path: _trainer(),
+    "LightningModule": lambda cls, tmp_path: cls(),
 }
 
 

@@ -37,6 +37,7 @@ from ddp_plugins.core.samplers import loader_seed
 from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
 from ddp_plugins.core.watchdog import ProgressWatchdog
 from ddp_plugins.core.workers import WorkerInit
+from ddp_plugins.lightning import traps
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.data_plan import (
     CHECKPOINT_KEY,
@@ -479,7 +480,9 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        traps.warn_compiled_module(self.lightning_module)  # before dynamo fails in `self.log`
         super().setup(trainer)
+        traps.check_static_graph(trainer)  # DDP wrapped the model; before torch's reducer asserts
         if self._repro is not None:
             assert self.lightning_module is not None
             check_model(self.lightning_module)
