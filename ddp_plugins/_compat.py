@@ -1,6 +1,6 @@
-"""Every private Lightning, torch and Hydra name the pack uses, checked against torch 2.13.0,
-Lightning 2.6.1 to 2.6.6 and hydra-core 1.3.0 to 1.3.8: ``CHECKED`` and ``CHECKED_ATTRIBUTES`` are
-what ``tests/test_compat.py`` checks. Why each is needed: ``docs/design.md``.
+"""Every private Lightning, torch and Hydra name the pack uses, checked with torch 2.13.0, hydra-core 1.3.8
+and Lightning 2.6.6 (``make test``) or 2.6.1 (``make matrix``), the only versions these install: ``CHECKED``
+and ``CHECKED_ATTRIBUTES`` are what ``tests/test_compat.py`` checks. Why each is needed: ``docs/design.md``.
 """
 
 from __future__ import annotations

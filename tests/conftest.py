@@ -68,6 +68,7 @@ def slurm_cluster(tmp_path_factory):
             cluster.stop()
 
 
-# Under pytest-xdist (make test runs two workers) the app runs that tests on both workers compare
-# with are made once per test run (tests/helpers/shared.py). xdist_group marks are not used: with
-# pytest 9.2, `--dist loadgroup` silently stops grouping (pytest-xdist issue 1386).
+# Under pytest-xdist (make test and make matrix run three workers, the Makefile's XDIST) the app runs
+# that tests on several workers compare with are made once per test run (tests/helpers/shared.py).
+# xdist_group marks are not used: with pytest 9.2, `--dist loadgroup` silently stops grouping
+# (pytest-xdist issue 1386).
