@@ -1,10 +1,10 @@
-"""Every private Lightning/torch/Hydra name the pack uses still exists in the installed versions."""
+"""Every private Lightning/torch/Hydra name the pack uses still exists in the installed versions.
 
-import ast
+That the pack uses no private name that ``_compat`` does not list, and imports them only there, is
+checked in ``tests/test_claims.py``, with the package's other claims.
+"""
+
 import importlib
-import inspect
-import pathlib
-import re
 
 import hydra
 import lightning
@@ -13,7 +13,6 @@ import torch
 
 from ddp_plugins import _compat
 
-_PACKAGE = pathlib.Path(_compat.__file__).parent
 _VERSIONS = f"torch {torch.__version__} / lightning {lightning.__version__} / hydra-core {hydra.__version__}"
 _UPDATE = "ddp_plugins/_compat.py names the versions it was checked against: update it there."
 
@@ -78,80 +77,6 @@ def test_accelerator_connector_still_takes_plugins():
     assert "plugins" in _AcceleratorConnector.__init__.__code__.co_varnames, (
         f"_AcceleratorConnector.__init__ has no `plugins` local in {_VERSIONS}, which"
         f" _compat.explicit_trainer_plugins reads; {_UPDATE}"
-    )
-
-
-_THIRD_PARTY = ("lightning", "pytorch_lightning", "torch", "hydra")
-_IMPORT = re.compile(
-    r"^\s*(?:from\s+(?P<module>[\w.]+)\s+import\s+(?P<names>\([^)]*\)|[^\n]*)|import\s+(?P<imported>[\w., ]+))",
-    re.M,
-)
-
-
-def test_no_private_third_party_import_outside_compat():
-    """Private modules and names of Lightning, torch and Hydra are imported only in _compat."""
-    offenders = []
-    for path in _PACKAGE.rglob("*.py"):
-        if path.name == "_compat.py":
-            continue
-        for match in _IMPORT.finditer(path.read_text()):
-            modules = (
-                [match["module"]] if match["module"] else [m.split(" as ")[0] for m in match["imported"].split(",")]
-            )
-            names = re.findall(r"\b(\w+)(?:\s+as\s+\w+)?", match["names"] or "")
-            for module in (m.strip() for m in modules):
-                if module.split(".")[0] not in _THIRD_PARTY:
-                    continue
-                if any(part.startswith("_") for part in module.split(".")) or any(n.startswith("_") for n in names):
-                    offenders.append(f"{path.relative_to(_PACKAGE.parent)}: {' '.join(match.group(0).split())}")
-    assert offenders == [], "private imports outside _compat: " + "; ".join(offenders)
-
-
-def _listed():
-    """(class, attribute) pairs that _compat lists."""
-    listed = []
-    for module, path in _compat.CHECKED:
-        owner, _, attr = path.rpartition(".")
-        if owner:
-            listed.append((_resolve(module, owner), attr))
-    for module, name, attributes in _compat.CHECKED_ATTRIBUTES:
-        listed += [(_resolve(module, name), attr) for attr in attributes]
-    return listed
-
-
-def _private_names_set_in(cls):
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return set()
-    return set(re.findall(r"self\.(_[A-Za-z]\w*)\s*(?::[^=\n]*)?=[^=]", source))
-
-
-def test_inherited_private_names_are_listed_in_compat():
-    """What a subclass of a Lightning/torch/Hydra class uses or overrides of its private names is in _compat."""
-    listed = _listed()
-    unlisted = []
-    for path in sorted(_PACKAGE.rglob("*.py")):
-        if path.name == "_compat.py":
-            continue
-        module = importlib.import_module(".".join(path.relative_to(_PACKAGE.parent).with_suffix("").parts))
-        for node in ast.walk(ast.parse(path.read_text())):
-            cls = getattr(module, node.name, None) if isinstance(node, ast.ClassDef) else None
-            if not inspect.isclass(cls):
-                continue
-            bases = [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] in _THIRD_PARTY]
-            used = {
-                sub.attr
-                for sub in ast.walk(node)
-                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self"
-            } | {sub.name for sub in ast.walk(node) if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef))}
-            for attr in sorted(a for a in used if a.startswith("_") and not a.startswith("__")):
-                inherited = any(attr in vars(b) or attr in _private_names_set_in(b) for b in bases)
-                if inherited and not any(issubclass(cls, owner) and attr == name for owner, name in listed):
-                    unlisted.append(f"{cls.__module__}.{cls.__name__}.{attr}")
-    assert unlisted == [], (
-        "private names inherited from Lightning/torch/Hydra, not listed in _compat.CHECKED or"
-        " CHECKED_ATTRIBUTES: " + ", ".join(unlisted)
     )
 
 
