@@ -63,10 +63,6 @@ OWN_OBJECTS = {
     ("ddp_plugins/core/timeline.py", "_start"): "the module's own Timeline, called by its collective wrappers",
     ("ddp_plugins/core/timeline.py", "_end"): "the module's own Timeline, called by its collective wrappers",
     ("ddp_plugins/core/hang_watch.py", "_main"): "core/timeline.py's Timeline: its main thread (issue 45 removes it)",
-    ("ddp_plugins/core/ranks.py", "_ddp_plugins_rank_handler"): (
-        "a mark set on the logging.StreamHandler the function itself creates, and looked for on the"
-        " logger's handlers; Handler.set_name/get_name would say it publicly (two lines: reported)"
-    ),
 }
 STRATEGY_MODULES = ("ddp_plugins.lightning.strategy", "ddp_plugins.lightning.launchers")
 STRATEGY_OWNERS = {"strategy.py": "the strategy itself", "__init__.py": "the package's re-exports"}

@@ -22,6 +22,8 @@ __all__ = [
     "setup_rank_logging",
 ]
 
+_RANK_HANDLER = "ddp_plugins.rank"  # the name of the handler this module installs
+
 
 def is_distributed() -> bool:
     """Whether a default process group is up (torch built with distributed support, and initialized).
@@ -153,10 +155,10 @@ def setup_rank_logging(
         INFO rank 0: shown on rank 0 only
     """
     logger = logging.getLogger(name)
-    for handler in [h for h in logger.handlers if getattr(h, "_ddp_plugins_rank_handler", False)]:
+    for handler in [h for h in logger.handlers if h.get_name() == _RANK_HANDLER]:
         logger.removeHandler(handler)
     handler = logging.StreamHandler()
-    handler._ddp_plugins_rank_handler = True  # type: ignore[attr-defined]
+    handler.set_name(_RANK_HANDLER)  # found again (and replaced) by a later call
     handler.setFormatter(logging.Formatter(fmt))
 
     def rank_filter(record: logging.LogRecord) -> bool:
