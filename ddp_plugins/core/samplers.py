@@ -13,7 +13,7 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from ddp_plugins.core.checks import ArgumentTypeError
-from ddp_plugins.core.seeding import rank_seed
+from ddp_plugins.core.seeding import isolated_rng, rank_seed
 
 __all__ = ["ResumableSampler", "SequentialDistributedSampler"]
 
@@ -67,20 +67,27 @@ class SequentialDistributedSampler(DistributedSampler):
         return iter(list(range(self.start, self.start + self.num_real_samples)) + padding)
 
 
-_LOADER_SEED_TAG = 0xD47A  # spawn-key tag: the loader streams never equal a rank's own stream
+_LOADER_SEED_TAG = 0xD47A  # spawn-key tags: the loader streams never equal a rank's own stream
+_ORDER_SEED_TAG, _RANK_ORDER_SEED_TAG = 0xD47B, 0xD47C
 
 
 class ResumableSampler(Sampler):
     """A sampler that starts its first iteration ``skip`` indices in, at epoch ``epoch``.
 
     With ``seed`` it owns the DataLoader's :attr:`generator`, reseeded per ``(seed, rank, epoch)``,
-    so making an iterator never draws from the global torch stream. ``len()`` stays the full
-    length: the training loop counts the skipped batches as done.
+    so making an iterator never draws from the global torch stream; and the wrapped sampler draws
+    its order on global generators of its own (:func:`~ddp_plugins.core.seeding.isolated_rng`),
+    seeded per ``(seed, epoch)`` for a ``DistributedSampler`` (its ranks split one order) and per
+    ``(seed, rank, epoch)`` for any other: a ``RandomSampler`` without a generator, or a user's sampler
+    that shuffles with ``torch.randperm``, gives the same order in a resumed run and leaves the
+    process's streams (dropout) where they were. ``len()`` stays the full length: the training loop
+    counts the skipped batches as done.
 
     Args:
         sampler: the sampler to wrap (``set_epoch`` is passed on when it has one).
         skip: indices to leave out of the first iteration only (batches done x batch size).
-        seed: base seed of :attr:`generator`; ``None`` leaves generator seeding to the caller.
+        seed: base seed of :attr:`generator` and of the wrapped sampler's order; ``None`` leaves
+            both to the caller (the sampler draws from the global generators).
 
     Example::
 
@@ -107,7 +114,20 @@ class ResumableSampler(Sampler):
 
     def __iter__(self) -> Iterator[Any]:
         skip, self.skip = self.skip, 0
-        return itertools.islice(self.sampler, skip, None) if skip else iter(self.sampler)
+        if self.seed is None:
+            return itertools.islice(self.sampler, skip, None) if skip else iter(self.sampler)
+        return self._isolated(self.seed, skip)
+
+    def _isolated(self, seed: int, skip: int) -> Iterator[Any]:
+        """The wrapped sampler's order from its first item on (as a sampler that yields lazily), drawn
+        whole on global generators seeded for this epoch (a lazy sampler draws as it yields)."""
+        if isinstance(self.sampler, DistributedSampler):
+            key: tuple[int, ...] = (_ORDER_SEED_TAG, self.epoch)
+        else:
+            key = (_RANK_ORDER_SEED_TAG, self.rank, self.epoch)
+        with isolated_rng(rank_seed(seed, *key)):
+            indices = list(self.sampler)
+        yield from indices[skip:]
 
     def __len__(self) -> int:
         return len(self.sampler)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ __all__ = [
     "collect_rng_states",
     "decode_rng_states",
     "encode_rng_states",
+    "isolated_rng",
     "rank_seed",
     "seed_everything_rank_aware",
     "seed_process",
@@ -89,6 +92,33 @@ def seed_process(base_seed: int, process_seed: int, workers: bool) -> None:
     torch.manual_seed(process_seed)  # every CUDA device too
     os.environ["PL_GLOBAL_SEED"] = str(base_seed)
     os.environ["PL_SEED_WORKERS"] = str(int(workers))
+
+
+@contextlib.contextmanager
+def isolated_rng(seed: int) -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU) global generators seeded with ``seed`` inside the block,
+    and given back as they were after it: what the block draws never moves the process's streams.
+
+    Example::
+
+        >>> before = torch.get_rng_state()
+        >>> with isolated_rng(3):
+        ...     first = torch.rand(2)
+        >>> with isolated_rng(3):
+        ...     again = torch.rand(2)
+        >>> torch.equal(first, again) and torch.equal(torch.get_rng_state(), before)
+        True
+    """
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # the CPU generator only: CUDA streams are not touched
+        random.seed(seed)
+        np.random.seed(seed % (MAX_SEED + 1))
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 def set_deterministic() -> None:

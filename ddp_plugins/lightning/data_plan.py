@@ -19,6 +19,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import sized_len
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -67,6 +69,14 @@ class BatchRows:
 
 
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
+    if isinstance(sampler, DistributedSamplerWrapper):  # Lightning's wrapper of a sampler of the user's own
+        raise ArgumentValueError(
+            "global_batch_size",
+            "used with a DataLoader whose sampler is Lightning's DistributedSampler, a RandomSampler or a"
+            " SequentialSampler",
+            problem="the training DataLoader has a sampler of its own (in Lightning's DistributedSamplerWrapper)",
+            hint="The plan would replace its order. Leave global_batch_size unset to keep your sampler.",
+        )
     if isinstance(sampler, DistributedSampler):
         return bool(sampler.shuffle), int(sampler.seed)
     if isinstance(sampler, (RandomSampler, SequentialSampler)):
@@ -121,8 +131,11 @@ def _plan_loader(
             f"resume: the checkpoint is {start} micro-batches into epoch {epoch}, inside an accumulation"
             f" window of {accumulate}; resume from a checkpoint taken at an optimizer step."
         )
-    sampler = PlanBatchSampler(plan, rank, world_size, accumulate, epoch=epoch, start_step=start // accumulate)
+    batches = PlanBatchSampler(plan, rank, world_size, accumulate, epoch=epoch, start_step=start // accumulate)
+    sampler = ResumableSampler(batches, epoch=epoch, seed=_base_seed(), rank=rank)  # the generator's epochs
     kwargs = {name: getattr(dataloader, name) for name in _KEPT_LOADER_ARGS}
+    if kwargs["generator"] is None:  # else making an iterator draws the workers' seed from the global stream
+        kwargs["generator"] = sampler.generator
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     collate = EmptyShareCollate(dataloader.collate_fn, dataloader.dataset[0])
@@ -319,9 +332,15 @@ def train_loader(
     epoch, start = resume.start(data_record(dataloader, plan, world_size, accumulate), length, trainer)
     if plan is not None:
         return _plan_loader(dataloader, plan, rank, world_size, accumulate, epoch, start)
-    if in_step:
-        return uneven.step_together(dataloader, trainer, length, start)
-    return _resumable_train_loader(dataloader, trainer, epoch, start)
+    own = _resumable_train_loader(dataloader, rank, epoch, 0 if in_step else start)  # EvenSteps skips itself
+    loader = uneven.step_together(own or dataloader, trainer, length, start) if in_step else own or dataloader
+    if resume.resumed and rank == 0 and (inexact := _inexact(dataloader, own)):
+        log.warning(
+            f"resume: the training DataLoader {inexact}, so the random numbers the resumed steps see (dropout) or"
+            " its order may differ from the uninterrupted run's: not an exact continuation. For an exact resume, use a"
+            " map-style dataset with batch_size= and a sampler that has __len__."
+        )
+    return loader
 
 
 class PlannedLoader:
@@ -433,6 +452,7 @@ class ResumeRecord:
         self.record: dict[str, Any] | None = None  # the current training loader's layout
         self._resumed: dict[str, Any] | None = None  # the record of the checkpoint loaded last
         self._restored = False  # a checkpoint was loaded and the training loader not made since
+        self.resumed = False  # the current training loader is the first one after a checkpoint was loaded
 
     def checkpoint_loaded(self, record: dict[str, Any] | None) -> None:
         """A checkpoint was loaded (``record``: its data record, if any): the next training loader starts there."""
@@ -447,6 +467,7 @@ class ResumeRecord:
             record["batches_per_epoch"] = _limited(length, getattr(trainer, "limit_train_batches", 1.0))
         self.record = record
         restored, self._restored = self._restored, False
+        self.resumed = restored
         epoch = trainer.current_epoch  # counters of the epoch before are not reset yet at a reload
         if not restored:
             return epoch, 0
@@ -558,21 +579,48 @@ def _agreed_length(dataloader: Any) -> int | None:
     return None if int(both[1]) > 0 else int(both[0])
 
 
-def _resumable_train_loader(dataloader: Any, trainer: Any, epoch: int, done: int) -> Any:
-    """The training DataLoader with its distributed sampler wrapped in a :class:`ResumableSampler`.
+def _resumable_train_loader(dataloader: Any, rank: int, epoch: int, done: int) -> DataLoader | None:
+    """The training DataLoader with its sampler wrapped in a :class:`ResumableSampler` (``None``: one
+    over an IterableDataset, with a custom batch sampler or that Lightning cannot rebuild is left as it is).
 
     Its first iteration is in ``epoch`` and skips the ``done`` batches already trained (a run
-    resumed in the middle of an epoch, see :func:`resume_start`); every run draws the workers'
-    base seed from the sampler's own generator, not the global stream. Loaders without a ``DistributedSampler`` (or
-    with a custom batch sampler) are left as they are.
+    resumed in the middle of an epoch, see :func:`resume_start`); its order and, without the user's
+    ``generator``, its workers' base seed are drawn from streams of the sampler's own, never from the
+    global ones (so a resumed step sees the random numbers the uninterrupted run's did).
     """
-    if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.sampler, DistributedSampler):
-        return dataloader
-    if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
-        return dataloader
-    seed = None if dataloader.generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-    sampler = ResumableSampler(dataloader.sampler, done * dataloader.batch_size, epoch, seed, trainer.global_rank)
-    rebuilt = update_dataloader(dataloader, sampler)
-    if seed is not None:
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return None
+    if type(dataloader.batch_sampler) is not BatchSampler or not isinstance(dataloader.sampler, Sized):
+        return None
+    sampler = ResumableSampler(dataloader.sampler, done * cast(int, dataloader.batch_size), epoch, _base_seed(), rank)
+    try:
+        rebuilt = update_dataloader(dataloader, sampler)
+    except (MisconfigurationException, TypeError):  # a DataLoader subclass Lightning cannot rebuild
+        return None
+    if dataloader.generator is None:
         rebuilt.generator = sampler.generator
     return rebuilt
+
+
+def _inexact(dataloader: Any, rebuilt: DataLoader | None) -> str | None:
+    """Why a training loader may not resume exactly (what a resume names in one line), else ``None``."""
+    if rebuilt is None:
+        if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
+            batches, sampler = dataloader.batch_sampler, dataloader.sampler
+            plain = batches is None or type(batches) is BatchSampler
+            fixed = plain and isinstance(sampler, (SequentialSampler, DistributedSampler))
+            if fixed and dataloader.generator is not None:
+                return None  # its order is fixed and its workers' seed drawn from its own generator
+            order = type(sampler if plain else batches).__name__
+            return f"with a {order} is used as it is (it cannot be rebuilt with a sampler of ours)"
+        what = "an IterableDataset" if isinstance(dataloader, DataLoader) else f"a {type(dataloader).__name__}"
+        return f"over {what} is used as it is (it draws from the global random streams as it iterates)"
+    inner = getattr(rebuilt.sampler, "sampler", None)
+    if not isinstance(inner, DistributedSampler) and getattr(inner, "generator", None) is not None:
+        return f"has a {type(inner).__name__} with a generator of its own, which no checkpoint holds"
+    return None
+
+
+def _base_seed() -> int:
+    """The run's base seed (what ``DistributedSampler`` and :class:`ResumableSampler` key their streams by)."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
