@@ -1,22 +1,23 @@
-"""Cost of the reproducible mode: step time against the plan's default mode, at 1 and 2 CPU ranks.
+"""Cost of the reproducible mode: its step time against the default mode, at 1 and 2 CPU ranks.
 
-The demo CNN (``DigitsCNN``, 32 channels) on 1,438 rows of 8x8 images, ``global_batch_size=64``,
-one epoch per fit (22 steps); each variant is a fresh job, the variants alternate in ``ROUNDS``
-rounds, and the median time between consecutive ``on_train_batch_end`` is compared:
+Three models: the demo CNN (``DigitsCNN``, 32 channels), an MLP of about 300k parameters and one of
+about 3M, each at ``global_batch_size`` G = 40 and G = 256 with V = 8 virtual shards. Each variant is
+a fresh job of 2 epochs on generated rows; the variants alternate over ``--rounds`` rounds, and the
+median time between consecutive ``on_train_batch_end`` is compared with the default mode on the same
+model, G and number of ranks (one thread per rank in both modes: the mode pins one, and 2 ranks
+share this machine's 2 cores).
 
-* the default mode (the anchor): one process with torch's own threads, or 2 ranks of one thread
-  each (Lightning's default when ranks share the machine);
-* the default mode on 1 rank with one thread (the mode's own cost without the thread pinning);
-* ``reproducible=True`` (8 virtual shards, one thread per rank; and 4 shards, which allow 4 ranks).
+Also printed: the bytes each rank all-reduces per step (the default mode: DDP's float32 gradients,
+4 bytes a parameter; the mode: its two exchanges, counted), and the memory the mode keeps per rank
+(the shards' float32 gradient block, the sum's float64 payload and scratch, the reduced gradients,
+the BatchNorm updates).
 
-Memory: what a rank holds beyond the default mode at the peak of a step (its shards' gradients in
-float32, one row widened to float64 and the sums, the BatchNorm updates), from the live tensors.
-
-    .venv/bin/python benchmarks/bench_reproducible.py
+    .venv/bin/python benchmarks/bench_reproducible.py [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -26,38 +27,66 @@ import sys
 import time
 
 RESULT = "BENCH_RESULT "
-ROUNDS = 3
-VARIANTS = {  # name: (ranks, virtual shards (0: the default mode), threads of one process: None = torch's)
-    "1 rank, default mode (anchor)": (1, 0, None),
-    "1 rank, default mode, 1 thread": (1, 0, 1),
-    "1 rank, reproducible": (1, 8, None),
-    "2 ranks, default mode (anchor)": (2, 0, None),
-    "2 ranks, reproducible": (2, 8, None),
-    "2 ranks, reproducible, virtual_shards=4": (2, 4, None),
-}
+MODELS = ("cnn", "mlp-300k", "mlp-3M")
+BATCHES = (40, 256)
+RANKS = (1, 2)
 
 
-def worker(ranks: int, shards: int) -> None:
-    import lightning.pytorch as pl
+def _model(kind: str):
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch import nn
 
     from ddp_plugins.app.demo import DigitsCNN
+
+    if kind == "cnn":
+        return DigitsCNN(channels=32), (1, 8, 8)
+    width = 512 if kind == "mlp-300k" else 1700
+
+    class MLP(DigitsCNN):  # the demo's training and validation steps, another network
+        def __init__(self) -> None:
+            super().__init__(channels=4)
+            self.features = nn.Sequential(
+                nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()
+            )
+            self.head = nn.Linear(width, 10)
+
+    torch.manual_seed(0)
+    return MLP(), (1, 8, 8)
+
+
+def worker(kind: str, batch: int, ranks: int, reproducible: bool) -> None:
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
     from ddp_plugins.core import reproducible as core
     from ddp_plugins.lightning import DDPPluginsStrategy
 
+    torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    model, shape = _model(kind)
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(1438, 1, 8, 8, generator=g), torch.randint(10, (1438,), generator=g))
+    rows = 40 * batch // 4  # 10 steps per epoch
+    data = TensorDataset(torch.randn(rows, *shape, generator=g), torch.randint(10, (rows,), generator=g))
+    sent: list[int] = []
     extra: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):  # the mode's own exchanges (DDP's reducer runs in C++)
+        sent.append(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, **kwargs)
+
+    core.dist.all_reduce = counted  # a benchmark's own probe: the package never patches torch
     finish = core.ShardedStep.finish
 
-    def measured_finish(self, *args, **kwargs):  # the mode's tensors at the step's peak
-        numel = sum(p.numel() for p in self.params)
-        held = sum(row.nbytes for row in self._grads)  # this rank's shards' gradients, float32
-        working = 8 * numel * 2  # one row widened to float64 at a time, and the sums
-        extra.append(held + working + self._stats.updates.nbytes)
-        return finish(self, *args, **kwargs)
+    def measured_finish(self, *args, **kwargs):
+        updates = self._stats.updates.nbytes
+        out = finish(self, *args, **kwargs)
+        if hasattr(self, "_block"):  # (an earlier version of the mode, measured side by side, has none)
+            kept = [self._block, *self._work.values(), *self._out]  # the gradient block, the sum's buffers
+            extra.append(sum(t.nbytes for t in kept) + updates)
+        return out
 
     core.ShardedStep.finish = measured_finish
     ends: list[float] = []
@@ -66,56 +95,60 @@ def worker(ranks: int, shards: int) -> None:
         def on_train_batch_end(self, *args):
             ends.append(time.perf_counter())
 
-    model = DigitsCNN(channels=32)
-    model.train_dataloader = lambda: DataLoader(data, batch_size=32, shuffle=True)
-    model.val_dataloader = lambda: []
+    model.train_dataloader = lambda: DataLoader(data, batch_size=max(1, batch // ranks), shuffle=True)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=ranks, max_epochs=1, logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=ranks, max_epochs=2, logger=False, enable_progress_bar=False,
         enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        strategy=DDPPluginsStrategy(
-            backend="gloo", global_batch_size=64, reproducible=shards > 0, virtual_shards=max(shards, 1)
-        ),
+        strategy=DDPPluginsStrategy(backend="gloo", global_batch_size=batch, reproducible=reproducible),
         callbacks=[Timer()],
     )  # fmt: skip
+    sent.clear()
     trainer.fit(model)
     if trainer.is_global_zero:
         steps = [b - a for a, b in zip(ends[3:], ends[4:], strict=False)]  # the first steps warm up
-        params = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(RESULT + json.dumps({"steps": steps, "extra": max(extra, default=0), "params": params}), flush=True)
+        params = sum(p.numel() for p in model.parameters())
+        per_step = sum(sent) / max(1, len(ends)) if reproducible else 4 * params
+        print(RESULT + json.dumps({"steps": steps, "extra": max(extra, default=0), "params": params,
+                                   "bytes": per_step}), flush=True)  # fmt: skip
 
 
 def main() -> None:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    memory: dict[str, tuple[int, int]] = {}
-    for _ in range(ROUNDS):
-        for name, (ranks, shards, threads) in VARIANTS.items():
-            run_env = dict(env, OMP_NUM_THREADS=str(threads)) if threads else env
-            cmd = [sys.executable, __file__, "--worker", str(ranks), str(shards)]
-            out = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, check=False)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="the 300k MLP at G = 40 only")
+    args = parser.parse_args()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    models, batches = (("mlp-300k",), (40,)) if args.quick else (MODELS, BATCHES)
+    variants = [(m, b, n, r) for m in models for b in batches for n in RANKS for r in (False, True)]
+    times: dict[tuple, list[float]] = {v: [] for v in variants}
+    info: dict[tuple, dict] = {}
+    for _ in range(args.rounds):
+        for variant in variants:
+            cmd = [sys.executable, __file__, "--worker", *(str(x) for x in variant)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith(RESULT)), None)
             if line is None:
-                raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+                raise SystemExit(f"{variant} failed:\n{out.stderr[-3000:]}")
             result = json.loads(line[len(RESULT) :])
-            times[name] += result["steps"]
-            memory[name] = (result["extra"], result["params"])
-    medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    print(f"\nDigitsCNN(channels=32), 64 rows per step, CPU (gloo), median of {len(times[name])} steps each\n")
-    print("| variant | ms / step | ratio to the anchor | memory added |")
-    print("|---|---:|---:|---:|")
-    for name, ms in medians.items():
-        anchor = medians[f"{VARIANTS[name][0]} rank{'s' * (VARIANTS[name][0] > 1)}, default mode (anchor)"]
-        extra, params = memory[name]
-        added = f"{extra / 2**20:.2f} MiB ({extra / params:.1f}x the parameters)" if extra else "-"
-        print(f"| {name} | {ms:.2f} | {ms / anchor:.3f} | {added} |")
-    spread = {name: statistics.quantiles(t, n=4) for name, t in times.items()}
-    noisiest = max(spread, key=lambda n: (spread[n][2] - spread[n][0]) / statistics.median(times[n]))
-    low, _, high = (q * 1e3 for q in spread[noisiest])
-    print(f"\nnoise: the widest interquartile range is {noisiest!r}'s, {low:.2f}-{high:.2f} ms")
+            times[variant] += result["steps"]
+            info[variant] = result
+    print("\nCPU, gloo, one thread per rank, V = 8; medians over", args.rounds, "interleaved rounds\n")
+    print("| model (parameters) | G | ranks | default ms/step | reproducible ms/step | ratio | all-reduced per step"
+          " (default -> mode) | memory added per rank |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for m in models:
+        for b in batches:
+            for n in RANKS:
+                base, mode = statistics.median(times[(m, b, n, False)]), statistics.median(times[(m, b, n, True)])
+                d, r = info[(m, b, n, False)], info[(m, b, n, True)]
+                memory = f"{r['extra'] / 2**20:.1f} MiB ({r['extra'] / (4 * r['params']):.1f}x the parameters)"
+                print(f"| {m} ({d['params'] / 1e3:.0f}k) | {b} | {n} | {base * 1e3:.2f} | {mode * 1e3:.2f} |"
+                      f" {mode / base:.2f}x | {d['bytes'] / 2**20:.2f} -> {r['bytes'] / 2**20:.2f} MiB"
+                      f" ({r['bytes'] / d['bytes']:.2f}x) | {memory} |")  # fmt: skip
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "True")
     else:
         main()
