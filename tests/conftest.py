@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -72,3 +73,36 @@ def slurm_cluster(tmp_path_factory):
 # that tests on several workers compare with are made once per test run (tests/helpers/shared.py).
 # xdist_group marks are not used: with pytest 9.2, `--dist loadgroup` silently stops grouping
 # (pytest-xdist issue 1386).
+
+
+# Variables of launchers and schedulers that would change which cluster environment Lightning detects.
+CLUSTER_VARS = (
+    "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "KUBERNETES_PORT", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NAME",
+    "SLURM_NODEID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_JOB_ID", "PL_GLOBAL_SEED",
+)  # fmt: skip
+
+
+@pytest.fixture
+def clean_process_state(monkeypatch):
+    """For a test that fits a Trainer of the pack's strategy in the pytest process: no cluster variables
+    in, nothing the strategy or launchers write to os.environ out, rank 0 again, and no process group
+    left behind (a later test in the same worker would find a group, and its port taken)."""
+    import torch.distributed as dist
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only as pytorch_rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    from ddp_plugins.lightning.network import restore_env
+
+    for key in CLUSTER_VARS:
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    # `set_world_ranks` (run when a Trainer is built) sets the rank-zero rank globally
+    for holder in {id(x): x for x in (fabric_rank_zero_only, pytorch_rank_zero_only, utils_rank_zero_only)}.values():
+        monkeypatch.setattr(holder, "rank", 0, raising=False)
+    yield
+    if dist.is_initialized():
+        gc.collect()  # the DDP wrappers of the test are gone before their group is
+        dist.destroy_process_group()
+    restore_env(before)

@@ -23,6 +23,8 @@ from ddp_plugins.core.checkpoints import (
 )
 from ddp_plugins.lightning import AtomicCheckpointIO, DDPPluginsStrategy
 
+pytestmark = pytest.mark.usefixtures("clean_process_state")  # Trainers of the pack's strategy run here
+
 
 def _trainer(root: Path, max_steps: int, **kwargs) -> Trainer:
     return Trainer(

@@ -15,7 +15,6 @@ messages, ``process_group_backend`` as a synonym of ``backend``, ``_timeout`` fr
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -33,7 +32,6 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -44,8 +42,6 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot, _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only as pytorch_rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.constants import default_pg_timeout
@@ -54,32 +50,14 @@ from torch.utils.data import DistributedSampler
 
 from ddp_plugins.core.sync_batchnorm import SyncBatchNorm
 from ddp_plugins.lightning import DDPPluginsStrategy, SyncBatchNormPlugin
-from ddp_plugins.lightning.network import restore_env
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
-# Variables of launchers and schedulers that would change which cluster environment Lightning detects.
-_CLUSTER_VARS = (
-    "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "KUBERNETES_PORT", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NAME",
-    "SLURM_NODEID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_JOB_ID", "PL_GLOBAL_SEED",
-)  # fmt: skip
-
 
 @pytest.fixture(autouse=True)
-def _clean_process_state(monkeypatch):
-    """No cluster variables in, nothing the strategy or launchers write to os.environ out, rank 0 again, no group."""
-    for key in _CLUSTER_VARS:
-        monkeypatch.delenv(key, raising=False)
-    before = dict(os.environ)
-    # `set_world_ranks` (run when a Trainer is built) sets the rank-zero rank globally
-    for holder in {id(x): x for x in (fabric_rank_zero_only, pytorch_rank_zero_only, utils_rank_zero_only)}.values():
-        monkeypatch.setattr(holder, "rank", 0, raising=False)
+def _clean_process_state(clean_process_state):
+    """Every test here starts and ends clean (tests/conftest.py's ``clean_process_state``)."""
     yield
-    if dist.is_initialized():
-        gc.collect()  # the DDP wrappers of the test are gone before their group is
-        dist.destroy_process_group()
-    restore_env(before)
 
 
 def _set_env(monkeypatch, env):

@@ -25,6 +25,8 @@ from ddp_plugins.lightning import DDPPluginsStrategy, PreemptionCheckpoint, Resu
 from ddp_plugins.testing import run_lightning
 from tests.helpers.runs import metrics_rows
 
+pytestmark = pytest.mark.usefixtures("clean_process_state")  # Trainers of the pack's strategy run here
+
 
 class _Logged(pl.LightningModule):
     def __init__(self) -> None:

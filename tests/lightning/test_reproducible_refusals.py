@@ -23,6 +23,8 @@ from ddp_plugins.core.reproducible import ShardedStep, shard_seed
 from ddp_plugins.lightning.reproducible import check_shards
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 
+pytestmark = pytest.mark.usefixtures("clean_process_state")  # Trainers of the pack's strategy run here
+
 ROWS = 49
 
 

@@ -14,6 +14,8 @@ from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.lightning import AccumulationNoSync, DDPPluginsStrategy
 from ddp_plugins.lightning.traps import COMPILED_MODULE_WARNING, check_static_graph, warn_compiled_module
 
+pytestmark = pytest.mark.usefixtures("clean_process_state")  # Trainers of the pack's strategy run here
+
 REDUCER_ASSERT = "expect_autograd_hooks_ INTERNAL ASSERT FAILED"
 STATIC_GRAPH_REFUSAL = (
     "`static_graph` should be False when the first optimizer step accumulates gradients, got True with 2"
