@@ -106,3 +106,16 @@ def clean_process_state(monkeypatch):
         gc.collect()  # the DDP wrappers of the test are gone before their group is
         dist.destroy_process_group()
     restore_env(before)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A default process group a test leaves in the pytest process holds its port and makes every later
+    test in that worker distributed; destroyed after the test whatever the test did (the in-process
+    Trainer tests also use ``clean_process_state``, which restores the environment too)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
