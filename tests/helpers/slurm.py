@@ -209,9 +209,15 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait(timeout=30)
         self._procs.clear()
-        for pid in self.step_daemons():  # a job step still ending when slurmd stopped
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        # A job step still ending when slurmd stopped: killed, and waited for. SIGKILL is delivered
+        # asynchronously, so a scan right after os.kill could still find it alive (the cluster test
+        # once did); one that slurmd had forked just before it stopped shows up in a later scan.
+        deadline = time.monotonic() + 10
+        while (left := self.step_daemons()) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
         if self._owns_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
