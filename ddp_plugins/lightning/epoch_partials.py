@@ -29,8 +29,28 @@ class EpochPartials:
     ``save(trainer)`` gives this rank's part (plain tensors and names: a checkpoint loads it with
     ``weights_only=True``); ``load(parts, trainer)`` takes every rank's parts from a checkpoint; then
     ``before_batch`` and ``after_batch`` add them back where the resumed epoch logs each name. On the
-    same number of ranks each rank gets its own part; on another number, rank 0 gets every rank's
-    sums (Lightning sums over the ranks before it divides, so the epoch's mean is the same).
+    same number of ranks each rank gets its own part. On another number, a value logged with
+    ``sync_dist`` goes to rank 0 with every old rank's sums (Lightning sums over the ranks before it
+    divides, so the epoch's mean is the same); one logged without it, which each rank keeps for itself
+    (rank 0's is the one logged), continues on every rank from old rank 0's (the reproducible mode's
+    values are the same on every rank).
+
+    Example (two ranks resumed on three)::
+
+        >>> import torch
+        >>> def entry(rank, synced):
+        ...     return {"value": torch.tensor(rank + 1.0), "count": None, "synced": synced}
+        >>> parts = [{"epoch": 0, "entries": {"summed": entry(r, True), "own": entry(r, False)}} for r in range(2)]
+        >>> class Rank:
+        ...     current_epoch, world_size = 0, 3
+        ...     def __init__(self, rank): self.global_rank = rank
+        >>> for rank in range(3):
+        ...     partials = EpochPartials()
+        ...     partials.load(parts, Rank(rank))
+        ...     print(rank, {k: [float(e["value"]) for e in v] for k, v in sorted(partials._pending.items())})
+        0 {'own': [1.0], 'summed': [1.0, 2.0]}
+        1 {'own': [1.0]}
+        2 {'own': [1.0]}
     """
 
     def __init__(self) -> None:
@@ -47,7 +67,8 @@ class EpochPartials:
                 continue
             if entry.is_tensor and (meta.is_mean_reduction or meta.is_sum_reduction):
                 count = entry.cumulated_batch_size.detach().clone() if meta.is_mean_reduction else None
-                entries[key] = {"value": entry.value.detach().clone(), "count": count}
+                synced = bool(meta.sync.should)  # sync_dist: summed over the ranks at the epoch's end
+                entries[key] = {"value": entry.value.detach().clone(), "count": count, "synced": synced}
             elif not entry.is_tensor and isinstance(entry.value, Metric) and meta.metric_attribute:
                 states = {k: _detached(v) for k, v in entry.value.metric_state.items()}
                 entries[key] = {"attribute": meta.metric_attribute, "states": states}
@@ -61,12 +82,20 @@ class EpochPartials:
         parts = [p for p in parts if isinstance(p, dict) and isinstance(p.get("entries"), dict)]
         if not parts:
             return
-        mine = [parts[rank]] if len(parts) == world else parts if rank == 0 else []
         self._epoch = int(parts[0].get("epoch", -1))
         self._pending = {}
-        for part in mine:
+        for old_rank, part in enumerate(parts):
             for key, entry in part["entries"].items():
-                self._pending.setdefault(key, []).append(entry)
+                if len(parts) == world:
+                    take = old_rank == rank  # the same ranks: each its own sums
+                elif entry.get("synced", True):
+                    take = rank == 0  # summed over the ranks: rank 0 carries every old rank's
+                else:
+                    take = (
+                        old_rank == 0
+                    )  # each rank's own value (rank 0's is the one logged): every rank takes rank 0's
+                if take:
+                    self._pending.setdefault(key, []).append(entry)
         skipped = sorted({k for k, entries in self._pending.items() for e in entries if "skipped" in e})
         for key in skipped:
             del self._pending[key]
