@@ -16,18 +16,17 @@ import functools
 import hashlib
 import itertools
 import math
-import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugins._compat import BatchNormBase
 from ddp_plugins.core.ranks import collective_device, is_distributed
+from ddp_plugins.core.seeding import isolated_rng
 
 __all__ = ["ShardedStep", "exact_row_sum", "exact_sum", "fingerprint", "shard_seed"]
 
@@ -145,10 +144,7 @@ def exact_sum(
     weights = [1.0] * len(shards) if weights is None else [float(w) for w in weights]
     if total_shards is None:
         count = torch.tensor([float(sum(w != 0 for w in weights))], dtype=torch.float64)
-        if is_distributed():
-            count = count.to(collective_device(group))
-            dist.all_reduce(count, group=group)
-        total_shards = int(count.item())
+        total_shards = int(_all_reduce(count, collective_device(group), group).item())
     flat, present, out_bits = exact_row_sum(rows, weights, sizes, present, total_shards, group, bits)
     sums: list[Tensor | None] = [
         piece.to(t.dtype).reshape(t.shape).to(t.device) if there else None
@@ -405,9 +401,8 @@ class ShardedStep:
         self._block = torch.zeros(0, self._offsets[-1], dtype=dtype, device=_device_of(self.params))
         self._present = [False] * len(self.params)
         cuda = {p.device for p in self.params if p.device.type == "cuda"}
-        self._generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in cuda)]
-        self._rng: list[Tensor] = []
-        self._host_rng: tuple[Any, Any] | None = None  # Python's and NumPy's global streams, given back in finish()
+        self._cuda = [torch.cuda.default_generators[d.index or 0] for d in cuda]  # the CPU's: isolated_rng
+        self._cuda_rng: list[Tensor] = []
         self._buffers: list[tuple[str, Tensor, Tensor]] = []  # (name, buffer, its value at the step's start)
         self._rows: list[int] = []  # the rows of this rank's shards of the step, in order
         self._maxima: list[Tensor] = []  # per shard, each gradient's largest magnitude
@@ -421,8 +416,7 @@ class ShardedStep:
         """Run shard ``index`` (of ``rows`` rows) of ``step`` of ``epoch`` inside this block."""
         if self._stats is None:
             self._stats = _ShardStats(self.module, self.virtual_shards)
-            self._rng = [g.get_state() for g in self._generators]  # given back in finish()
-            self._host_rng = (random.getstate(), np.random.get_state())
+            self._cuda_rng = [g.get_state() for g in self._cuda]  # given back in finish()
             normalized = {id(b) for m in self._stats.layers for b in m.buffers(recurse=False)}
             self._buffers = [
                 (name, b, b.detach().clone()) for name, b in self.module.named_buffers() if id(b) not in normalized
@@ -431,19 +425,12 @@ class ShardedStep:
         for p in self.params:  # the shard's own gradient only (the last step's is still there)
             p.grad = None
         seed = shard_seed(self.seed, epoch, step, index)
-        for generator in self._generators:
+        for generator in self._cuda:
             generator.manual_seed(seed)
-        random.seed(seed)  # every stream a shard may draw from: torch's, Python's and NumPy's
-        np.random.seed(seed % 2**32)
-        yield
-        for name, buffer, start in self._buffers:
-            if not torch.equal(buffer, start):
-                raise ValueError(
-                    f"reproducible mode: the forward updated buffer {name!r}, which each rank would update from its own"
-                    " shards only, so the bits would depend on the number of ranks. Make it a BatchNorm (combined"
-                    " in shard order), a parameter, or update it outside training_step."
-                )
-        row = self._row(len(self._rows))[: self._offsets[-1]]
+        with isolated_rng(seed):  # every other stream a shard may draw from: torch's CPU, Python's, NumPy's
+            yield
+        k, width = len(self._rows), self._offsets[-1]
+        row = self._room(k + 1, width)[k, :width]
         for i, p in enumerate(self.params):  # copied into the shard's row where they are: no host copy
             piece = row[self._offsets[i] : self._offsets[i + 1]]
             if p.grad is None:
@@ -456,13 +443,15 @@ class ShardedStep:
         self._rows.append(rows)
         self._stats.after(index)
 
-    def _row(self, k: int) -> Tensor:
-        """Row ``k`` of the block (grown, never shrunk, as the rank's shards per step need)."""
-        if k >= len(self._block):
-            grown = self._block.new_zeros(k + 1, self._block.shape[1])
-            grown[: len(self._block)] = self._block
+    def _room(self, rows: int, width: int) -> Tensor:
+        """The block, with room for ``rows`` shards of ``width`` values (grown, never shrunk, keeping
+        what it holds): the shards a rank runs per step, their gradients and the step's scalars."""
+        have_rows, have_width = self._block.shape
+        if rows > have_rows or width > have_width:
+            grown = self._block.new_zeros(max(rows, have_rows), max(width, have_width))
+            grown[:have_rows, :have_width] = self._block
             self._block = grown
-        return self._block[k]
+        return self._block
 
     def finish(self, step_rows: int, values: Sequence[Sequence[Tensor]] = ()) -> list[Tensor]:
         """Reduce the shards of all ranks; ``values[s]``: scalars of shard ``s`` to average by rows.
@@ -470,18 +459,18 @@ class ShardedStep:
         Returns the row-weighted means of ``values`` over the step (the same on every rank).
         """
         assert self._stats is not None, "finish() before any shard()"
-        for generator, state in zip(self._generators, self._rng, strict=True):
+        for name, buffer, start in self._buffers:  # once a step, not a shard: each check waits for a GPU
+            if not torch.equal(buffer, start):
+                raise ValueError(
+                    f"reproducible mode: the forward updated buffer {name!r}, which each rank would update from its own"
+                    " shards only, so the bits would depend on the number of ranks. Make it a BatchNorm (combined"
+                    " in shard order), a parameter, or update it outside training_step."
+                )
+        for generator, state in zip(self._cuda, self._cuda_rng, strict=True):
             generator.set_state(state)
-        if self._host_rng is not None:
-            random.setstate(self._host_rng[0])
-            np.random.set_state(self._host_rng[1])
         stats, local = self._stats, len(self._rows)
         count, width = len(values[0]) if values else 0, self._offsets[-1]
-        if width + count > self._block.shape[1]:  # room for the scalars after the gradients (grown once)
-            grown = self._block.new_zeros(len(self._block), width + count)
-            grown[:, :width] = self._block[:, :width]
-            self._block = grown
-        block = self._block[:local, : width + count]
+        block = self._room(local, width + count)[:local, : width + count]  # the scalars after the gradients
         if count:  # the shards' scalars ride after their gradients (a device copy, no host sync)
             block[:, width:] = torch.stack([torch.stack([v.detach().reshape(()) for v in shard]) for shard in values])
         sizes = self._sizes + [1] * count
