@@ -16,17 +16,19 @@ import functools
 import hashlib
 import itertools
 import math
+import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugins._compat import BatchNormBase
 from ddp_plugins.core.ranks import collective_device, is_distributed
-from ddp_plugins.core.seeding import isolated_rng
+from ddp_plugins.core.seeding import MAX_SEED, collect_rng_states, set_rng_states
 
 __all__ = ["ShardedStep", "exact_row_sum", "exact_sum", "fingerprint", "shard_seed"]
 
@@ -401,8 +403,8 @@ class ShardedStep:
         self._block = torch.zeros(0, self._offsets[-1], dtype=dtype, device=_device_of(self.params))
         self._present = [False] * len(self.params)
         cuda = {p.device for p in self.params if p.device.type == "cuda"}
-        self._cuda = [torch.cuda.default_generators[d.index or 0] for d in cuda]  # the CPU's: isolated_rng
-        self._cuda_rng: list[Tensor] = []
+        self._generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in cuda)]
+        self._rng: tuple[dict[str, Any], list[Tensor]] | None = None  # the streams before the step, given back
         self._buffers: list[tuple[str, Tensor, Tensor]] = []  # (name, buffer, its value at the step's start)
         self._rows: list[int] = []  # the rows of this rank's shards of the step, in order
         self._maxima: list[Tensor] = []  # per shard, each gradient's largest magnitude
@@ -416,7 +418,8 @@ class ShardedStep:
         """Run shard ``index`` (of ``rows`` rows) of ``step`` of ``epoch`` inside this block."""
         if self._stats is None:
             self._stats = _ShardStats(self.module, self.virtual_shards)
-            self._cuda_rng = [g.get_state() for g in self._cuda]  # given back in finish()
+            # Python's, NumPy's and torch's CPU stream, and the model's CUDA ones: given back in finish()
+            self._rng = (collect_rng_states(include_cuda=False), [g.get_state() for g in self._generators[1:]])
             normalized = {id(b) for m in self._stats.layers for b in m.buffers(recurse=False)}
             self._buffers = [
                 (name, b, b.detach().clone()) for name, b in self.module.named_buffers() if id(b) not in normalized
@@ -425,10 +428,11 @@ class ShardedStep:
         for p in self.params:  # the shard's own gradient only (the last step's is still there)
             p.grad = None
         seed = shard_seed(self.seed, epoch, step, index)
-        for generator in self._cuda:
+        for generator in self._generators:  # every stream a shard may draw from: torch's, Python's and NumPy's
             generator.manual_seed(seed)
-        with isolated_rng(seed):  # every other stream a shard may draw from: torch's CPU, Python's, NumPy's
-            yield
+        random.seed(seed)
+        np.random.seed(seed % (MAX_SEED + 1))
+        yield
         k, width = len(self._rows), self._offsets[-1]
         row = self._room(k + 1, width)[k, :width]
         for i, p in enumerate(self.params):  # copied into the shard's row where they are: no host copy
@@ -466,8 +470,11 @@ class ShardedStep:
                     " shards only, so the bits would depend on the number of ranks. Make it a BatchNorm (combined"
                     " in shard order), a parameter, or update it outside training_step."
                 )
-        for generator, state in zip(self._cuda, self._cuda_rng, strict=True):
-            generator.set_state(state)
+        if self._rng is not None:  # restored once a step (per shard it would cost about 0.1 ms more)
+            host, cuda = self._rng
+            set_rng_states(host)
+            for generator, state in zip(self._generators[1:], cuda, strict=True):
+                generator.set_state(state)
         stats, local = self._stats, len(self._rows)
         count, width = len(values[0]) if values else 0, self._offsets[-1]
         block = self._room(local, width + count)[:local, : width + count]  # the scalars after the gradients
