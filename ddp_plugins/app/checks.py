@@ -33,10 +33,7 @@ APP_TRAINER_ARGS = ("strategy", "precision", "callbacks", "logger", "default_roo
 
 
 def build_objects(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate the configured strategy, callbacks, model, datamodule, logger and ``Trainer``; start nothing.
-
-    Each object is built from its own config node, so an error names the key it came from.
-    """
+    """Instantiate every configured object and the ``Trainer``, each from its node (errors name it); start nothing."""
     raw = OmegaConf.to_container(cfg, resolve=False)
     objects: dict[str, Any] = {"model": _build("model", cfg.model, raw), "datamodule": _build("data", cfg.data, raw)}
     objects["strategy"] = _build("strategy", cfg.strategy, raw)
@@ -84,9 +81,7 @@ def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, raw: Any) 
 
 
 def _build_logger(node: Any, raw: Any) -> Any:
-    """The ``logger`` group's logger (its ``save_dir`` is the run folder: here a folder it never writes to,
-    as a logger writes at its first log); a TensorBoard logger whose writer package is missing or does
-    not import is one line."""
+    """The ``logger`` group's logger (writing nothing yet); a TensorBoard writer that does not import is one line."""
     cls = _import_target("logger", node)
     problem = tensorboard_logger.writer_problem() if issubclass(cls, TensorBoardLogger) else None
     if problem is not None:

@@ -1,8 +1,6 @@
-"""The app's config: the schema that types its keys (registered in Hydra's ``ConfigStore`` as
-``train_schema``, the first default of ``conf/train.yaml``), composing the config the way Hydra's
-command line does, the run-folder resolver, and the choices of ``backend`` and ``precision`` on this
-machine. Everything that refuses a value raises :class:`ConfigError`, one line naming the config key.
-"""
+"""The app's config: its schema, composing it as Hydra's command line does, and the ``auto`` choices.
+
+Every refusal is a :class:`ConfigError`, one line naming the config key."""
 
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
-import torch.distributed as dist
 from hydra import compose, version
 from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.config_store import ConfigStore
@@ -27,7 +24,6 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ddp_plugins import _compat
 from ddp_plugins.core.preemption import stable_run_name
-from ddp_plugins.lightning.strategy import check_backend
 
 __all__ = [
     "CONFIG_MODULE",
@@ -43,7 +39,6 @@ __all__ = [
     "compose_config",
     "config_error",
     "group_options",
-    "resolve_backend",
     "resolve_devices",
     "resolve_precision",
     "trainer_args",
@@ -84,11 +79,7 @@ class CheckpointConfig:
 
 @dataclass
 class TrainConfig:
-    """The types of the app's top-level keys; OmegaConf refuses an unknown key or a wrong type.
-
-    The groups whose keys are a class's arguments (``strategy``, ``trainer``, ``data``, ``model``,
-    the callbacks, the ``logger``) stay untyped here: their classes check them when the app builds them.
-    """
+    """The types of the app's top-level keys (groups of class arguments stay untyped: their classes check them)."""
 
     backend: NameConfig = MISSING
     precision: NameConfig = MISSING
@@ -111,11 +102,7 @@ ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
 
 
 def run_dir(default: str) -> str:
-    """The run folder: ``outputs/slurm-<job>`` / ``outputs/torchrun-<run id>`` when the job has a
-    stable id (so a requeued or restarted job finds its checkpoints), else ``default``.
-
-    Registered as the ``ddp_plugins_run_dir`` resolver of ``hydra.run.dir`` in ``conf/train.yaml``.
-    """
+    """``hydra.run.dir``'s resolver: ``outputs/<stable_run_name()>`` when the job has one, else ``default``."""
     name = stable_run_name()
     return f"outputs/{name}" if name else default
 
@@ -175,10 +162,7 @@ def _describe(hint: Any) -> str:
 
 
 def config_error(err: BaseException) -> ConfigError | None:
-    """The one-line :class:`ConfigError` for a value OmegaConf refused against the schema; None otherwise.
-
-    Follows ``err``'s causes (Hydra wraps OmegaConf's error) to a ``ValidationError`` and restates
-    it on its ``full_key``.
+    """The one-line :class:`ConfigError` for a value OmegaConf refused against the schema (in ``err``'s causes).
 
     Example::
 
@@ -276,11 +260,8 @@ CPU_PROCESSES = 2
 
 
 def resolve_devices(devices: Any, accelerator: str = "auto") -> Any:
-    """``trainer.devices``: ``auto`` -> the launcher's processes per node under torchrun or an ``srun``
-    step, else one rank per GPU on CUDA, else :data:`CPU_PROCESSES`; other values unchanged.
-
-    Lightning's own ``auto`` means every GPU on CUDA but a single process on CPU; the app's ``auto``
-    keeps a DDP run on a laptop too, so ``make train`` works on any machine.
+    """``trainer.devices``: ``auto`` -> the launcher's processes per node (torchrun, an ``srun`` step),
+    else one rank per GPU, else :data:`CPU_PROCESSES`; other values unchanged.
 
     Example::
 
@@ -302,23 +283,9 @@ def trainer_args(trainer: Any) -> dict[str, Any]:
     return args
 
 
-def resolve_backend(backend: str, accelerator: str = "auto") -> str:
-    """``auto`` -> ``nccl`` on CUDA, ``gloo`` otherwise; other names are checked and returned.
-
-    Example::
-
-        >>> resolve_backend("auto", "cpu")
-        'gloo'
-    """
-    check_backend(backend, accelerator)
-    if backend == "auto":
-        return "nccl" if cuda_in_use(accelerator) and dist.is_nccl_available() else "gloo"
-    return backend
-
-
 def resolve_precision(precision: str, accelerator: str = "auto", reproducible: bool = False) -> Precision:
-    """``auto`` -> ``bf16-mixed`` on CUDA (when supported), ``32-true`` otherwise and in the
-    reproducible mode (which takes ``bf16-mixed`` when asked for, not by default).
+    """The app's one precision check: ``auto`` -> ``bf16-mixed`` on a bf16 GPU outside the reproducible
+    mode, else ``32-true``.
 
     Raises:
         ConfigError: an unknown precision, ``16-mixed`` on CPU, ``bf16-mixed`` on a GPU without it.

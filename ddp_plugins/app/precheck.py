@@ -1,7 +1,4 @@
-"""The app's up-front check: every job's config composed and every object built before Hydra makes a
-folder or any process starts, so bad input ends with one line ``error: <key> ..., allowed: ...``.
-It checks what the schema's types do not say: bounds, group choices, the resume checkpoint, sweeps,
-what this machine can run."""
+"""The app's up-front check of every job, before Hydra makes a folder or any process starts."""
 
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ from ddp_plugins.app.config import (
     group_options,
     one_line,
     quoted_choices,
-    resolve_precision,
     to_plain_dict,
     trainer_args,
 )
@@ -73,8 +69,7 @@ def precheck(argv: list[str]) -> None:
 
 
 def single_run_config(argv: list[str]) -> DictConfig | None:
-    """The composed config of a single run, with Hydra's node and its run folder resolved once (the
-    app locks it before Hydra writes there); None for sweeps and Hydra's info flags."""
+    """A single run's config with Hydra's node and run folder resolved; None for sweeps and info flags."""
     config_flags, argv = split_config_flags(argv)
     if any(arg in (*_HYDRA_INFO_FLAGS, "-m", "--multirun") or arg.startswith(("--cfg=", "--info=")) for arg in argv):
         return None
@@ -190,19 +185,15 @@ def _check_top_level(resolved: dict[str, Any], raw: dict[str, Any]) -> None:
         raise ConfigError("network.env", f"got {env!r}", "a mapping of environment variable names to values")
     trainer = trainer_args(resolved.get("trainer") or {})
     accelerator = str(trainer.get("accelerator", "auto"))
-    with as_config_error("backend", raw):
+    with as_config_error("backend", raw):  # with the trainer's accelerator, which the strategy's check lacks
         check_backend(resolved["backend"]["name"], accelerator)
-    resolve_precision(str(resolved["precision"]["name"]), accelerator, bool(resolved.get("reproducible")))
     check_trainer_args(trainer)
     _check_devices(trainer.get("devices", "auto"), accelerator)
     _check_global_batch(resolved.get("strategy") or {}, trainer)
 
 
 def check_resume(resume: Any) -> str:
-    """``resume``: ``"auto"``, ``"never"`` or the path of a verified checkpoint file.
-
-    A path must load with ``weights_only=True`` and match its SHA-256 sidecar when it has one
-    (:func:`ddp_plugins.core.checkpoints.verify_checkpoint`).
+    """``resume``: ``"auto"``, ``"never"`` or the path of a checkpoint that verifies and loads with ``weights_only``.
 
     Example::
 
@@ -229,11 +220,7 @@ def check_resume(resume: Any) -> str:
 
 
 def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
-    """(epoch, global step) of a Lightning checkpoint, loaded with ``weights_only=True``; else a ``ValueError``.
-
-    A Lightning checkpoint holds the model's ``state_dict`` and the ``loops``' progress (even a
-    ``save_weights_only`` one): a file with weights alone is refused here, before any folder or rank exists.
-    """
+    """(epoch, global step) of a Lightning checkpoint (``state_dict`` and ``loops``), else a ``ValueError``."""
     checkpoint = load_checkpoint_safely(path)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError("not a Lightning checkpoint (no state_dict)")

