@@ -35,10 +35,8 @@ PER_RANK = "per_rank"
 
 
 def gather_per_rank(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Replace every callback's :data:`PER_RANK` part with the list of all ranks' parts (in place).
-
-    One ``all_gather_object`` that every rank calls at the same point (the strategy's
-    ``save_checkpoint``), so ``state_dict`` itself needs no collective.
+    """Replace every callback's :data:`PER_RANK` part with the list of all ranks' parts (in place): one
+    ``all_gather_object`` that every rank calls at the same point.
 
     Example::
 
@@ -91,9 +89,7 @@ def write_number(path: str | os.PathLike) -> int | None:
 
 
 def write_order(path: str | os.PathLike) -> tuple[int, int]:
-    """A checkpoint's sort key, oldest first: its write number (-1 without one), then its mtime.
-
-    The write number survives a copy that drops modification times.
+    """A checkpoint's sort key, oldest first: its write number (-1 without one; it survives a copy), then its mtime.
 
     Example::
 
@@ -122,12 +118,8 @@ def _newest_first(folder: str | os.PathLike) -> list[Path]:
 
 
 DIGEST_SUFFIX = ".sha256"
-# The sidecars' hidden folder beside the checkpoints. Lightning reads checkpoint folders by file name:
-# `_CheckpointConnector.__max_ckpt_version_in_folder` takes every name holding "hpc_ckpt_" (or "ckpt_")
-# and reads the digits after it, so `hpc_ckpt_1.ckpt.sha256` was version 1256 and `fit(ckpt_path="hpc")`
-# looked for hpc_ckpt_1256.ckpt; ModelCheckpoint's `file_exists` (its `-v1` version counter),
-# `_find_last_checkpoints` and `_link_checkpoint` read names too. This folder's name holds neither
-# "ckpt_" nor a checkpoint's name, and is no `.ckpt` file.
+# The sidecars' hidden folder: Lightning scans checkpoint names (a sidecar `hpc_ckpt_1.ckpt.sha256` beside
+# the file was hpc version 1256 to `fit(ckpt_path="hpc")`; `-v<N>` counters, `last` links read names too).
 _DIGEST_FOLDER = ".sha256"
 # why a file that verifies is passed over: its digest was not written by this pack
 _UNNUMBERED = "its digest has no write number (made by hand?): its place among the checkpoints is unknown"
@@ -137,13 +129,8 @@ _WRITE_NUMBER = re.compile(r"^# write (\d+)$", re.MULTILINE)
 
 
 def digest_path(path: str | os.PathLike) -> Path:
-    """The SHA-256 sidecar that vouches for a checkpoint file: ``.sha256/<name>.sha256`` in its folder.
-
-    Where only an earlier version's sidecar exists (``<name>.sha256`` beside the file), that one, so
-    existing runs still verify. A symbolic link (ModelCheckpoint's ``save_last="link"``) is vouched for
-    by its target's sidecar. The hidden folder keeps the sidecars out of Lightning's scans of checkpoint
-    names (``hpc_ckpt_<N>.ckpt``, ``<name>-v<N>.ckpt``, ``last`` links): a sidecar beside
-    ``hpc_ckpt_1.ckpt`` made Lightning's ``fit(ckpt_path="hpc")`` look for ``hpc_ckpt_1256.ckpt``.
+    """The SHA-256 sidecar of a checkpoint file (a link's: its target's): ``.sha256/<name>.sha256`` in its
+    folder, or an earlier version's ``<name>.sha256`` beside the file where only that one exists.
 
     Example::
 
@@ -188,11 +175,8 @@ def _sha256(path: Path) -> str:
 
 
 def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 in :func:`digest_path`.
-
-    The digest is written before the rename, so a visible checkpoint has one; the sidecar is
-    ``sha256sum -c``'s format (run from the checkpoint's folder) plus its :func:`write_number`. An
-    earlier version's sidecar of the same name, beside the file, is removed.
+    """``torch.save`` ``obj`` to ``path`` atomically, its SHA-256 and :func:`write_number` in :func:`digest_path`
+    (``sha256sum -c``'s format) before the rename.
 
     Example::
 

@@ -1,9 +1,4 @@
-"""One global plan per epoch: the rows' order and steps of ``G`` rows, whatever the world size.
-
-:class:`GlobalPlan` and :class:`PlanBatchSampler` for map-style data, :class:`EvenSteps` for
-per-rank shards of different lengths. Plain torch; why in docs/design.md ("One global plan per
-epoch, and uneven data").
-"""
+"""One global plan per epoch (rows' order, steps of ``G`` rows) whatever the world size; uneven shards."""
 
 from __future__ import annotations
 
@@ -134,12 +129,7 @@ class GlobalPlan:
         return max(0, min(self.global_batch_size, self.dataset_length - step * self.global_batch_size))
 
     def counts(self, step: int, world_size: int, accumulate: int = 1) -> list[list[int]]:
-        """``counts[r][m]``: the rows rank ``r`` trains in micro-batch ``m`` of step ``step``.
-
-        The step is cut into ``accumulate`` global micro-batches first, then each one over the
-        ranks: micro-batch ``m`` holds the same rows on any world size, so SyncBN's statistics of
-        each micro-batch are those of one process accumulating over the step.
-        """
+        """``counts[r][m]``: the rows rank ``r`` trains in micro-batch ``m`` of step ``step``."""
         if self.virtual_shards is not None:  # whole shards per rank, one micro-batch
             check_int("accumulate", accumulate, 1, 1)
             sizes = self.shard_sizes(step)
@@ -184,14 +174,8 @@ class GlobalPlan:
         return [rows[a:b] for a, b in bounds[rank::world_size]]
 
     def loss_weight(self, step: int, micro: int, rank: int, world_size: int, accumulate: int = 1) -> float:
-        """The factor on a rank's mean loss (already divided by ``accumulate``) for single-process math.
-
-        DDP averages the ranks' gradients and Lightning divides each micro-batch's loss by
-        ``accumulate``; the mean over the step's rows weights micro-batch ``(r, m)`` by
-        ``rows[r][m] / step_rows``. So the factor is ``world_size * accumulate * rows / step_rows``
-        (0 for an empty micro-batch, whose gradient is then zero). A loss that is a *sum* over its
-        rows needs no weight at all, only a division by ``step_rows`` instead of the batch size.
-        """
+        """The factor ``world_size * accumulate * rows / step_rows`` on a rank's mean loss (already divided by
+        ``accumulate``) that makes DDP's average the mean over the step's rows (0 for an empty micro-batch)."""
         rows = self.counts(step, world_size, accumulate)[rank][micro]
         return world_size * accumulate * rows / self.step_size(step)
 
@@ -201,11 +185,8 @@ class GlobalPlan:
 
 
 class PlanOrder(Sampler):
-    """Every row of the current epoch in the plan's order; :meth:`set_epoch` chooses the epoch.
-
-    The ``sampler`` of a :class:`PlanBatchSampler`: Lightning calls ``set_epoch`` on a loader's
-    ``batch_sampler.sampler``, so the epoch lives here.
-    """
+    """Every row of the current epoch in the plan's order: a :class:`PlanBatchSampler`'s ``sampler``
+    (Lightning calls ``set_epoch`` on a loader's ``batch_sampler.sampler``)."""
 
     def __init__(self, plan: GlobalPlan, epoch: int = 0) -> None:
         self.plan = plan
@@ -238,9 +219,6 @@ class PlanBatchSampler(Sampler):
         >>> plan = GlobalPlan(dataset_length=5, global_batch_size=4, shuffle=False)
         >>> list(PlanBatchSampler(plan, rank=0, world_size=2, accumulate=2))
         [[0], [2], [4], []]
-
-    Each step is cut into ``accumulate`` micro-batches first (rows 0-1 and 2-3 above), then each
-    micro-batch over the ranks, so micro-batch ``m`` holds the same rows on any world size.
     """
 
     def __init__(
@@ -316,19 +294,10 @@ def first_tensor_rows(batch: Any) -> int:
 class EvenSteps:
     """A rank's batches, in step with every other rank's whatever their counts (uneven shards).
 
-    Each optimizer step (``window`` micro-batches), one ``all_reduce`` of a few integers tells
-    every rank how many rows all ranks have in each micro-batch of it; the iteration ends on every
-    rank at the same step, when no rank has a batch left. A rank whose shard is exhausted (or
-    empty) yields zero-row batches of its data's structure (its first batch cut to no rows, or,
-    when it never had one, the lowest such rank's, sent once), so it still enters every collective
-    of the step. torch's ``Join`` counts ranks, not rows, and does not cover SyncBN or other
-    collectives in the forward; Accelerate's ``even_batches`` repeats rows.
-
-    :attr:`batch_counts` gets ``(this rank's rows, all ranks' rows in the micro-batch, all ranks' rows in
-    the step, agreed flag)`` for each batch yielded, in order, for a consumer (the strategy's loss
-    weighting) to take from the left. ``flag`` (a preemption signal number, 0 for none) rides
-    along in the same round: the agreed flag is the largest any rank raised, so a per-step stop
-    check costs no round of its own.
+    One ``all_reduce`` per optimizer step (``window`` micro-batches) shares the rows of every rank; all
+    ranks end at the same step, and an exhausted (or empty) shard yields zero-row batches of its data's
+    structure. :attr:`batch_counts` gets ``(this rank's rows, all ranks' rows in the micro-batch and in
+    the step, agreed flag)`` for each batch yielded, in order; the agreed flag is the largest any rank raised.
 
     Args:
         batches: this rank's batches (a DataLoader of its shard).

@@ -1,16 +1,15 @@
-"""Batch norm synchronized over a process group on any device, and a conversion that keeps each
-layer's class and reverts exactly."""
+"""Batch norm synchronized over a process group on any device; a conversion that keeps classes and reverts."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict, overload
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
-from typing_extensions import Unpack, override
+from typing_extensions import override
 
 from ddp_plugins._compat import BatchNormBase as _BatchNorm
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool, check_int
@@ -36,13 +35,9 @@ _REQUIRED_ATTRIBUTES = (
 class SyncBatchNorm(_BatchNorm):
     """Batch normalization synchronized over a process group, on any device and backend.
 
-    :class:`torch.nn.SyncBatchNorm`'s semantics and ``state_dict`` keys, with per-rank batch sizes
-    that may differ or be 0; one ``all_reduce`` in forward and one in backward (torch's kernel on
-    CUDA with nccl). Without a process group, or in a group of one, it is plain batch norm. A rank
-    must run backward through every synchronized layer whose forward it ran, as with torch's.
-
-    The arguments are :class:`torch.nn.SyncBatchNorm`'s, plus ``bias`` (``False`` keeps only the
-    weight when ``affine``).
+    :class:`torch.nn.SyncBatchNorm`'s arguments, semantics and ``state_dict`` keys, plus ``bias``
+    (``False``: weight only); per-rank batch sizes may differ or be 0. Without a process group, or in a
+    group of one, it is plain batch norm.
 
     Example::
 
@@ -101,24 +96,6 @@ class SyncBatchNormReport:
         return text
 
 
-class _Options(TypedDict, total=False):  # the keyword arguments the overloads pass through
-    group_size: int | None
-    skip_frozen: bool
-    extra_classes: Sequence[type | str] | Mapping[Any, str]
-
-
-@overload
-def convert_sync_batchnorm(
-    module: nn.Module, process_group: Any = None, *, return_report: Literal[False] = False, **kw: Unpack[_Options]
-) -> nn.Module: ...
-@overload
-def convert_sync_batchnorm(
-    module: nn.Module, process_group: Any = None, *, return_report: Literal[True], **kw: Unpack[_Options]
-) -> tuple[nn.Module, SyncBatchNormReport]: ...
-@overload
-def convert_sync_batchnorm(
-    module: nn.Module, process_group: Any = None, *, return_report: bool = False, **kw: Unpack[_Options]
-) -> nn.Module | tuple[nn.Module, SyncBatchNormReport]: ...
 def convert_sync_batchnorm(
     module: nn.Module,
     process_group: Any = None,
@@ -127,12 +104,9 @@ def convert_sync_batchnorm(
     skip_frozen: bool = True,
     extra_classes: Sequence[type | str] | Mapping[Any, str] = (),
     return_report: bool = False,
-) -> nn.Module | tuple[nn.Module, SyncBatchNormReport]:
-    """Synchronize every batch-norm layer of ``module`` in place, keeping each layer's class.
-
-    Each layer's class becomes a generated subclass of it and :class:`SyncBatchNorm`
-    (``BatchNorm2d`` becomes ``SyncBatchNorm2d``, still a ``BatchNorm2d``), so the layer keeps its
-    ``forward``, attributes, hooks and tensors.
+) -> Any:  # `module`, or `(module, report)` with return_report=True
+    """Synchronize every batch-norm layer of ``module`` in place: ``BatchNorm2d`` becomes ``SyncBatchNorm2d``,
+    a generated subclass of it and :class:`SyncBatchNorm` that keeps its ``forward``, attributes, hooks and tensors.
 
     Args:
         module: the model (or a single layer); converted in place and returned.

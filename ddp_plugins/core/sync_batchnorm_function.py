@@ -1,5 +1,4 @@
-"""The synchronized batch-norm autograd function, built from ops every device has, and the
-``_BatchNorm.forward`` that uses it."""
+"""The synchronized batch-norm autograd function, and the ``_BatchNorm.forward`` that uses it."""
 
 from __future__ import annotations
 
@@ -17,13 +16,9 @@ __all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm over a process group: one all_reduce forward, one backward.
+    """Training-mode batch norm over a process group, on every device: one all_reduce forward, one backward.
 
-    Built from sums, elementwise ops and ``native_batch_norm_backward``, so it runs on every device,
-    in few ops (no no-op casts, no tensor unpacking: each small op costs microseconds on CPU, as much
-    as a small layer's arithmetic). Forward all-reduces the per-channel sums, sums of squares and the
-    count in one tensor, backward ``sum(dy)`` and ``sum(dy * x_hat)``: per-rank batch sizes may differ,
-    down to 0. float16 and bfloat16 inputs are normalized in float32 and returned in their own dtype.
+    Per-rank batch sizes may differ, down to 0; float16 and bfloat16 are normalized in float32.
 
     Example::
 
@@ -44,13 +39,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         process_group: Any,
     ) -> Tensor:
-        """No host synchronization, so that ``torch.compile`` keeps a model in one graph: the group's count
-        stays a 0-dim tensor (the moments divide by it, the unbiased factor of ``running_var`` is built
-        from it and applied with ``addcmul_``, which rounds as ``add_(alpha=...)`` did) and is saved for
-        backward. It is read on the host only where this rank holds at most one value per channel (a
-        shape known when tracing): only then can the group hold fewer than two, which every rank then
-        refuses alike. Dynamo traces ``dist.all_reduce`` here and in backward as torch's functional
-        all_reduce (its own remapping, no private name), so the function needs no ``allow_in_graph``."""
+        # No host synchronization (torch.compile keeps one graph): the group's count stays a tensor.
         channels = input.size(1)
         local = input.numel() // channels
         low_precision = input.dtype in (torch.float16, torch.bfloat16)
