@@ -32,7 +32,7 @@ from ddp_plugins.core import checkpoints
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, is_distributed, setup_rank_logging
-from ddp_plugins.core.stalls import RendezvousError
+from ddp_plugins.core.liveness import RendezvousError
 from ddp_plugins.lightning.data_plan import CHECKPOINT_KEY as DATA_RECORD
 from ddp_plugins.lightning.data_plan import ResumeMismatch, expected_record, resume_start
 from ddp_plugins.lightning.network import apply_network_env, restore_env

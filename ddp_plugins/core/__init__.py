@@ -27,7 +27,7 @@ from ddp_plugins.core.comm_hooks import (
     count_collectives,
 )
 from ddp_plugins.core.files import save_atomic
-from ddp_plugins.core.hang_watch import HangWatch
+from ddp_plugins.core.liveness import Liveness, Record, Verdict, judge
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
 from ddp_plugins.core.preemption import (
     Preempted,
@@ -64,14 +64,17 @@ from ddp_plugins.core.sync_batchnorm import (
 )
 from ddp_plugins.core.sync_batchnorm_function import SyncBatchNormFunction, sync_batch_norm
 from ddp_plugins.core.timeline import TimedCommHook, Timeline, collective_kind
-from ddp_plugins.core.watchdog import Heartbeat, ProgressWatchdog, Stall, find_stall
 from ddp_plugins.core.workers import WorkerInit, seed_worker
 
 __all__ = [
+    "Liveness",
+    "Record",
+    "Verdict",
     "agree_on_signal",
     "ArgumentError",
     "ArgumentTypeError",
     "ArgumentValueError",
+    "judge",
     "build_comm_hook",
     "check_bool",
     "check_choice",
@@ -93,19 +96,15 @@ __all__ = [
     "EvenSteps",
     "exact_sum",
     "exit_process",
-    "find_stall",
     "fingerprint",
     "for_collective",
     "gather_per_rank",
     "get_rank",
     "get_world_size",
     "GlobalPlan",
-    "HangWatch",
-    "Heartbeat",
     "latest_checkpoint",
     "PlanBatchSampler",
     "Preempted",
-    "ProgressWatchdog",
     "rank_seed",
     "rank_zero_first",
     "ResumableSampler",
@@ -123,7 +122,6 @@ __all__ = [
     "SignalFlag",
     "slurm_requeue",
     "stable_run_name",
-    "Stall",
     "sync_batch_norm",
     "SyncBatchNorm",
     "SyncBatchNormFunction",

@@ -20,11 +20,10 @@ from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_process, parent_death_signal
-from ddp_plugins.core.stalls import describe_collective_failure
 from ddp_plugins.lightning.contracts import CarriesSpawnResults, of_kind
 from ddp_plugins.lightning.data_plan import ResumeMismatch
 
-__all__ = ["REFUSAL_EXIT", "ChildCommand", "CleanExitMultiprocessingLauncher", "JobSubprocessLauncher", "failure_tag"]
+__all__ = ["REFUSAL_EXIT", "ChildCommand", "CleanExitMultiprocessingLauncher", "JobSubprocessLauncher"]
 
 _CHILD_GRACE_S = 2.0  # seconds a child rank gets to exit on its own once rank 0 failed, before it is killed
 _PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
@@ -58,6 +57,7 @@ class _RankWatcher(threading.Thread):
     """Watches the child ranks; when one fails, says which and how on stderr, and stops every rank.
 
     Unlike Lightning's ``_ChildProcessObserver`` (INFO level, usually hidden), it can be stopped.
+    Once the ranks met, it watches only where no liveness room does (``after_startup``).
     While the ranks start (until ``ranks_met`` is set), rank 0 may wait in the rendezvous for a rank
     that is gone: any exit of a child rank then ends the job, at once or, for a refusal (exit 2 with
     an ``error: ...`` line) or an exit 0, after :data:`_STARTUP_GRACE_S` in which rank 0 did not end
@@ -65,13 +65,19 @@ class _RankWatcher(threading.Thread):
     """
 
     def __init__(
-        self, procs: list[Any], tees: list[_StderrTee | None], halt: threading.Event, ranks_met: threading.Event
+        self,
+        procs: list[Any],
+        tees: list[_StderrTee | None],
+        halt: threading.Event,
+        ranks_met: threading.Event,
+        after_startup: bool,
     ) -> None:
         super().__init__(daemon=True, name="ddp-plugins-rank-watcher")
         self.procs = procs
         self._tees = tees
         self._halt = halt
         self._ranks_met = ranks_met
+        self._after_startup = after_startup
         self._lines: dict[int, str] = {}  # a child rank's last start-up stderr line, read once it exited
 
     def stop(self) -> None:
@@ -89,7 +95,7 @@ class _RankWatcher(threading.Thread):
                     if code is not None:
                         self._during_startup(rank, code, seen.setdefault(rank, time.monotonic()))
                 continue
-            if all(code == 0 or _agreed_code(code) for code in codes):
+            if not self._after_startup or all(code == 0 or _agreed_code(code) for code in codes):
                 return  # every child ended, or stopped for a preemption signal or refused: rank 0 does the same
             failed = [(rank, code) for rank, code in enumerate(codes, 1) if code and not _agreed_code(code)]
             if failed and not self._halt.is_set():
@@ -179,9 +185,11 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         *args: Any,
         before_launch: Callable[[Any], None] | None = None,
         child_command: ChildCommand | None = None,
+        watch_after_startup: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.watch_after_startup = watch_after_startup  # False where a liveness room names a failed rank
         self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
         self.child_command = child_command or _compat.subprocess_cmd  # default: Lightning's command
         self._reruns_command_line = child_command is None
@@ -205,7 +213,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 for tee in self._tees:
                     if tee is not None:
                         tee.start()
-                watcher = _RankWatcher(self.procs, self._tees, self._halt, self._ranks_met)
+                watcher = _RankWatcher(self.procs, self._tees, self._halt, self._ranks_met, self.watch_after_startup)
                 watcher.start()
             _compat.set_num_threads_if_needed(self.num_processes)
             return function(*args, **kwargs)
@@ -218,9 +226,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 # with rank 0's one line: let the children finish
                 _wait_then_kill(self.procs, _PREEMPT_GRACE_S)
             else:
-                # which rank stopped, asked before the children are stopped (then they cannot answer)
-                module = trainer.lightning_module if trainer is not None else None
-                self._stop_children(describe_collective_failure(error, tag=failure_tag(module)))
+                self._stop_children()
             raise
         finally:
             self.startup_done()  # a start-up that failed gives the handlers back all the same
@@ -267,9 +273,8 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             sys.stdout.flush()
         os._exit(code)
 
-    def _stop_children(self, stalled: str | None) -> None:
-        """Stop the child ranks that still run after rank 0 failed, and say which rank failed first
-        (or, for a collective that failed on rank 0, which rank stopped progressing: ``stalled``)."""
+    def _stop_children(self) -> None:
+        """Stop the child ranks that still run after rank 0 failed, and say which rank failed first."""
         running = _wait_then_kill(self.procs, _CHILD_GRACE_S)
         _drain(self._tees)
         failed = [
@@ -279,8 +284,6 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         ]
         cause = "; ".join(f"rank {rank} (PID {proc.pid}) {_describe_exit(proc.returncode)}" for rank, proc in failed)
         cause = f"{cause} first, then rank 0 failed" if failed else "rank 0 failed"
-        if stalled and not failed:
-            cause += f" in a collective: {stalled.split(':')[0]}"
         stopped = [proc.pid for proc in running]
         said = "."
         if failed and not (self._ranks_met and self._ranks_met.is_set()):  # it still wrote through this process
@@ -427,12 +430,6 @@ class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
         for cb in of_kind(trainer.callbacks, CarriesSpawnResults):
             if cb.spawn_results_key in payload:
                 cb.import_results(payload[cb.spawn_results_key])
-
-
-def failure_tag(module: Any) -> str:
-    """The tag under which the ranks whose collective failed record themselves: the global step,
-    the same on every rank in one collective (a fit that failed earlier left other tags)."""
-    return str(getattr(module, "global_step", ""))
 
 
 def _check_rerunnable(command: list[str], cwd: str | None) -> None:

@@ -39,7 +39,7 @@ __all__ = ["PreemptionCheckpoint"]
 log = logging.getLogger(__name__)
 
 ROWS_LEDGER = "metrics_rows.json"
-_STEP_FILE = re.compile(r"^step-(\d+)(-preempted)?\.ckpt$")
+_STEP_FILE = re.compile(r"^step-(\d+)(-preempted|-stalled)?\.ckpt$")  # the liveness rescue too
 
 
 class PreemptionCheckpoint(Callback):

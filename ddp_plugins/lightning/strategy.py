@@ -30,12 +30,11 @@ from ddp_plugins._compat import explicit_trainer_plugins
 from ddp_plugins.core.checkpoints import gather_per_rank
 from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_choice, check_int, check_number
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
+from ddp_plugins.core.liveness import Liveness, rendezvous_error
 from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.process import start_forkserver
-from ddp_plugins.core.ranks import for_collective, get_rank, get_world_size
+from ddp_plugins.core.ranks import for_collective
 from ddp_plugins.core.samplers import loader_seed
-from ddp_plugins.core.stalls import describe_collective_failure, is_collective_failure, rendezvous_error
-from ddp_plugins.core.watchdog import ProgressWatchdog
 from ddp_plugins.core.workers import WorkerInit
 from ddp_plugins.lightning import traps
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
@@ -49,7 +48,7 @@ from ddp_plugins.lightning.data_plan import (
     run_accumulation,
     train_loader,
 )
-from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher, failure_tag
+from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import is_loopback, pin_gloo_to_loopback
 from ddp_plugins.lightning.reproducible import (
@@ -155,8 +154,10 @@ class DDPPluginsStrategy(DDPStrategy):
         drop_last: with ``global_batch_size``, leave out each epoch's short last step.
         uneven_data: ranks whose loaders yield different numbers of batches step together until
             the longest ends, with rows weighted (:class:`~ddp_plugins.core.plan.EvenSteps`).
-        stall_timeout: seconds after which a rank that stopped progressing is named with its stack
-            and the job ends (:class:`~ddp_plugins.core.watchdog.ProgressWatchdog`); ``None``: off.
+        stall_name_after: seconds without progress after which a stalled rank is named in one line,
+            with every rank's stack (:class:`~ddp_plugins.core.liveness.Liveness`); ``None``: off.
+        stall_end_after: seconds after which a stall ends the job, with a rescue checkpoint
+            (``None``: named only); a failed collective ends it at once.
         child_command: ``local_rank -> (command, working folder)`` of each child rank under
             ``start_method="popen"`` (default: Lightning's; the app re-runs only the Hydra job).
         reproducible: with ``global_batch_size``, the same bits on 1 to ``virtual_shards`` ranks
@@ -196,7 +197,8 @@ class DDPPluginsStrategy(DDPStrategy):
         global_batch_size: int | None = None,
         drop_last: bool = False,
         uneven_data: bool = True,
-        stall_timeout: float | None = 45.0,
+        stall_name_after: float | None = 30.0,
+        stall_end_after: float | None = 300.0,
         child_command: Callable[[int], tuple[list[str], str | None]] | None = None,
         reproducible: bool = False,
         virtual_shards: int = 8,
@@ -241,7 +243,8 @@ class DDPPluginsStrategy(DDPStrategy):
             check_bool(name, value)
         check_int("global_batch_size", global_batch_size, 1, allow_none=True)
         check_bool("drop_last", drop_last)
-        check_number("stall_timeout", stall_timeout, 0, exclusive_minimum=True, what="seconds", allow_none=True)
+        check_number("stall_name_after", stall_name_after, 0, exclusive_minimum=True, what="seconds", allow_none=True)
+        check_number("stall_end_after", stall_end_after, stall_name_after or 0, what="seconds", allow_none=True)
         check_bool("uneven_data", uneven_data)
         check_bool("reproducible", reproducible)
         check_int("virtual_shards", virtual_shards, 1)
@@ -271,8 +274,8 @@ class DDPPluginsStrategy(DDPStrategy):
         )
         self._backend = backend
         self._child_command = child_command
-        self._stall_timeout = stall_timeout
-        self._watchdog: ProgressWatchdog | None = None
+        self._stall = (stall_name_after, stall_end_after)
+        self._room: Liveness | None = None
         self._timeout_s = float(timeout)
         self._rendezvous_s = float(timeout if rendezvous_timeout is None else rendezvous_timeout)
         self._env_set: list[str] = []
@@ -348,8 +351,9 @@ class DDPPluginsStrategy(DDPStrategy):
         if self._start_method == "popen":
             env, processes, nodes = self.cluster_environment, self.num_processes, self.num_nodes
             self._launcher = JobSubprocessLauncher(
-                env, processes, nodes, before_launch=check, child_command=self._child_command
-            )
+                env, processes, nodes, before_launch=check, child_command=self._child_command,
+                watch_after_startup=self._stall[0] is None,  # else the liveness room names a failed rank
+            )  # fmt: skip
         else:
             self._launcher = CleanExitMultiprocessingLauncher(
                 self, start_method=self._start_method, before_launch=check
@@ -422,20 +426,18 @@ class DDPPluginsStrategy(DDPStrategy):
             raise rendezvous_error(err, env.main_address, env.main_port, self.world_size, self._rendezvous_s) from None
         if self._rendezvous_s != self._timeout_s:  # the ranks have met: collectives get their own timeout
             _compat.set_group_timeout(self._timeout_s)
-        if self._stall_timeout is not None and self.world_size > 1:
-            self._watchdog = ProgressWatchdog(
-                _compat.default_store(), self.global_rank, self.world_size, after_s=self._stall_timeout,
-                interval_s=min(5.0, self._stall_timeout / 4), rescue=self._save_last_completed_step,
-                dump_dir=lambda: getattr(self._trainer(), "default_root_dir", None),  # the run's folder
+        if self._stall[0] is not None and self.world_size > 1:
+            self._room = Liveness(
+                _compat.default_store(), self.global_rank, self.world_size, *self._stall,
+                rescue=self._save_last_completed_step,
+                folder=lambda: getattr(self._trainer(), "default_root_dir", None),  # the run's folder
             ).start()  # fmt: skip
 
     def _save_last_completed_step(self) -> str | None:
-        """On the rank that names a stalled one (the watchdog's thread, while this rank's training
-        thread waits for it in a collective): the last completed step's checkpoint,
-        ``step-<N>-stalled.ckpt`` beside the run's others. The parameters and optimizer state are
-        that step's (the next one has not stepped), and the loops resume at the next batch. The
-        stalled ranks' random states cannot be gathered: :class:`RankAwareSeed` starts fresh
-        per-rank streams on resume and says so (an exact continuation where no randomness is drawn)."""
+        """The liveness room's rescue, on the rank that ends a stalled job while its training thread waits
+        in (or saw fail) a collective: ``step-<N>-stalled.ckpt`` beside the run's others, with the last
+        completed step's parameters and optimizer state; the loops resume at the next batch. The stalled
+        ranks' random states cannot be gathered (:class:`RankAwareSeed` says so on resume)."""
         trainer = self._trainer()
         if trainer is None or not trainer.training:
             return None
@@ -588,20 +590,20 @@ class DDPPluginsStrategy(DDPStrategy):
         """
         return self._rows
 
-    def _beat(self, phase: str) -> None:
-        if self._watchdog is not None:
+    def _mark(self, phase: str) -> None:
+        if self._room is not None:
             trainer = self._trainer()
-            self._watchdog.beat(f"{phase} (global step {trainer.global_step if trainer is not None else 0})")
+            self._room.mark(f"{phase} (global step {trainer.global_step if trainer is not None else 0})")
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("a validation step")
+        self._mark("a validation step")
         with self._exact_logs("val_dataloaders", args):
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("a test step")
+        self._mark("a test step")
         with self._exact_logs("test_dataloaders", args):
             return super().test_step(*args, **kwargs)
 
@@ -618,12 +620,12 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("a predict step")
+        self._mark("a predict step")
         return super().predict_step(*args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("a training step")
+        self._mark("a training step")
         if self._repro is not None:
             assert self._planned.plan is not None, "the reproducible mode trains on a global plan"
             context = self.precision_plugin.train_step_context
@@ -648,6 +650,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan,
         # each micro-batch's mean loss is weighted by its rows instead (0 for an empty one)
+        self._mark("a backward")  # where DDP's all-reduce waits for every rank
         module = self.lightning_module
         if self._repro is not None:  # the shards' backward ran in training_step: their exact sum is the gradient
             assert module is not None
@@ -705,17 +708,8 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if get_world_size() == 1 or not is_collective_failure(exception):
-            return
-        # the ranks whose collective failed record themselves in the store; the others stopped
-        stalled = describe_collective_failure(exception, tag=failure_tag(self._lightning_module))
-        note = f"\n[ddp_plugins] rank {get_rank()}: a collective failed because another rank stopped: " + (
-            stalled or "it raised, was killed, or waits elsewhere; that rank's own error, printed by it, is the cause."
-        )
-        exception.args = tuple(
-            arg + note if isinstance(arg, str) and is_collective_failure(RuntimeError(arg)) else arg
-            for arg in exception.args
-        )
+        if self._room is not None:
+            self._room.failed(exception)  # another rank caused it: named in one line, and the job ends here
 
     @override
     def teardown(self) -> None:
@@ -725,9 +719,9 @@ class DDPPluginsStrategy(DDPStrategy):
             self._threads = None
         if self._repro is not None and trainer is not None and self._repro.callback in trainer.callbacks:
             trainer.callbacks.remove(self._repro.callback)
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
+        if self._room is not None:
+            self._room.stop()
+            self._room = None
         super().teardown()
         if self._comm_hook == "powersgd":
             self._ddp_comm_state = None  # a fresh PowerSGD state for the next fit

@@ -54,7 +54,7 @@ def _trainer(strategy, max_steps=2, **kwargs):
 
 
 def _ours(**kwargs):
-    return DDPPluginsStrategy(backend="gloo", stall_timeout=None, **kwargs)
+    return DDPPluginsStrategy(backend="gloo", stall_name_after=None, **kwargs)
 
 
 def _lightning_s(**kwargs):

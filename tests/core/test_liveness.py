@@ -1,0 +1,226 @@
+"""The liveness room (``core.liveness``): rooms of several ranks in one process on one store, each
+rank's room on a thread, with short limits; real processes for what ``/proc`` tells."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ddp_plugins.core.liveness import STALL_EXIT, Liveness, Verdict, process_state
+
+NAME, END, EVERY = 0.4, 1.2, 0.05
+
+
+class CountingStore:
+    """A store that counts its requests (``multi_get`` is one request) and can stop answering."""
+
+    def __init__(self) -> None:
+        self.store, self.requests, self.keys_read = dist.HashStore(), 0, 0
+        self.answering = threading.Event()
+        self.answering.set()
+        self._lock = threading.Lock()
+
+    def _request(self, keys: int = 0) -> None:
+        self.answering.wait()
+        with self._lock:
+            self.requests += 1
+            self.keys_read += keys
+
+    def set(self, key: str, value: str) -> None:
+        self._request()
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._request(1)
+        return self.store.get(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._request(len(keys))
+        return self.store.multi_get(keys)
+
+    def check(self, keys: list[str]) -> bool:
+        self._request()
+        return self.store.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        self._request()
+        return self.store.delete_key(key)
+
+
+def _rooms(store, world_size, exits, tmp_path=None, name=NAME, end=END):
+    return [
+        Liveness(store, rank, world_size, name, end, interval_s=EVERY, folder=tmp_path, exit=exits.append)
+        for rank in range(world_size)
+    ]
+
+
+def _wait(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def _errors(capsys):
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_store_requests_grow_with_the_ranks_not_their_square(world_size):
+    """Every rank writes its record and reads rank 0's and the verdict key; only rank 0 reads them all,
+    in one request: about 3 requests per rank and interval (the heartbeat it replaces made 2 N^2 + N)."""
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, world_size, exits, name=30, end=None)
+    for room in rooms:
+        room.mark("a training step (global step 1)")
+        room.start()
+    time.sleep(0.5)  # the rooms publish at once, then every interval
+    store.requests = store.keys_read = 0
+    seq_before = sum(room._seq for room in rooms)
+    time.sleep(1.0)
+    requests, keys, publications = store.requests, store.keys_read, sum(room._seq for room in rooms) - seq_before
+    for room in rooms:
+        room.stop()
+    intervals = publications / world_size
+    assert intervals >= 5, f"the rooms published {publications} times in 1 s at a {EVERY} s interval"
+    print(f"N={world_size}: {requests / intervals:.1f} requests, {keys / intervals:.1f} keys per interval")
+    assert requests / intervals <= 4 * world_size, f"{requests / intervals:.1f} store requests per interval"
+    assert keys / intervals <= 3 * world_size, f"{keys / intervals:.1f} keys read per interval"
+    assert exits == [], "no stall: nobody ends the job"
+
+
+def test_a_rank_stuck_in_its_step_is_named_once_then_the_job_ends(capsys, tmp_path):
+    """Rank 1 is stuck inside its training step (alive, publishing) while rank 0 waits in the backward."""
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 2, exits, tmp_path)
+    for room in rooms:
+        room.mark("a training step (global step 7)")
+        room.start()
+    rooms[0].mark("a backward (global step 7)")  # rank 0 left the step; rank 1 never does
+    assert _wait(lambda: len(exits) == 2, 10 * END), f"the job did not end: {exits}"
+    for room in rooms:
+        room.stop()
+    assert exits == [STALL_EXIT, STALL_EXIT]
+    named, ended = _errors(capsys)
+    assert named.startswith("error: rank 1 (PID ") and "a training step (global step 7)" in named, named
+    assert "it stopped progressing while the other ranks wait for it" in named and "ends in 1.2 s" in named, named
+    assert ended.startswith("error: ending every rank; it resumes from its newest"), ended
+    dump = (tmp_path / "stall.txt").read_text()
+    assert "rank 0 (PID" in dump and "rank 1 (PID" in dump and "a backward (global step 7)" in dump, dump
+    assert "test_liveness.py" in dump, "each record carries its training thread's stack"
+
+
+def test_a_pause_shorter_than_the_end_limit_is_named_and_the_run_goes_on(capsys):
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 2, exits, name=NAME, end=60)
+    for room in rooms:
+        room.mark("a validation step (global step 3)")
+        room.start()
+    rooms[0].mark("a validation step (global step 3)")
+    assert _wait(lambda: rooms[0].verdict is not None, 10 * NAME)
+    rooms[1].mark("a validation step (global step 3)")  # the slow rank goes on: a compile, a cold cache
+    assert _wait(lambda: rooms[0].verdict is None, 10 * NAME), "the verdict outlived the stall"
+    time.sleep(3 * EVERY)
+    for room in rooms:
+        room.stop()
+    assert exits == []
+    named, again = _errors(capsys)
+    assert named.startswith("error: rank 1 (PID ") and "ends in 60 s" in named, named
+    assert again == "ddp_plugins: ranks [1] progress again", again
+    assert not store.store.check(["ddp_plugins/liveness/verdict"]), "the other ranks are told it is over"
+
+
+def test_one_long_step_on_every_rank_is_left_alone(capsys):
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 3, exits)
+    for room in rooms:
+        room.mark("a training step (global step 0)")  # a first step that compiles, on every rank
+        room.start()
+    time.sleep(3 * END)
+    for room in rooms:
+        room.stop()
+    assert exits == [] and all(room.verdict is None for room in rooms)
+    assert _errors(capsys) == []
+
+
+@pytest.mark.parametrize("silent", [1, 0])
+def test_a_rank_that_stops_publishing_is_named_by_another(capsys, silent):
+    """The room's thread of one rank stops (its process holds the GIL, or is stopped): rank 0 names it,
+    or rank 1 names rank 0. In one process /proc shows it running: 'busy'."""
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 3, exits)
+    for room in rooms:
+        room.start()
+    time.sleep(3 * EVERY)
+    rooms[silent].stop()
+    assert _wait(lambda: len(exits) >= 1, 10 * END), "nobody ended the job"
+    time.sleep(4 * EVERY)
+    for room in rooms:
+        room.stop()
+    lines = _errors(capsys)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"error: rank {silent} (PID ") and "publishes nothing (a C call holding" in lines[0]
+    reporter = rooms[1 if silent == 0 else 0]
+    assert reporter.verdict == Verdict((silent,), "busy", reporter.verdict.seconds)
+
+
+def test_a_store_that_stops_answering_names_its_host(capsys):
+    """Rank 0 hosts the store; frozen, it answers nothing: rank 1 names rank 0, every rank ends."""
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 3, exits)
+    for room in rooms:
+        room.start()
+    time.sleep(3 * EVERY)
+    store.answering.clear()
+    assert _wait(lambda: len(exits) == 3, 10 * (NAME + END)), f"{exits}"
+    lines = _errors(capsys)
+    assert lines[0].startswith("error: rank 0 (PID ") and "the job's store (hosted there) does not answer" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("error: ending every rank"), lines
+    store.answering.set()
+    for room in rooms:
+        room.stop()
+
+
+def test_a_failed_collective_names_the_rank_behind_or_lets_its_own_error_through(capsys):
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 3, exits, name=30, end=None)
+    for room in rooms:
+        room.mark("a training step (global step 2)")
+        room.start()
+    rooms[0].mark("a backward (global step 2)")
+    rooms[2].mark("a backward (global step 2)")
+    time.sleep(3 * EVERY)
+    rooms[1].failed(RuntimeError("shape mismatch"))  # rank 1's own error: it is the one behind
+    assert exits == [] and _errors(capsys) == []
+    rooms[0].failed(RuntimeError("Connection reset by peer"))
+    assert exits == [STALL_EXIT]
+    named, ended = _errors(capsys)
+    assert named.startswith("error: rank 1 (PID ") and named.endswith("a collective failed waiting for it"), named
+    assert ended.startswith("error: ending every rank"), ended
+    for room in rooms:
+        room.stop()
+
+
+def test_process_state_tells_stopped_from_running_and_gone():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_state(child.pid) == "busy"  # running or sleeping: alive
+        child.send_signal(signal.SIGSTOP)
+        assert _wait(lambda: process_state(child.pid) == "stopped", 5)
+        child.kill()
+        assert _wait(lambda: process_state(child.pid) == "gone", 5), "a zombie not yet reaped is gone"
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) == "gone"
+
+
+def test_the_limits_are_checked():
+    with pytest.raises(ValueError, match="`end_after_s` should be None or at least name_after_s"):
+        Liveness(dist.HashStore(), 0, 2, name_after_s=30, end_after_s=10)
