@@ -52,17 +52,11 @@ DOCUMENTED = {
 }
 # (file, module.name): a private name reached through a module outside _compat that the pack still
 # has, each a known violation with the issue that removes it. Remove the entry with the use.
-MODULE_PRIVATE_KNOWN = {
-    ("ddp_plugins/core/timeline.py", "sys._getframe"): (
-        "issue 45: the timeline walks the caller's frames to learn a collective's kind; the pack's own"
-        " collectives are to be labelled where they are called instead"
-    ),
-}
+MODULE_PRIVATE_KNOWN: dict[tuple[str, str], str] = {}
 # (file, attribute): a private attribute read on an object that is not `self` but is the pack's own.
 OWN_OBJECTS = {
-    ("ddp_plugins/core/timeline.py", "_start"): "the module's own Timeline, called by its collective wrappers",
-    ("ddp_plugins/core/timeline.py", "_end"): "the module's own Timeline, called by its collective wrappers",
-    ("ddp_plugins/core/hang_watch.py", "_main"): "core/timeline.py's Timeline: its main thread (issue 45 removes it)",
+    ("ddp_plugins/core/timeline.py", "_start"): "its own Timeline: TimedCommHook and collective_kind call it",
+    ("ddp_plugins/core/timeline.py", "_end"): "its own Timeline: TimedCommHook and collective_kind call it",
 }
 STRATEGY_MODULES = ("ddp_plugins.lightning.strategy", "ddp_plugins.lightning.launchers")
 STRATEGY_OWNERS = {"strategy.py": "the strategy itself", "__init__.py": "the package's re-exports"}

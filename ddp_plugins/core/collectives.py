@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ddp_plugins.core.checks import check_int, check_number
 from ddp_plugins.core.ranks import collective_device, is_distributed
+from ddp_plugins.core.timeline import collective_kind
 from ddp_plugins.core.trees import tree_leaves, tree_map
 
 __all__ = ["concat_batches", "distributed_concat", "num_rows", "truncate_rows"]
@@ -70,9 +71,10 @@ def distributed_concat(
             error = str(exc)
     world = dist.get_world_size(group) if is_distributed() else 1
     if world > 1:
-        outs = _gather_tensors(spec, leaves, error, pad_value, group, world)
-        if outs is None:  # Python rows, a local error or ranks that disagree: every rank's full metadata
-            outs = _gather_with_metadata(spec, leaves, error, pad_value, group)
+        with collective_kind("gather", "distributed_concat"):
+            outs = _gather_tensors(spec, leaves, error, pad_value, group, world)
+            if outs is None:  # Python rows, a local error or ranks that disagree: every rank's full metadata
+                outs = _gather_with_metadata(spec, leaves, error, pad_value, group)
     else:
         if error is not None:
             raise ValueError(error)

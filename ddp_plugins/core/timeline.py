@@ -1,33 +1,26 @@
-"""Where DDP time goes: per-rank step phases and collectives on one clock, blame, one Chrome trace.
+"""Where DDP time goes: per-rank step phases and reported collectives on one clock, blame, one Chrome trace.
 
 Plain torch; rationale in docs/design.md ("Where time goes")."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import json
 import os
 import statistics
-import sys
-import sysconfig
 import threading
 import time
-import traceback
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
-from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, check_int, check_number
-from ddp_plugins.core.collectives import distributed_concat
-from ddp_plugins.core.comm_hooks import sent_nbytes, sent_tensors
 from ddp_plugins.core.files import write_text_atomic
 from ddp_plugins.core.ranks import collective_device, is_distributed
 
@@ -36,37 +29,11 @@ __all__ = ["PHASES", "CollectiveRecord", "TimedCommHook", "Timeline", "collectiv
 #: The phases of a training step a :class:`Timeline` times, in order.
 PHASES = ("data_wait", "forward", "backward", "optimizer", "step")
 
-#: The ``torch.distributed`` functions a :class:`Timeline` times while installed (those that exist).
-TIMED = (
-    *"all_gather all_gather_into_tensor all_gather_object all_gather_single all_reduce all_reduce_coalesced".split(),
-    *"all_to_all all_to_all_single barrier broadcast broadcast_object_list gather gather_object".split(),
-    *"monitored_barrier reduce reduce_scatter reduce_scatter_single reduce_scatter_tensor scatter".split(),
-    "scatter_object_list",
-    _compat.DDP_BUFFER_BROADCAST,
-)
-
-# The kind of a collective, from the module that called it (first match, innermost caller first).
-_KIND_OF_MODULE = (
-    ("ddp_plugins.core.sync_batchnorm_function", "syncbn"),
-    ("torch.nn.modules._functions", "syncbn"),
-    ("torch.distributed.algorithms.ddp_comm_hooks", "ddp_bucket"),
-    ("torch.nn.parallel.distributed", "ddp_buffers"),
-    ("ddp_plugins.core.preemption", "agreement"),
-    ("ddp_plugins.core.plan", "agreement"),
-    ("ddp_plugins.core.collectives", "gather"),
-)
-# Modules whose frames are not "where the user's code stopped" (installed libraries: _LIBRARY_ROOTS).
-_LIBRARIES = ("torch", "ddp_plugins", "typing_extensions", "contextlib", "threading")
-
-_LIBRARY_ROOTS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")})
-
-_active: Timeline | None = None
-_originals: dict[str, Callable[..., Any]] = {}
+_active: Timeline | None = None  # where collective_kind reports (Timeline.activate)
 
 
 class _Local(threading.local):
-    depth = 0  # > 0 inside a timed call: its collectives are not timed again
-    label: str | None = None  # collective_kind's
+    depth = 0  # > 0 inside a collective_kind body: nested ones are part of it
 
 
 _local = _Local()
@@ -76,7 +43,7 @@ class _Window(NamedTuple):
     """One :meth:`Timeline.collect`'s gathered records, kept on rank 0 for the trace."""
 
     coll: list[list[float]]  # rank, step, seq, start, end, bytes
-    text: list[tuple[str, str, str]]  # kind, op, site
+    text: list[tuple[str, str]]  # kind, op
     phase: list[list[float]]  # rank, step, phase index, start, end
     last: dict[int, tuple[float, int]]  # seq: (start, rank) of the last arrival
     score_points: list[tuple[int, float, float]]  # rank, time, score
@@ -86,21 +53,16 @@ class _Window(NamedTuple):
 class CollectiveRecord:
     """One collective call on this rank: times in ns on rank 0's clock (``end_ns`` 0 while in flight)."""
 
-    __slots__ = ("end_ns", "events", "kind", "nbytes", "op", "seq", "stack", "start_ns", "step")
+    __slots__ = ("end_ns", "events", "kind", "nbytes", "op", "seq", "start_ns", "step")
 
-    def __init__(self, seq: int, step: int, kind: str, op: str, nbytes: int, stack: tuple, start_ns: int) -> None:
+    def __init__(self, seq: int, step: int, kind: str, op: str, nbytes: int, start_ns: int) -> None:
         self.seq, self.step, self.kind, self.op, self.nbytes = seq, step, kind, op, nbytes
-        self.stack = stack  # ((file, line, function), ...), innermost first
         self.start_ns, self.end_ns = start_ns, 0
         self.events: list[Any] | None = None  # CUDA tensors: [start, end] events on the calling stream
 
-    @property
-    def site(self) -> str:
-        return call_site(self.stack)
-
     def __repr__(self) -> str:
         took = f"{(self.end_ns - self.start_ns) / 1e6:.2f} ms" if self.end_ns else "in flight"
-        return f"#{self.seq} {self.op} ({self.kind}, {self.nbytes} B, step {self.step}) at {self.site}: {took}"
+        return f"#{self.seq} {self.op} ({self.kind}, {self.nbytes} B, step {self.step}): {took}"
 
 
 class _GpuClock:
@@ -133,21 +95,32 @@ class _GpuClock:
 
 
 @contextlib.contextmanager
-def collective_kind(kind: str) -> Iterator[None]:
-    """Label the collectives the body issues (on this thread) as ``kind`` in a :class:`Timeline`.
+def collective_kind(kind: str, op: str = "collective", cuda: bool = False) -> Iterator[None]:
+    """Record the body as one collective of ``kind`` in the active :class:`Timeline` (none active: nothing).
+
+    The pack labels its own collectives this way where it calls them; a label inside another is part of
+    it. ``cuda``: time it by events on the current CUDA stream (an nccl collective), not by the host.
 
     Example::
 
-        >>> with collective_kind("my_metric"):
-        ...     pass  # dist.all_reduce(...) here is recorded as kind "my_metric"
+        >>> timeline = Timeline().activate()
+        >>> with collective_kind("my_metric", "all_reduce"):
+        ...     pass  # dist.all_reduce(...) here
+        >>> timeline.deactivate()
+        >>> timeline.recent[-1].kind, timeline.recent[-1].op
+        ('my_metric', 'all_reduce')
     """
     if not isinstance(kind, str) or not kind:
         raise ArgumentTypeError("kind", "a non-empty str", kind)
-    before, _local.label = _local.label, kind
+    timeline = _active if not _local.depth else None
+    record = timeline._start(kind, op, 0, cuda) if timeline is not None else None
+    _local.depth += 1
     try:
         yield
     finally:
-        _local.label = before
+        _local.depth -= 1
+        if timeline is not None and record is not None:
+            timeline._end(record)
 
 
 class TimedCommHook:
@@ -179,11 +152,7 @@ class TimedCommHook:
     def __call__(self, state, bucket):
         # no annotations: DDP compares them with the real classes
         buffer = bucket.buffer()
-        record = self.timeline._start("ddp_bucket", "all_reduce", buffer.nbytes, (), cuda=buffer.is_cuda)
-        with _untimed():
-            future = self.hook(state, bucket)
-        if record is None:
-            return future
+        record = self.timeline._start("ddp_bucket", "all_reduce", buffer.nbytes, cuda=buffer.is_cuda)
 
         def done(fut):
             # DDP waits on the future returned here, so the record ends before DDP goes on; on CUDA,
@@ -191,25 +160,24 @@ class TimedCommHook:
             self.timeline._end(record)
             return fut.value()
 
-        return future.then(done)
+        return self.hook(state, bucket).then(done)
 
 
 class Timeline:
     """Per-rank step phases and collectives, their blame, and one Chrome trace for all ranks.
 
-    :meth:`install` times the ``torch.distributed`` collectives of :data:`TIMED` (one timeline at a
-    time), :meth:`comm_hook` DDP's buckets; a collective's kind comes from the module that called it,
-    or :func:`collective_kind`. :meth:`sync_clocks` puts the ranks on rank 0's clock, and
-    :meth:`collect` blames each step on the rank whose late arrivals exceed the others' (the rule,
-    and why not torch's profiler: docs/design.md). Collectives torch issues in C++ are not seen.
+    Collectives are recorded when reported, nothing of torch is patched: DDP's buckets through
+    :meth:`comm_hook`, its buffer broadcast through :meth:`time_buffer_broadcast`, and the bodies of
+    :func:`collective_kind` while this timeline is the active one (:meth:`activate`).
+    :meth:`sync_clocks` puts the ranks on rank 0's clock, and :meth:`collect` blames each step on the
+    rank whose late arrivals exceed the others' (the rule, and why not torch's profiler: docs/design.md).
 
     Args:
-        history: collectives kept for a hang dump (the last ones).
+        history: collectives kept in ``recent`` (the last ones).
         blame_threshold_s: the least excess in a step that blames the step on a rank.
         score_decay: weight of the newest step in the moving straggler score (0 < decay <= 1).
         max_trace_events: records kept for the trace, about (the oldest windows are dropped first).
-        module_kinds: ``(module prefix, kind)`` pairs for the collectives of code above the core,
-            tried before the core's and torch's own.
+        group: the process group whose ranks are compared (``None``: the default group).
 
     Example::
 
@@ -231,18 +199,15 @@ class Timeline:
         score_decay: float = 0.1,
         max_trace_events: int = 200_000,
         group: Any = None,
-        module_kinds: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.recent: deque[CollectiveRecord] = deque(maxlen=check_int("history", history, 1))
         self.blame_threshold_ns = int(check_number("blame_threshold_s", blame_threshold_s, 0.0) * 1e9)
         self.score_decay = check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
         self.max_trace_events = check_int("max_trace_events", max_trace_events, 0)
         self.group = group
-        self.module_kinds = tuple((str(prefix), str(kind)) for prefix, kind in module_kinds)
         self.offset_ns = 0  # this rank's clock minus rank 0's
         self.clock_residual_ns = 0
         self.origin_ns = time.perf_counter_ns()  # time 0 of the trace, on rank 0's clock after sync_clocks
-        self.in_flight: CollectiveRecord | None = None  # the main thread's collective now, if any
         self.seq = 0
         self.step = -1  # the step under way; -1 between steps
         self.scores: dict[int, float] = {}
@@ -258,7 +223,6 @@ class Timeline:
         self._blamed: dict[int, int] = defaultdict(int)
         self._left_ns: dict[int, float] = {}  # rank: when it left its last collective collected
         self._gpu = _GpuClock()
-        self._main = threading.get_ident()
 
     def now(self) -> int:
         """Now, in ns on rank 0's clock."""
@@ -272,46 +236,54 @@ class Timeline:
             return 0, 0
         device = collective_device(self.group)
         estimates = []
-        with _untimed():
-            for _ in range(rounds):
-                dist.barrier(group=self.group)
-                stamp = torch.tensor([time.perf_counter_ns()], dtype=torch.int64, device=device)
-                stamps = [torch.zeros_like(stamp) for _ in range(dist.get_world_size(self.group))]
-                dist.all_gather(stamps, stamp, group=self.group)
-                estimates.append(int(stamp) - int(stamps[0]))
-            offset = int(statistics.median(estimates))
-            spread = torch.tensor([(max(estimates) - min(estimates)) // 2], dtype=torch.int64, device=device)
-            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
-            origin = torch.tensor([time.perf_counter_ns() - offset], dtype=torch.int64, device=device)
-            dist.broadcast(origin, group=self.group, group_src=0)
+        for _ in range(rounds):
+            dist.barrier(group=self.group)
+            stamp = torch.tensor([time.perf_counter_ns()], dtype=torch.int64, device=device)
+            stamps = [torch.zeros_like(stamp) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(stamps, stamp, group=self.group)
+            estimates.append(int(stamp) - int(stamps[0]))
+        offset = int(statistics.median(estimates))
+        spread = torch.tensor([(max(estimates) - min(estimates)) // 2], dtype=torch.int64, device=device)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
+        origin = torch.tensor([time.perf_counter_ns() - offset], dtype=torch.int64, device=device)
+        dist.broadcast(origin, group=self.group, group_src=0)
         self.offset_ns, self.clock_residual_ns, self.origin_ns = offset, int(spread), int(origin)
         return self.offset_ns, self.clock_residual_ns
 
-    def install(self) -> Timeline:
-        """Time the collectives of :data:`TIMED` from now on (this process; replaces another timeline)."""
+    def activate(self) -> Timeline:
+        """Record the :func:`collective_kind` bodies of this process from now on (one timeline at a time)."""
         global _active
-        for name in TIMED:
-            if name not in _originals and callable(getattr(dist, name, None)):
-                _originals[name] = getattr(dist, name)
-                setattr(dist, name, _timed(name, _originals[name]))
         _active = self
-        self._main = threading.get_ident()
         return self
 
-    def uninstall(self) -> None:
-        """Put ``torch.distributed`` back as it was (when this timeline is the installed one)."""
+    def deactivate(self) -> None:
+        """Stop recording :func:`collective_kind` bodies (when this timeline is the active one)."""
         global _active
-        if _active is not self:
-            return
-        _active = None
-        for name, original in list(_originals.items()):
-            if getattr(getattr(dist, name, None), "__wrapped__", None) is original:
-                setattr(dist, name, original)
-            del _originals[name]
+        if _active is self:
+            _active = None
 
     def comm_hook(self, hook: Callable[..., Any] | None = None) -> TimedCommHook:
         """A :class:`TimedCommHook` recording here, wrapping ``hook`` (``None``: DDP's all-reduce)."""
         return TimedCommHook(self, hook)
+
+    def time_buffer_broadcast(self, model: DistributedDataParallel) -> list[Any]:
+        """Record DDP's buffer broadcast before each forward (kind ``ddp_buffers``) through forward
+        pre-hooks on ``model`` and its module; returns their handles (``handle.remove()`` stops it)."""
+        if not isinstance(model, DistributedDataParallel):
+            raise ArgumentTypeError("model", "a DistributedDataParallel model", model)
+        buffers = list(model.module.buffers())
+        nbytes, cuda = sum(b.nbytes for b in buffers), any(b.is_cuda for b in buffers)
+        pending: list[CollectiveRecord] = []
+
+        def start(module, args):
+            if model.will_sync_module_buffers():
+                pending.append(self._start("ddp_buffers", "broadcast", nbytes, cuda))
+
+        def end(module, args):
+            if pending:
+                self._end(pending.pop())
+
+        return [model.register_forward_pre_hook(start), model.module.register_forward_pre_hook(end, prepend=True)]
 
     def begin_step(self, step: int) -> None:
         """A training step starts: the time since the previous one ended is its data wait."""
@@ -350,25 +322,19 @@ class Timeline:
         self._last_step_end = now
         self.step = -1
 
-    def _start(self, kind: str, op: str, nbytes: int, stack: tuple, cuda: bool = False) -> CollectiveRecord | None:
-        if _active is not self or _local.depth:
-            return None
+    def _start(self, kind: str, op: str, nbytes: int, cuda: bool = False) -> CollectiveRecord:
         self.seq += 1
-        record = CollectiveRecord(self.seq, self.step, _local.label or kind, op, nbytes, stack, self.now())
+        record = CollectiveRecord(self.seq, self.step, kind, op, nbytes, self.now())
         if cuda:
             record.events = [self._gpu.event(self.now), None]
         self._pending.append(record)
         self.recent.append(record)
-        if threading.get_ident() == self._main:
-            self.in_flight = record
         return record
 
     def _end(self, record: CollectiveRecord) -> None:
         if record.events is not None:
             record.events[1] = self._gpu.event(self.now)
         record.end_ns = self.now()
-        if self.in_flight is record:
-            self.in_flight = None
 
     def collect(self) -> dict[str, Any]:
         """Gather every rank's records since the last call (a collective); blame, score, trace.
@@ -387,22 +353,19 @@ class Timeline:
             self._gpu.reanchor(self.now)  # the next window's events, against a fresh anchor
         phases, self._phases = self._phases, []
         rank, origin = (dist.get_rank(self.group) if is_distributed() else 0), self.origin_ns
-        rows = {
-            "coll": torch.tensor(
-                [[rank, r.step, r.seq, r.start_ns - origin, r.end_ns - origin, r.nbytes] for r in records],
-                dtype=torch.float64,
-            ).reshape(-1, 6),
-            "text": [(r.kind, r.op, r.site) for r in records],
-            "phase": torch.tensor(
-                [[rank, s, PHASES.index(p), a - origin, b - origin] for s, p, a, b in phases], dtype=torch.float64
-            ).reshape(-1, 5),
-        }
-        with _untimed():
-            gathered = distributed_concat(rows, group=self.group) if is_distributed() else rows
-        return self._analyse(gathered, rank)
+        mine = (
+            [[rank, r.step, r.seq, r.start_ns - origin, r.end_ns - origin, r.nbytes] for r in records],
+            [(r.kind, r.op) for r in records],
+            [[rank, s, PHASES.index(p), a - origin, b - origin] for s, p, a, b in phases],
+        )
+        gathered: list[Any] = [mine]
+        if is_distributed():
+            gathered = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, mine, group=self.group)
+        coll, text, phase = ([row for part in gathered for row in part[i]] for i in range(3))
+        return self._analyse(coll, text, phase, rank)
 
-    def _analyse(self, gathered: dict[str, Any], rank: int) -> dict[str, Any]:
-        coll, text, phase = gathered["coll"].tolist(), gathered["text"], gathered["phase"].tolist()
+    def _analyse(self, coll: list, text: list, phase: list, rank: int) -> dict[str, Any]:
         # A rank's gap before a collective: the time since it left its previous one (its own work).
         gaps: dict[tuple[int, int], float | None] = {}  # (rank, seq): gap; None before its first
         for r, seq, start, end in sorted((int(r), int(seq), start, end) for r, _, seq, start, end, _ in coll):
@@ -437,7 +400,7 @@ class Timeline:
                 step_end[int(r), int(step)] = end
         comm: dict[str, float] = defaultdict(float)  # this rank's time per collective kind
         waited = 0.0
-        for (r, step, seq, start, end, _), (kind, _, _) in zip(coll, text, strict=True):
+        for (r, step, seq, start, end, _), (kind, _) in zip(coll, text, strict=True):
             if step >= 0:
                 self._kind_ns[kind] += end - start
                 if int(r) == rank:
@@ -500,15 +463,15 @@ class Timeline:
     def chrome_trace(self) -> dict[str, Any]:
         """The trace of every rank (gathered on rank 0 by :meth:`collect`), Chrome's JSON object format.
 
-        One process per rank: a thread of step phases, one of collectives (op, seq, bytes, step, call
-        site, wait for the last arrival and who it was), and a counter of the straggler score; µs.
+        One process per rank: a thread of step phases, one of collectives (op, seq, bytes, step, wait
+        for the last arrival and who it was), and a counter of the straggler score; µs.
         """
         events: list[dict[str, Any]] = []
         for coll, text, phase, last, score_points, blamed in self._windows:
-            for (r, step, seq, start, end, nbytes), (kind, op, site) in zip(coll, text, strict=True):
+            for (r, step, seq, start, end, nbytes), (kind, op) in zip(coll, text, strict=True):
                 last_start, last_rank = last[int(seq)]
                 args = {
-                    "op": op, "seq": int(seq), "bytes": int(nbytes), "step": int(step), "site": site,
+                    "op": op, "seq": int(seq), "bytes": int(nbytes), "step": int(step),
                     "waited_for_last_ms": round((last_start - start) / 1e6, 3), "last_arrival": last_rank,
                 }  # fmt: skip
                 events.append(_span(kind, "collective", int(r), 1, start, end, args))
@@ -533,100 +496,8 @@ class Timeline:
         write_text_atomic(path, json.dumps(self.chrome_trace()))
         return path
 
-    def dump(self, reason: str = "") -> str:
-        """This rank's last collectives (oldest first) and the training thread's stack, as text."""
-        rank = dist.get_rank(self.group) if is_distributed() else 0
-        lines = [reason] if reason else []
-        lines.append(f"rank {rank}: its last {len(self.recent)} collectives, oldest first")
-        for record in self.recent:
-            lines.append(f"  {record!r}")
-            lines += [f"      {file}:{line} in {func}" for file, line, func in record.stack[:6]]
-        frame = sys._current_frames().get(self._main)
-        if frame is not None:
-            lines.append(f"rank {rank}: the training thread is at")
-            lines += [f"  {file}:{line} in {func}" for file, line, func in call_stack(frame, 40)]
-        return "\n".join(lines)
-
 
 def _span(name: str, cat: str, pid: int, tid: int, start: float, end: float, args: dict) -> dict[str, Any]:
     """A Chrome trace's complete event (``ph: X``), times in ns to µs."""
     ts, dur = start / 1e3, max(end - start, 0.0) / 1e3
     return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
-
-@contextlib.contextmanager
-def _untimed() -> Iterator[None]:
-    """Collectives of the body are not recorded (the timeline's own, and those inside a timed call)."""
-    _local.depth += 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-
-
-def call_stack(frame: Any, limit: int = 12) -> tuple[tuple[str, int, str], ...]:
-    """``(file, line, function)`` of ``frame`` and its callers, innermost first (none for ``None``)."""
-    frames = itertools.islice(traceback.walk_stack(frame), limit) if frame is not None else ()
-    return tuple((f.f_code.co_filename, line, f.f_code.co_name) for f, line in frames)
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_library(filename: str) -> bool:
-    """Whether ``filename`` belongs to torch, Lightning, the pack, the standard library or site-packages."""
-    roots = [entry.rstrip("/") + "/" for entry in sys.path if entry and entry not in ("", ".")]
-    root = max((entry for entry in roots if filename.startswith(entry)), key=len, default=None)
-    if root is None:
-        return filename.startswith("<frozen")
-    top = filename[len(root) :].split("/", 1)[0].removesuffix(".py")
-    return top in _LIBRARIES or any(root.startswith(path.rstrip("/") + "/") for path in _LIBRARY_ROOTS)
-
-
-def call_site(stack: tuple[tuple[str, int, str], ...]) -> str:
-    """``file:line in function`` of the innermost frame outside the libraries (else the innermost)."""
-    if not stack:
-        return "?"
-    file, line, func = next((entry for entry in stack if not _is_library(entry[0])), stack[0])
-    return f"{file}:{line} in {func}"
-
-
-@functools.lru_cache(maxsize=1024)
-def _kind_of_module(module: str, extra: Sequence[tuple[str, str]]) -> str | None:
-    return next((kind for prefix, kind in (*extra, *_KIND_OF_MODULE) if module.startswith(prefix)), None)
-
-
-def _kind(name: str, frame: Any, extra: Sequence[tuple[str, str]] = ()) -> str:
-    if "barrier" in name:
-        return "barrier"
-    callers = itertools.islice(traceback.walk_stack(frame), 8)
-    kinds = (_kind_of_module(caller.f_globals.get("__name__", ""), extra) for caller, _ in callers)
-    return next((kind for kind in kinds if kind is not None), "other")
-
-
-def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        timeline = _active
-        if timeline is None or _local.depth:
-            return original(*args, **kwargs)
-        caller = sys._getframe(1)
-        sent = sent_tensors(args, kwargs, name)
-        cuda = bool(sent) and sent[0].is_cuda  # an nccl collective: timed by CUDA events
-        kind = _kind(name, caller, timeline.module_kinds)
-        record = timeline._start(kind, name, sent_nbytes(sent), call_stack(caller), cuda)
-        try:
-            with _untimed():
-                out = original(*args, **kwargs)
-        except BaseException:
-            if record is not None:
-                timeline._end(record)
-            raise
-        if record is not None:
-            if kwargs.get("async_op") and out is not None:
-                # on CUDA `then` runs on streams that wait for the work: the end event marks its completion
-                out.get_future().then(lambda _: timeline._end(record))
-            else:
-                timeline._end(record)
-        return out
-
-    timed.__wrapped__ = original  # type: ignore[attr-defined]
-    timed.__name__ = name
-    return timed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,11 +11,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool
 from ddp_plugins.core.comm_hooks import CountingCommHook
 from ddp_plugins.lightning._loggers import log_to_loggers
-from ddp_plugins.lightning.comm_hook_chain import register_on_model, unwrap_comm_hook, wrap_comm_hook
+from ddp_plugins.lightning.comm_hook_chain import add_comm_hook_layer, register_on_model, remove_comm_hook_layers
 
 __all__ = ["AllReduceCounter"]
 
@@ -56,7 +54,6 @@ class AllReduceCounter(Callback):
         self._behind = (0, 0, 0)  # the live counts minus a restored checkpoint's
         self._last = (0, 0, 0)
         self._strategy: DDPStrategy | None = None
-        self._user_hook: Callable | None = None
 
     @property
     def calls(self) -> int:
@@ -84,12 +81,8 @@ class AllReduceCounter(Callback):
                 " nothing will be counted."
             )
             return
-        current = _compat.strategy_comm_hook(strategy)
-        if isinstance(current, CountingCommHook):  # already wrapped (another fit)
-            self.hook = current
-            return
-        self._strategy, self._user_hook = strategy, current
-        self.hook = wrap_comm_hook(strategy, CountingCommHook)
+        self._strategy = strategy
+        self.hook = add_comm_hook_layer(strategy, CountingCommHook)
         self._last = self._live()
 
     @override
@@ -118,7 +111,7 @@ class AllReduceCounter(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self._strategy is not None:
-            unwrap_comm_hook(self._strategy, self.hook, self._user_hook)  # leave the strategy as it was given
+            remove_comm_hook_layers(self._strategy)  # leave the strategy as it was given
             self._strategy = None
 
     @override

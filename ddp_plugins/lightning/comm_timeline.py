@@ -1,5 +1,5 @@
-"""A callback that records every rank's step phases and collectives, blames stragglers, logs metrics,
-writes one Chrome trace for all ranks and dumps hangs."""
+"""A callback that records every rank's step phases and collectives, blames stragglers, logs metrics
+and writes one Chrome trace for all ranks."""
 
 from __future__ import annotations
 
@@ -15,29 +15,17 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentTypeError, check_bool, check_int, check_number
-from ddp_plugins.core.files import write_text_atomic
-from ddp_plugins.core.hang_watch import HangWatch
-from ddp_plugins.core.ranks import is_distributed
-from ddp_plugins.core.stalls import is_collective_failure
-from ddp_plugins.core.timeline import TimedCommHook, Timeline
+from ddp_plugins.core.timeline import Timeline
 from ddp_plugins.lightning._loggers import log_to_loggers
-from ddp_plugins.lightning.comm_hook_chain import register_on_model, unwrap_comm_hook, wrap_comm_hook
+from ddp_plugins.lightning.comm_hook_chain import add_comm_hook_layer, register_on_model, remove_comm_hook_layers
 
 __all__ = ["CommTimeline"]
 
 _MAX_PER_RANK_SCORES = 16  # straggler/score_rank<r> is logged for worlds up to this size
-
-
-# The collectives of the layers above the core, by the module that issues them
-_MODULE_KINDS = (
-    ("torchmetrics", "metric_sync"),
-    ("lightning.fabric.utilities.distributed", "metric_sync"),
-    ("ddp_plugins.lightning.data_plan", "agreement"),
-)
 
 
 class CommTimeline(Callback):
@@ -45,14 +33,13 @@ class CommTimeline(Callback):
 
     A :class:`ddp_plugins.core.timeline.Timeline` per rank, gathered every ``every_n_steps``
     batches into ``time/*`` and ``straggler/*`` metrics; at the end of fit rank 0 writes the Chrome
-    trace. Metrics and files: docs/plugins.md ("Where time goes").
+    trace. Timed: DDP's buckets and buffer broadcast, and the pack's own collectives; Lightning's and
+    torchmetrics' metric syncs are not. Metrics and files: docs/plugins.md ("Where time goes").
 
     Args:
         every_n_steps: batches between two gathers of the records (and the logged metrics).
         trace_path: where rank 0 writes the trace; ``None`` for ``<log_dir>/comm_timeline.json``.
-        history: collectives kept per rank for a hang dump.
-        stall_after_s: seconds in one collective before a hang dump; ``None`` for half the process
-            group's timeout, at most 300.
+        history: collectives kept per rank (``timeline.recent``).
         blame_threshold_ms: the least excess in a batch that blames the batch on a rank.
         score_decay: weight of the newest batch in the moving straggler score.
         log: write the metrics to the Trainer's loggers.
@@ -70,7 +57,6 @@ class CommTimeline(Callback):
         every_n_steps: int = 50,
         trace_path: str | os.PathLike | None = None,
         history: int = 64,
-        stall_after_s: float | None = None,
         blame_threshold_ms: float = 5.0,
         score_decay: float = 0.1,
         log: bool = True,
@@ -81,18 +67,15 @@ class CommTimeline(Callback):
             raise ArgumentTypeError("trace_path", "a path or None", trace_path)
         self.trace_path = Path(trace_path) if trace_path is not None else None
         self.history = check_int("history", history, 1)
-        self.stall_after_s = check_number("stall_after_s", stall_after_s, 0.0, exclusive_minimum=True, allow_none=True)
         self.blame_threshold_ms = check_number("blame_threshold_ms", blame_threshold_ms, 0.0)
         self.score_decay = check_number("score_decay", score_decay, 0.0, 1.0, exclusive_minimum=True)
         # not `self.log`: Lightning sets every callback's `log` to the module's at fit start
         self.log_metrics = check_bool("log", log)
         self.spawn_results_key = uuid.uuid4().hex  # pairs this callback with its copy in spawned ranks
         self.timeline: Timeline | None = None
-        self.watch: HangWatch | None = None
         self._summary: dict[str, Any] = {}
-        self._hook: TimedCommHook | None = None
-        self._user_hook: Any = None
         self._strategy: DDPStrategy | None = None
+        self._handles: list[Any] = []
         self._batch = 0
         self._stepping = False
 
@@ -109,27 +92,22 @@ class CommTimeline(Callback):
             history=self.history,
             blame_threshold_s=self.blame_threshold_ms / 1e3,
             score_decay=self.score_decay,
-            module_kinds=_MODULE_KINDS,
         )
-        strategy = trainer.strategy
-        if isinstance(strategy, DDPStrategy):
-            self._strategy, self._user_hook = strategy, _compat.strategy_comm_hook(strategy)
-            self._hook = wrap_comm_hook(strategy, self.timeline.comm_hook)
+        if isinstance(trainer.strategy, DDPStrategy):
+            self._strategy = trainer.strategy
+            add_comm_hook_layer(self._strategy, self.timeline.comm_hook)
         if self.trace_path is None:
             self.trace_path = Path(trainer.log_dir or trainer.default_root_dir) / "comm_timeline.json"
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.timeline is not None
-        self.timeline.install()
+        self.timeline.activate()
         self.timeline.sync_clocks()
         if self._strategy is not None:
             register_on_model(self._strategy)
-        if is_distributed() and trainer.world_size > 1:
-            timeout = _compat.strategy_timeout(trainer.strategy)
-            stall = self.stall_after_s or min(300.0, timeout / 2 if timeout else 300.0)
-            folder = self.trace_path.parent if self.trace_path is not None else None
-            self.watch = HangWatch(self.timeline, stall_after_s=stall, dump_dir=folder).start()
+            if isinstance(self._strategy.model, DistributedDataParallel):
+                self._handles = self.timeline.time_buffer_broadcast(self._strategy.model)
 
     @override
     def on_train_batch_start(
@@ -180,27 +158,20 @@ class CommTimeline(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.timeline is None:
             return
-        if is_collective_failure(exception):
-            first = next(iter(str(exception).splitlines()), "")
-            rank = trainer.global_rank
-            text = self.timeline.dump(f"rank {rank}: a collective failed: {first}")
-            if self.trace_path is not None:
-                write_text_atomic(self.trace_path.parent / f"hang_rank{rank}.txt", text + "\n")
-            print(text, flush=True)
         self._finish(trainer)  # what was gathered so far (no collective here)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
         if self.timeline is not None:
-            self.timeline.uninstall()
-        if self._strategy is not None and self._hook is not None:
-            unwrap_comm_hook(self._strategy, self._hook, self._user_hook)
-            self._strategy = self._hook = None
+            self.timeline.deactivate()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._strategy is not None:
+            remove_comm_hook_layers(self._strategy)
+            self._strategy = None
 
     def export_results(self) -> str:
         """Write the summary (spawned rank 0) to a temporary file; the path travels back."""

@@ -30,6 +30,7 @@ from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
 from ddp_plugins.core.ranks import collective_device
 from ddp_plugins.core.samplers import ResumableSampler
+from ddp_plugins.core.timeline import collective_kind
 from ddp_plugins.lightning.accumulation import current_accumulation
 from ddp_plugins.lightning.contracts import AccumulationSchedule, of_kind
 
@@ -575,7 +576,8 @@ def _agreed_length(dataloader: Any) -> int | None:
     local = sized_len(dataloader)
     local = -1 if local is None else local
     both = torch.tensor([local, -local], dtype=torch.int64, device=collective_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the longest count, and minus the shortest
+    with collective_kind("agreement", "all_reduce"):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the longest count, and minus the shortest
     return None if int(both[1]) > 0 else int(both[0])
 
 

@@ -1,12 +1,9 @@
-"""The timeline of steps and collectives, straggler blame, the Chrome trace and hang dumps (raw torch DDP, gloo).
+"""The timeline of steps and reported collectives, straggler blame and the Chrome trace (raw torch DDP, gloo).
 
 Plain torch: no Lightning. The callback is tested in tests/lightning/test_comm_timeline.py.
 """
 
 import json
-import os
-import signal
-import threading
 import time
 
 import pytest
@@ -16,9 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_plugins.core import convert_sync_batchnorm, distributed_concat
-from ddp_plugins.core.hang_watch import HangWatch
 from ddp_plugins.core.timeline import TimedCommHook, Timeline, collective_kind
-from ddp_plugins.testing import spawn
 from tests.helpers.straggler import assert_blamed_for_slow_steps_only
 
 STEPS = 80
@@ -59,15 +54,13 @@ def _train(timeline, model, rank, steps, slow_every, collect_every=20):
 
 
 def _test_straggler(rank, world_size):
-    timeline = Timeline(blame_threshold_s=BLAME_THRESHOLD_S).install()
-    try:
-        offset, residual = timeline.sync_clocks()
-        model = DistributedDataParallel(_net())
-        model.register_comm_hook(None, timeline.comm_hook())
-        blamed, reports = _train(timeline, model, rank, STEPS, SLOW_EVERY)
-        return blamed, reports, timeline.summary(), offset, residual
-    finally:
-        timeline.uninstall()
+    timeline = Timeline(blame_threshold_s=BLAME_THRESHOLD_S)
+    offset, residual = timeline.sync_clocks()
+    model = DistributedDataParallel(_net())
+    model.register_comm_hook(None, timeline.comm_hook())
+    timeline.time_buffer_broadcast(model)
+    blamed, reports = _train(timeline, model, rank, STEPS, SLOW_EVERY)
+    return blamed, reports, timeline.summary(), offset, residual
 
 
 def test_a_rank_slowed_in_a_quarter_of_the_steps_is_blamed_for_those_steps_only(dist_pool):
@@ -81,7 +74,7 @@ def test_a_rank_slowed_in_a_quarter_of_the_steps_is_blamed_for_those_steps_only(
     assert summary["excess_ms_per_step"] > 0, summary
     assert reports[-1]["scores"][1] > reports[-1]["scores"][0]
     assert summary["steps"] == STEPS
-    assert {"ddp_bucket", "ddp_buffers", "syncbn"} <= set(summary["comm_share"]), summary
+    assert set(summary["comm_share"]) == {"ddp_bucket", "ddp_buffers"}, summary
     # rank 0 waits for the slow rank in DDP's buffer broadcast, the first collective of each step
     assert reports[0]["wait_ms"] > 0, reports[0]
     for _, _, summary, offset, residual in results:
@@ -92,30 +85,42 @@ def test_a_rank_slowed_in_a_quarter_of_the_steps_is_blamed_for_those_steps_only(
 
 def _test_trace(rank, world_size, path):
     before = dist.all_reduce
-    timeline = Timeline().install()
+    timeline = Timeline().activate()
     try:
         timeline.sync_clocks()
-        model = DistributedDataParallel(_net())
+        model = DistributedDataParallel(_net(), bucket_cap_mb=0.0005)  # several buckets once rebuilt
         model.register_comm_hook(None, TimedCommHook(timeline))
+        handles = timeline.time_buffer_broadcast(model)
         _train(timeline, model, rank, 6, 0, collect_every=3)
         timeline.begin_step(6)
-        dist.barrier()
-        distributed_concat(torch.arange(3 + rank))
-        with collective_kind("my_metric"):
+        dist.barrier()  # not reported: not recorded
+        gathered = distributed_concat(torch.arange(3 + rank))
+        with collective_kind("my_metric", "all_reduce"):
             dist.all_reduce(torch.ones(2))
         timeline.end_step()
         timeline.collect()
         if rank == 0:
             timeline.write_chrome_trace(path)
+        untouched = dist.all_reduce is before
+        ddp = model._get_ddp_logging_data()  # the buckets of the first step, and of the others (rebuilt)
+        buckets = len(ddp["bucket_sizes"].split()) + 5 * len(ddp["rebuilt_bucket_sizes"].split())
     finally:
-        timeline.uninstall()
-    return dist.all_reduce is before
+        timeline.deactivate()
+    for handle in handles:
+        handle.remove()
+    with collective_kind("after"):  # no active timeline: nothing recorded
+        pass
+    labelled = [(r.kind, r.op, r.step) for r in timeline.recent if r.kind in ("gather", "my_metric", "after")]
+    return untouched, gathered.tolist(), labelled, buckets
 
 
 def test_the_trace_is_chrome_trace_json_with_every_rank_and_collective_kind(dist_pool, tmp_path):
     path = tmp_path / "trace.json"
-    restored = dist_pool.run(_test_trace, str(path))
-    assert restored == [True, True], "uninstall puts torch.distributed back"
+    results = dist_pool.run(_test_trace, str(path))
+    for untouched, gathered, labelled, _ in results:
+        assert untouched, "torch.distributed.all_reduce is torch's own while a timeline is active"
+        assert gathered == [0, 1, 2, 0, 1, 2, 3], "distributed_concat's result, labelled or not"
+        assert labelled == [("gather", "distributed_concat", 6), ("my_metric", "all_reduce", 6)], labelled
     trace = json.loads(path.read_text())
     events = trace["traceEvents"]
     for event in events:
@@ -124,48 +129,14 @@ def test_the_trace_is_chrome_trace_json_with_every_rank_and_collective_kind(dist
             assert event["dur"] >= 0 and isinstance(event["ts"], float)
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
     kinds = {e["name"] for e in events if e.get("cat") == "collective"}
-    assert kinds == {"ddp_bucket", "ddp_buffers", "syncbn", "barrier", "gather", "my_metric"}, kinds
+    assert kinds == {"ddp_bucket", "ddp_buffers", "gather", "my_metric"}, kinds
     phases = {e["name"] for e in events if e.get("cat") == "phase"}
     assert phases == {"data_wait", "forward", "backward", "optimizer", "step"}
     assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"rank 0", "rank 1"}
     assert any(e["ph"] == "C" for e in events), "the straggler score is a counter track"
-    sites = {e["args"]["site"] for e in events if e.get("cat") == "collective"}
-    assert any(__file__ in site for site in sites), f"call sites name the caller's line: {sites}"
+    buckets = [e for e in events if e.get("name") == "ddp_bucket" and e["pid"] == 0]
+    assert len(buckets) == results[0][3] > 6, "one record per bucket DDP reduced in _train's 6 steps"
     assert trace["otherData"]["steps"] == 7
-
-
-def _park():
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
-    time.sleep(30)  # PARKED: where the stopped rank is
-
-
-PARKED_LINE = _park.__code__.co_firstlineno + 2
-
-
-def _test_stopped_rank(rank, world_size, dump_dir):
-    timeline = Timeline().install()
-    timeline.sync_clocks()
-    HangWatch(timeline, stall_after_s=1.5, interval_s=0.2, dump_dir=dump_dir).start()
-    payload = torch.ones(4)
-    for step in range(50):
-        timeline.begin_step(step)
-        if rank == 1 and step == 5:
-            _park()
-        dist.all_reduce(payload)
-        timeline.end_step()
-
-
-def test_a_rank_stopped_with_sigstop_is_named_with_its_source_line_within_one_timeout(tmp_path):
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 0 raised"):
-        spawn(_test_stopped_rank, str(tmp_path), world_size=2, timeout=60, pg_timeout=6)
-    dump = (tmp_path / "hang_rank0.txt").read_text()
-    assert f"rank 1 stopped at {__file__}:{PARKED_LINE} in _park" in dump, dump
-    waited = float(dump.split("has waited ", 1)[1].split(" s", 1)[0])
-    assert 1.5 <= waited < 6, "named before the collective timeout"
-    assert "collective #" in dump and "all_reduce" in dump and "_test_stopped_rank" in dump
-    assert not (tmp_path / "hang_rank1.txt").exists(), "the stopped rank writes nothing"
-    assert time.monotonic() - start < 40
 
 
 def test_bad_arguments_are_one_line_errors():
@@ -173,25 +144,16 @@ def test_bad_arguments_are_one_line_errors():
         Timeline(score_decay=0)
     with pytest.raises(TypeError, match="`hook` should be"):
         TimedCommHook(Timeline(), hook=3)
-    with pytest.raises(ValueError, match="`stall_after_s` should be"):
-        HangWatch(Timeline(), stall_after_s=0)
-
-
-def test_collectives_are_timed_only_while_installed():
-    timeline = Timeline()
-    original = dist.all_reduce
-    timeline.install()
-    try:
-        assert dist.all_reduce.__wrapped__ is original
-    finally:
-        timeline.uninstall()
-    assert dist.all_reduce is original
+    with pytest.raises(TypeError, match="`kind` should be"):
+        collective_kind("").__enter__()
+    with pytest.raises(TypeError, match="`model` should be"):
+        Timeline().time_buffer_broadcast(nn.Linear(1, 1))
 
 
 @pytest.mark.gpu
 def test_nccl_collectives_are_timed_on_the_gpu_stream_not_when_queued(tmp_path):
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    timeline = Timeline().install()
+    timeline = Timeline().activate()
     try:
         x = torch.randn(4096, 4096, device="cuda")
 
@@ -214,7 +176,8 @@ def test_nccl_collectives_are_timed_on_the_gpu_stream_not_when_queued(tmp_path):
         timeline.begin_step(0)
         queued = timeline.now()
         y = matmuls()  # queued: the stream is busy with them after the host has moved on
-        dist.all_reduce(y)
+        with collective_kind("test", "all_reduce", cuda=True):
+            dist.all_reduce(y)
         returned = timeline.now()
         timeline.end_step()
         timeline.collect()
@@ -227,5 +190,5 @@ def test_nccl_collectives_are_timed_on_the_gpu_stream_not_when_queued(tmp_path):
         assert record.start_ns - queued > 0.5 * matmuls_ns, (record.start_ns - queued, matmuls_ns)
         assert record.end_ns >= record.start_ns
     finally:
-        timeline.uninstall()
+        timeline.deactivate()
         dist.destroy_process_group()
