@@ -1,7 +1,4 @@
-"""Multi-process test harness: real gloo ranks on 127.0.0.1 with a hard timeout, so a hang fails in
-seconds (as ``accelerate.test_utils`` serves Accelerate). Lightning is imported only inside the
-ranks :func:`run_lightning` starts.
-"""
+"""Multi-process test harness: real gloo ranks on 127.0.0.1 with a hard timeout, so a hang fails in seconds."""
 
 from __future__ import annotations
 
@@ -63,10 +60,8 @@ def free_port() -> int:
 
 
 def loopback_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """``base`` (default: ``os.environ``) pinned to loopback gloo and one thread per rank, plus ``extra``.
-
-    Launcher variables (ranks, world size, port) are dropped unless given in ``extra``, so a child
-    process never inherits the ranks of the process that started it.
+    """``base`` (default: ``os.environ``) pinned to loopback gloo and one thread per rank, plus ``extra``;
+    launcher variables (ranks, world size, port) are dropped unless given in ``extra``.
 
     Example::
 
@@ -97,10 +92,9 @@ def _rank_main(
 def spawn(
     fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 120.0, pg_timeout: float = 60.0
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks on 127.0.0.1.
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks, the results ordered by rank.
 
-    ``fn`` must be importable (a module-level function) and return something picklable. Returns
-    the results ordered by rank. Every rank leaves through :func:`~ddp_plugins.core.process.exit_process`.
+    ``fn``: a module-level function returning something picklable.
 
     Raises:
         RuntimeError: a rank raised (its exception is chained) or died.
@@ -173,11 +167,8 @@ def _call(fn: Callable[..., Any], args: tuple) -> tuple[int, Any]:
 
 
 class DistributedPool:
-    """``world_size`` spawned processes in one gloo group, reused across many checks.
-
-    Many small module-level ``_test_*`` functions, one process start (torchmetrics' pattern). A failure
-    or a hang past ``timeout`` raises and tears the pool down (the next call starts a fresh group); the
-    ranks' start-up (spawn, imports, rendezvous) has ``startup_timeout``.
+    """``world_size`` spawned processes in one gloo group, reused across many checks; a failure or a hang
+    past ``timeout`` raises and tears the pool down (the next call starts a fresh group).
 
     Example::
 
@@ -241,8 +232,8 @@ class DistributedPool:
 def run_command(
     cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group (default environment: :func:`loopback_env`), capturing
-    its output; at the timeout the whole group (ranks, loader workers) is killed.
+    """Run ``cmd`` in its own process group (default environment: :func:`loopback_env`), capturing its
+    output; at the timeout the whole group is killed.
 
     Raises:
         AssertionError: it did not finish within ``timeout`` seconds (the output's tail is shown).
@@ -303,10 +294,9 @@ def run_lightning(
 ) -> list[Any]:
     """Run ``target(out_dir, *args)`` on ``world_size`` ranks of a Lightning DDP job, results by rank.
 
-    ``target`` is a module-level function that builds its own ``Trainer(accelerator="cpu",
-    devices=world_size, ...)`` and returns a picklable value. The ranks are forked, with torchrun's
-    variables set, from a rank server that imported Lightning once; each rank's output goes to
-    ``out_dir/rank<N>.log``.
+    ``target``: a module-level function that builds its own ``Trainer(accelerator="cpu", devices=world_size)``
+    and returns a picklable value. The ranks are forked, with torchrun's variables, from a rank server
+    that imported Lightning once.
 
     Raises:
         AssertionError: a rank exited non-zero (the others are stopped) or the ranks did not all
@@ -347,8 +337,7 @@ def _log_tail(out_dir: Path, rank: int, chars: int = 6000) -> str:
 
 
 class _ServerProcess:
-    """A long-lived ``python -m MODULE`` child, one per test session (per pytest worker), that
-    takes JSON requests on its stdin, one per line, and answers in lines on its stdout."""
+    """A long-lived ``python -m MODULE`` child per pytest worker: JSON requests in lines on stdin, answers on stdout."""
 
     module = ""
     _instance: Self | None = None
@@ -381,9 +370,9 @@ class _ServerProcess:
         type(self)._instance = None
 
     def line(self, deadline: float, what: str) -> str | None:
-        """The server's next line, or None at the deadline (``what``: the request, for an error). Read with
-        ``os.read`` into our own buffer: a buffered ``readline`` can take two lines from the pipe at once,
-        and ``select`` would then wait on an empty pipe for the second."""
+        """The server's next line, or None at the deadline (``what``: the request, for an error).
+
+        ``os.read`` into our own buffer: a buffered ``readline`` may take two lines, then ``select`` waits."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._pending:
@@ -401,12 +390,8 @@ class _ServerProcess:
 
 
 class _RankServer(_ServerProcess):
-    """The server :func:`run_lightning` forks ranks from (``python -m ddp_plugins.testing``).
-
-    Line protocol: a JSON request in; ``pids P0 P1 ...`` then one ``exit RANK CODE`` per rank as
-    each ends. Each rank leads its own process group (its loader workers join it), so a timeout
-    kills everything the rank started.
-    """
+    """The server :func:`run_lightning` forks ranks from: a JSON request in; ``pids P0 P1 ...``, then
+    ``exit RANK CODE`` as each rank (leading its own process group) ends."""
 
     module = "ddp_plugins.testing"
 

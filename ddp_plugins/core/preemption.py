@@ -1,6 +1,4 @@
-"""Preemption: signal flags, the ranks' agreement on them at a step boundary, the exit, stable run names.
-
-Rationale in docs/design.md ("Preemption")."""
+"""Preemption: signal flags, the ranks' agreement on them at a step boundary, the exit, stable run names."""
 
 from __future__ import annotations
 
@@ -110,11 +108,7 @@ def check_signals(signals: Iterable[str | int]) -> tuple[signal.Signals, ...]:
 
 
 class SignalFlag:
-    """Handlers that only remember the first signal received; install, read, restore.
-
-    A second Ctrl-C (SIGINT, a second or more after the first by ``clock``) runs the default action,
-    so a stuck run can still be stopped at once. Other signals are taken once: Slurm signals every
-    process of a step and launchers forward what they receive, so they often arrive twice.
+    """Handlers that only remember the first signal received; a second Ctrl-C a second later ends the process.
 
     Example::
 
@@ -165,10 +159,8 @@ class SignalFlag:
 
 
 def agree_on_signal(signum: int, group: Any = None) -> int:
-    """The largest signal number flagged on any rank (0 when none): one ``all_reduce(MAX)``.
-
-    Every rank must call it at the same point (a step boundary). Without a process group it
-    returns ``signum``.
+    """The largest signal number flagged on any rank (0 when none): one ``all_reduce(MAX)`` at the same point on
+    every rank (``signum`` without a process group).
 
     Example::
 
@@ -189,11 +181,9 @@ AUTO_CHECK_MAX_STEPS = 1000
 
 
 class SignalAgreement:
-    """The ranks' agreement on a stop flag, one step behind, so that no rank waits for it.
+    """The ranks' agreement on a stop flag, one async ``all_reduce(MAX)`` behind, so that no rank waits for it.
 
-    :meth:`poll` returns what the previous poll's async ``all_reduce(MAX)`` agreed and starts the
-    next; every rank must call the methods in the same order. With ``every="auto"`` each exchange
-    also carries the microseconds per boundary, from which every rank derives the same next boundary.
+    Every rank calls the methods in the same order; ``every="auto"`` exchanges about every half second.
 
     Example::
 
@@ -242,9 +232,7 @@ class SignalAgreement:
         return self.poll(signum, start=True, pace_us=pace_us)
 
     def settle(self, signum: int) -> int:
-        """The largest flag of the exchange in flight and of ``signum`` on every rank, waited for.
-
-        The ``"auto"`` schedule measures afresh after it (validation's time is not a step's)."""
+        """The largest flag of the exchange in flight and of ``signum`` on every rank, waited for."""
         self._boundary += 1
         self._started, self._next = None, self._boundary + 1
         return max(self._read(), agree_on_signal(signum, self.group))
@@ -297,9 +285,7 @@ def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
 
 
 def slurm_requeue(job_id: str | None = None) -> bool:
-    """``scontrol requeue <job>``, as Lightning's SLURMEnvironment does; True when Slurm accepted it.
-
-    Call it from one rank, after the checkpoint is on disk (never from a signal handler).
+    """``scontrol requeue <job>`` from one rank, after the checkpoint is on disk; True when Slurm accepted it.
 
     Example::
 
@@ -323,8 +309,7 @@ def slurm_requeue(job_id: str | None = None) -> bool:
 
 
 def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = None) -> dist.Store | None:
-    """A store for this torchrun restart round alone (None outside the agent store), so a restarted
-    group does not meet the dead round's gloo addresses ("Gloo connectFullMesh failed").
+    """A store for this torchrun restart round alone (None outside the agent store): no dead round's addresses.
 
     Example::
 
@@ -341,9 +326,8 @@ def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = Non
 
 
 def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | None:
-    """The signal a submitit job gets before its time limit or a preemption; None outside submitit.
-
-    USR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` names another.
+    """The signal a submitit job gets before its time limit or a preemption (USR2 unless
+    ``SUBMITIT_PREEMPT_SIGNAL`` names another); None outside submitit.
 
     Example::
 
@@ -358,9 +342,7 @@ def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | No
 
 
 def stable_run_name(env: Mapping[str, str] | None = None) -> str | None:
-    """A run name that a restarted or requeued job finds again, or None when there is none.
-
-    For torchrun's default rendezvous id ``none``, the agent's process id stands in.
+    """A run name that a restarted or requeued job finds again (torchrun's id ``none``: the agent's pid), or None.
 
     Example::
 

@@ -1,7 +1,4 @@
-"""Preemption-safe training: stop anywhere, resume, end bit-identical to an uninterrupted run.
-
-:class:`PreemptionCheckpoint`; rationale in docs/design.md ("Preemption", "Checkpoints and resume").
-"""
+"""Preemption-safe training: stop anywhere, resume, end bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -43,11 +40,8 @@ _STEP_FILE = re.compile(r"^step-(\d+)(-preempted|-stalled)?\.ckpt$")  # the live
 
 
 class PreemptionCheckpoint(Callback):
-    """Stop every rank at the same step on a signal, checkpoint, exit ``128 + signal``; step checkpoints.
-
-    Its checkpoints also carry each rank's running sums of the epoch's ``on_epoch`` values, which
-    Lightning keeps in memory only: after a mid-epoch resume the epoch's means are the uninterrupted
-    run's (:class:`~ddp_plugins.lightning.epoch_partials.EpochPartials`).
+    """Stop every rank at the same step on a signal, checkpoint, exit ``128 + signal``; step checkpoints
+    (with the epoch's running ``on_epoch`` sums, so a mid-epoch resume keeps the epoch's means).
 
     Args:
         dirpath: folder of the checkpoints (default: ``<default_root_dir>/checkpoints``).
@@ -221,8 +215,7 @@ class PreemptionCheckpoint(Callback):
 
     @property
     def signal_received(self) -> int:
-        """The first stop signal this rank has received during fitting, 0 for none (read-only: the
-        stop itself is agreed between the ranks at a step boundary)."""
+        """The first stop signal this rank has received during fitting, 0 for none (read-only)."""
         return self._flag.signum
 
     def _save(self, trainer: pl.Trainer, name: str) -> Path:

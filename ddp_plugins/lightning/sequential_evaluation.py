@@ -1,6 +1,4 @@
-"""Sequential distributed evaluation: every sample once, in dataset order, exact metrics.
-
-Rationale in docs/design.md ("Exact distributed evaluation")."""
+"""Sequential distributed evaluation: every sample once, in dataset order, exact metrics."""
 
 from __future__ import annotations
 
@@ -42,15 +40,10 @@ _EVALUATED_IN = {"fit": "validate", "validate": "validate", "test": "test", "pre
 class SequentialEvaluation(Callback):
     """Exact, ordered validation, test and predict results and metrics under DDP.
 
-    Puts a :class:`SequentialDistributedSampler` into the dataloaders of ``stages``, collects what
-    ``validation_step`` / ``test_step`` / ``predict_step`` return (moved to CPU per batch),
-    gathers it at epoch end with :func:`distributed_concat` and drops the padding, so the results
-    are exactly the dataset's samples in dataset order. Step outputs must have one row per sample
-    (dim 0 is the batch): a tensor, a dict / tuple of tensors, lists of ids.
-
-    After each stage the results are in ``results[stage]`` (a list per dataloader when there are
-    several), or in the file ``paths[stage]`` under ``output_dir``, and the metrics in
-    ``metric_values[stage]``: on global rank 0, or in the calling process under ``ddp_spawn``.
+    Swaps a :class:`SequentialDistributedSampler` into the dataloaders of ``stages`` and gathers the step
+    outputs (one row per sample: a tensor, a dict / tuple of tensors, lists of ids), exactly the dataset's
+    samples in order, into ``results[stage]`` (a list per dataloader when there are several) or the file
+    ``paths[stage]``, the metrics into ``metric_values[stage]``: on rank 0 (the caller under ``ddp_spawn``).
 
     Args:
         metrics: torchmetrics metrics by name, computed on the gathered ``preds_key`` and
@@ -264,8 +257,7 @@ class SequentialEvaluation(Callback):
         return {**self.__dict__, **empty, "_buffers": defaultdict(list)}
 
     def export_results(self) -> str:
-        """Write this rank's results to a temporary file; the path travels, not the bytes (the
-        launcher's queue is read after the workers exit: a payload over a pipe buffer would block)."""
+        """Write this rank's results to a temporary file whose path travels back (a large payload would block)."""
         fd, path = tempfile.mkstemp(prefix="ddp_plugins_eval_", suffix=".pt")
         with os.fdopen(fd, "wb") as file:
             torch.save({"results": self.results, "paths": self.paths, "metric_values": self.metric_values}, file)
