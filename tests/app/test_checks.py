@@ -68,12 +68,8 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
 def test_auto_choices_on_cpu():  # backend=auto on CPU: test_every_option_composes_and_instantiates
     assert config.resolve_precision("auto", "cpu") == "32-true"
     cfg = compose_config(["backend=gloo", "precision=bf16-mixed", "trainer.devices=2", "trainer.max_epochs=3"])
-    assert (cfg.backend.name, cfg.precision.name, cfg.trainer.devices, cfg.trainer.max_epochs) == (
-        "gloo",
-        "bf16-mixed",
-        2,
-        3,
-    )
+    got = (cfg.backend.name, cfg.precision.name, cfg.trainer.devices, cfg.trainer.max_epochs)
+    assert got == ("gloo", "bf16-mixed", 2, 3)
 
 
 def test_auto_precision_on_a_bf16_gpu_is_bf16_mixed_but_32_true_in_the_reproducible_mode(monkeypatch):
