@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_plugins.lightning import (
@@ -47,11 +47,11 @@ class _SlowOnRank1:
 
 
 class _Model(pl.LightningModule):
-    def __init__(self, slow: bool) -> None:
+    def __init__(self, slow: bool, own_shards: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
-        self.slow = slow
+        self.slow, self.own_shards = slow, own_shards
 
     def training_step(self, batch, batch_idx):
         if torch.distributed.all_reduce is not _ALL_REDUCE:
@@ -69,17 +69,19 @@ class _Model(pl.LightningModule):
         x = torch.randn(2 * BATCH * BATCHES, 8, generator=g)
         dataset = TensorDataset(x, x[:, :1] - x[:, 1:2])
         rank, world = self.trainer.global_rank, self.trainer.world_size
-        sampler = DistributedSampler(dataset, world, rank, shuffle=False)
         collate = _SlowOnRank1(rank) if self.slow else None
+        if self.own_shards:  # the same rows, as the rank's own shard: the strategy agrees on the batch count
+            return DataLoader(Subset(dataset, range(rank, len(dataset), world)), batch_size=BATCH, collate_fn=collate)
+        sampler = DistributedSampler(dataset, world, rank, shuffle=False)
         return DataLoader(dataset, batch_size=BATCH, sampler=sampler, collate_fn=collate)
 
 
-def _fit(out_dir, callbacks, slow):
+def _fit(out_dir, callbacks, slow, own_shards=False):
     """The trained trainer, strategy, parameters and the metrics given to the loggers."""
     _user_hook.seen = 0
     logger = RecordingLogger()
     strategy = DDPPluginsStrategy(ddp_comm_hook=_user_hook, timeout=60)
-    model = _Model(slow)
+    model = _Model(slow, own_shards)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -98,11 +100,16 @@ def _fit(out_dir, callbacks, slow):
     return trainer, strategy, params, logger.latest()
 
 
+def _kinds(trace_path):
+    """The collective kinds a trace holds."""
+    return {e["name"] for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("cat") == "collective"}
+
+
 def _run(out_dir):
     _, _, plain, _ = _fit(out_dir, [], slow=False)
     # log=False logs nothing (Lightning sets every callback's `log` to the module's at fit start)
     quiet = [AllReduceCounter(log=False), CommTimeline(every_n_steps=20, log=False, trace_path=f"{out_dir}/q.json")]
-    _, _, _, quiet_metrics = _fit(out_dir, quiet, slow=False)
+    quiet_trainer, _, _, quiet_metrics = _fit(out_dir, quiet, slow=False, own_shards=True)
     counter, timeline = (
         AllReduceCounter(),
         CommTimeline(every_n_steps=20, blame_threshold_ms=BLAME_THRESHOLD_MS, trace_path=f"{out_dir}/trace.json"),
@@ -116,6 +123,7 @@ def _run(out_dir):
         "metrics": sorted(metrics),
         "quiet_metrics": sorted(quiet_metrics),
         "quiet_counted": quiet[0].rounds,
+        "quiet_kinds": _kinds(Path(out_dir) / "q.json") if quiet_trainer.global_rank == 0 else None,
         "trace": trace,
         "user_seen": _user_hook.seen,
         "rounds": counter.rounds,
@@ -140,6 +148,8 @@ def test_comm_timeline_traces_every_kind_blames_the_slow_rank_and_keeps_the_math
         ours = [key for key in out["quiet_metrics"] if key.startswith(("time/", "straggler/", "comm/"))]
         assert ours == [], f"log=False logged {ours}"
         assert out["quiet_counted"] == BATCHES, "log=False still counts"
+    # the strategy's agreement on the shards' batch count, labelled where data_plan calls it
+    assert ranks[0]["quiet_kinds"] == {"ddp_bucket", "ddp_buffers", "agreement"}, ranks[0]["quiet_kinds"]
     summary = ranks[0]["summary"]
     assert summary["slowest_rank"] == 1, summary
     phases = [e for e in ranks[0]["trace"]["traceEvents"] if e.get("cat") == "phase" and e["pid"] == 1]
@@ -154,7 +164,7 @@ def test_comm_timeline_traces_every_kind_blames_the_slow_rank_and_keeps_the_math
     assert ranks[1]["trace"] is None, "rank 0 writes the trace"
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
     kinds = {e["name"] for e in events if e.get("cat") == "collective"}
-    assert kinds == {"ddp_bucket", "ddp_buffers", "agreement"}, "reported: DDP's and the pack's (not metric syncs)"
+    assert kinds == {"ddp_bucket", "ddp_buffers"}, f"reported: DDP's (not metric syncs, SyncBN's, barriers): {kinds}"
     for rank in (0, 1):  # the timeline's layer and the counter's saw the same buckets
         buckets = [e for e in events if e.get("name") == "ddp_bucket" and e["pid"] == rank]
         assert len(buckets) == ranks[rank]["calls"] >= BATCHES, (len(buckets), ranks[rank]["calls"])
