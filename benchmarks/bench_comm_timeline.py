@@ -9,8 +9,8 @@ next variant (A B C D, B C D A, C D A B, ...), so that no variant always runs in
 3. the pack: ``DDPPluginsStrategy`` with ``AccumulationNoSync``, ``AllReduceCounter``,
    ``RankAwareSeed`` and ``PreemptionCheckpoint`` (its stop check on the default schedule, about
    every half second);
-4. that with ``CommTimeline`` (every collective timed, the records gathered every 50 steps, the
-   trace written at the end of fit).
+4. that with ``CommTimeline`` (DDP's buckets and buffer broadcast and the pack's own collectives
+   timed, the records gathered every 50 steps, the trace written at the end of fit).
 
 Each fit's time is the median over its steps (after 5 warm-up steps) of the time between two ends
 of a training batch on rank 0 (DDP keeps the ranks in step). The variants alternate ``REPEATS`` times;
