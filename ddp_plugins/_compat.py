@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import atexit
 import importlib
-import sys
+import math
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
@@ -21,18 +22,22 @@ __all__ = [
     "CHECKED",
     "CHECKED_ATTRIBUTES",
     "DDP_BUFFER_BROADCAST",
+    "epoch_sums",
+    "restore_epoch_sums",
     "BatchNormBase",
     "TorchSyncBatchNormFunction",
     "combined_loader_mode",
     "compiled_by_lightning",
     "default_store",
-    "explicit_trainer_plugins",
     "hydra_config_search_path",
     "hydra_create_main",
     "hydra_sweep_batches",
     "add_to_epoch_sum",
     "logger_step",
+    "logged_value",
     "loop_data_source",
+    "running_results",
+    "set_aside",
     "set_group_timeout",
     "set_num_threads_if_needed",
     "set_strategy_comm_hook",
@@ -65,7 +70,6 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._configure_launcher"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._register_ddp_hooks"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend"),
-    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector.__init__"),
     ("lightning.pytorch.trainer.connectors.data_connector", "_DataLoaderSource.dataloader"),
     ("lightning.pytorch.loggers.csv_logs", "ExperimentWriter._check_log_dir_exists"),
     ("lightning.pytorch.loggers.csv_logs", "ExperimentWriter._rewrite_with_new_header"),
@@ -92,7 +96,7 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", ("_data_source",)),
     ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop", ("_data_source",)),
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop", ("_batches_that_stepped", "_results")),
-    ("lightning.pytorch.trainer.trainer", "Trainer", ("_checkpoint_connector",)),
+    ("lightning.pytorch.trainer.trainer", "Trainer", ("_checkpoint_connector", "_logger_connector", "_results")),
     ("lightning.pytorch.core.module", "LightningModule", ("_compiler_ctx",)),
 )
 
@@ -286,23 +290,48 @@ def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:
     return strategy._ddp_comm_state, strategy._ddp_comm_wrapper
 
 
-def explicit_trainer_plugins() -> list[Any]:
-    """The plugins the user passed to the ``Trainer`` being built (empty outside its construction).
+def running_results(trainer: Any, hook: str) -> Any:
+    """What ``self.log`` collected in the running loop (``trainer._results``, a dict of ``"<hook>.<name>"``
+    to ``_ResultMetric``), reset for ``hook`` first where Lightning would at its first ``self.log`` of an
+    epoch (``_logger_connector.should_reset_tensors``), so that entries read before the user's step stay
+    valid after it. Lightning has no public way to read or adjust a value once logged: the strategy takes
+    an empty micro-batch's NaN mean back and the reproducible mode takes each shard's values out."""
+    results = trainer._results
+    if trainer._logger_connector.should_reset_tensors(hook):
+        results.reset(metrics=False, fx=hook)
+    return results
 
-    Read from ``_AcceleratorConnector.__init__``'s frame: nothing else tells the ``TorchSyncBatchNorm``
-    of ``sync_batchnorm=True`` from one passed in ``plugins=``.
 
-    Example::
+def set_aside(results: Any, hook: str, synced_only: bool = False) -> dict[str, Any]:
+    """Take ``hook``'s tensor entries (those logged with ``sync_dist=True``) out of ``results``;
+    ``results.update(...)`` puts them back."""
+    keys = [
+        key for key, entry in results.items()
+        if entry.is_tensor and entry.meta.fx.split(".")[0] == hook and (entry.meta.sync.should or not synced_only)
+    ]  # fmt: skip
+    return {key: results.pop(key) for key in keys}
 
-        >>> explicit_trainer_plugins()
-        []
-    """
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not _AcceleratorConnector.__init__.__code__:
-        frame = frame.f_back  # type: ignore[assignment]
-    plugins = None if frame is None else frame.f_locals.get("plugins")
-    if plugins is None:
-        return []
-    return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+def logged_value(entry: Any) -> Any:
+    """A tensor entry's value as its ``compute`` gives it, without the sync (the mean over the batch sizes logged)."""
+    if entry.meta.on_epoch and entry.meta.is_mean_reduction:
+        return entry.value / entry.cumulated_batch_size
+    return entry.value
+
+
+def epoch_sums(results: Any) -> dict[str, tuple[Any, Any]]:
+    """Each tensor entry's running epoch value and batch-size sum (``None`` but for a mean)."""
+    return {k: (e.value, getattr(e, "cumulated_batch_size", None)) for k, e in results.items() if e.is_tensor}
+
+
+def restore_epoch_sums(results: Any, sums: dict[str, tuple[Any, Any]]) -> None:
+    """Give every tensor entry its ``sums`` back (an entry made since gets its empty state): Lightning's
+    epoch mean adds ``value * batch_size``, so an empty micro-batch's NaN mean would stay at batch size 0."""
+    for key, entry in results.items():
+        if not entry.is_tensor:
+            continue
+        meta, value = entry.meta, entry.value
+        empty = -math.inf if meta.is_max_reduction else math.inf if meta.is_min_reduction else 0.0
+        entry.value, count = sums.get(key, (torch.full_like(value, empty), torch.zeros_like(value, dtype=torch.long)))
+        if meta.is_mean_reduction:
+            entry.cumulated_batch_size = count

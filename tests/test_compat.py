@@ -71,15 +71,6 @@ def test_private_attribute_still_set(module, name, attributes, tmp_path):
     assert missing == [], f"a {module}.{name} has no {', '.join(missing)} in {_VERSIONS}; {_UPDATE}"
 
 
-def test_accelerator_connector_still_takes_plugins():
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
-    assert "plugins" in _AcceleratorConnector.__init__.__code__.co_varnames, (
-        f"_AcceleratorConnector.__init__ has no `plugins` local in {_VERSIONS}, which"
-        f" _compat.explicit_trainer_plugins reads; {_UPDATE}"
-    )
-
-
 def test_compat_accessors_work_on_a_strategy():
     from lightning.pytorch.strategies import DDPStrategy
 

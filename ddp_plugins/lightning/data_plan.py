@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_plugins import _compat
 from ddp_plugins._compat import update_dataloader
 from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BatchRows",
     "PlannedLoader",
+    "PlannedSteps",
     "ResumeMismatch",
     "ResumeRecord",
     "UnevenShards",
@@ -46,6 +48,7 @@ __all__ = [
     "check_resume",
     "data_record",
     "expected_record",
+    "is_mean",
     "plan_for",
     "resume_start",
     "run_accumulation",
@@ -444,6 +447,70 @@ class UnevenShards:
     def agreed_flag(self) -> int | None:
         """The largest flag any rank raised, agreed with the current batch's counts (``None``: no round)."""
         return self._agreed if self.loader is not None else None
+
+
+class PlannedSteps:
+    """The default mode's steps: Lightning's, with the rows of a plan or of uneven shards weighting the
+    loss and the means logged with ``sync_dist`` (the reproducible mode's: lightning/reproducible.py)."""
+
+    virtual_shards: int | None = None
+
+    def __init__(self) -> None:
+        self.rows: BatchRows | None = None  # the micro-batch's, while training_step runs
+
+    def layer_sync(self, plugin: Any) -> Any:
+        """The ``LayerSync`` plugin to apply."""
+        return plugin
+
+    def before_launch(self, trainer: Any, world_size: int) -> None:
+        """Refuse what the steps cannot run, before any rank starts."""
+
+    def setup(self, trainer: Any) -> None:
+        """Checks and settings for one fit (undone in ``teardown``)."""
+
+    def teardown(self) -> None:
+        """Undo ``setup``."""
+
+    def training_step(
+        self, trainer: Any, rows: BatchRows | None, plan: Any, context: Any, step: Callable[[], Any], args: tuple
+    ) -> Any:
+        """Run ``step`` (Lightning's); an empty micro-batch's NaN mean loss goes into no epoch sum."""
+        self.rows, sums = rows, None
+        if rows is not None and rows.rank_rows == 0:
+            results = _compat.running_results(trainer, "training_step")
+            sums = _compat.epoch_sums(results)
+        try:
+            return step()
+        finally:
+            self.rows = None
+            if sums is not None:
+                _compat.restore_epoch_sums(results, sums)
+
+    def backward(self, loss: Any, module: Any, rows: BatchRows | None, precision: Any, backward: Callable) -> Any:
+        """DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan, each
+        micro-batch's mean loss is weighted by its rows instead (0 for an empty one)."""
+        if rows is not None and module.automatic_optimization:
+            loss = loss * rows.loss_weight
+        return backward(loss)
+
+    def reduce(self, tensor: Any, group: Any, reduce_op: Any, reduce: Callable[..., Any]) -> Any:
+        """``self.log(..., sync_dist=True)`` of a mean in training_step: the mean over the micro-batch's rows."""
+        rows = self.rows
+        if rows is None or not is_mean(reduce_op):
+            return reduce(tensor, group, reduce_op)
+        local = tensor * rows.rank_rows if rows.rank_rows else torch.zeros_like(tensor)  # an empty batch's NaN
+        return reduce(local, group, "sum") / rows.micro_rows
+
+    def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
+        return dataloader
+
+    def evaluation_step(self, trainer: Any, hook: str, args: tuple, step: Callable[[], Any]) -> Any:
+        return step()
+
+
+def is_mean(reduce_op: Any) -> bool:
+    """Whether ``reduce_op`` (``strategy.reduce``'s) names a mean."""
+    return isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
 
 
 class ResumeRecord:

@@ -1,27 +1,21 @@
 """The strategy's reproducible mode (``DDPPluginsStrategy(global_batch_size=G, reproducible=True)``).
 
-Each training step runs this rank's virtual shards one by one (:class:`~ddp_plugins.core.reproducible.ShardedStep`),
-outside ``DistributedDataParallel``'s reducer, and hands Lightning the exactly reduced gradients
-at its backward; the values the module logs are combined exactly too (training: per step;
-evaluation: per epoch). Design and limits in docs/design.md ("The reproducible mode").
+Design and limits in docs/design.md ("The reproducible mode").
 """
 
 from __future__ import annotations
 
 import itertools
-import re
-import warnings
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
-from torchmetrics import Metric
 
+from ddp_plugins import _compat
 from ddp_plugins._compat import update_dataloader
 from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import GlobalPlan, first_tensor_rows
@@ -29,9 +23,9 @@ from ddp_plugins.core.ranks import is_distributed
 from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.core.trees import tree_map
-from ddp_plugins.lightning.data_plan import run_accumulation
+from ddp_plugins.lightning.data_plan import PlannedSteps, is_mean, run_accumulation
 
-__all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "reduction_name", "state_fingerprint"]
+__all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
 
 FINGERPRINT_KEY = "ddp_plugins_state_fingerprint"  # in every checkpoint the strategy saves
 
@@ -144,124 +138,107 @@ def check_model(module: nn.Module) -> None:
         )
 
 
-class _LogRecorder:
-    """``LightningModule.log`` while shards or evaluation batches run: tensor values with a mean
-    reduction are kept for an exact combination; anything else (a torchmetrics ``Metric``,
-    ``sync_dist=False`` in evaluation) goes to Lightning as it is."""
-
-    def __init__(self, log: Callable[..., None], training: bool) -> None:
-        self.log = log
-        self.training = training
-        self.values: dict[str, Tensor] = {}
-        self.kwargs: dict[str, dict[str, Any]] = {}
-
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        floats = [k for k, v in value.metric_state.items() if isinstance(v, Tensor) and v.is_floating_point()] if (
-            isinstance(value, Metric)
-        ) else []  # fmt: skip
-        if floats:  # integer counts (accuracy's) and concatenated rows sum the same in any grouping; floats do not
-            raise _refuse(
-                f"cannot combine the torchmetrics {type(value).__name__} logged as {name!r} exactly: its state"
-                f" {floats[0]!r} is a float sum per rank",
-                "Log a tensor value (a mean is combined exactly), or give the metric to"
-                " SequentialEvaluation(metrics=...), which computes it once over every row.",
-            )
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = torch.tensor(float(value))
-        scalar = isinstance(value, Tensor) and value.numel() == 1 and not args
-        if not scalar or not (self.training or kwargs.get("sync_dist")):
-            return self.log(name, value, *args, **kwargs)
-        if (fx := reduction_name(kwargs)) not in ("mean", "avg"):
-            raise _refuse(f"combines logged values by their mean, got reduce_fx={fx!r} for {name!r}", "Log a mean.")
-        self.values[name] = value.detach().double().reshape(())
-        self.kwargs[name] = {k: v for k, v in kwargs.items() if k not in ("sync_dist", "batch_size", "reduce_fx")}
-
-
-def reduction_name(log_kwargs: Mapping[str, Any]) -> str:
-    """The lower-case name of a ``self.log`` call's ``reduce_fx`` (a string or a function; ``"mean"`` by default).
-
-    Example::
-
-        >>> reduction_name({}), reduction_name({"reduce_fx": torch.max}), reduction_name({"reduce_fx": "SUM"})
-        ('mean', 'max', 'sum')
-    """
-    fx = log_kwargs.get("reduce_fx", "mean")
-    return (fx if isinstance(fx, str) else getattr(fx, "__name__", "")).lower()
-
-
-def _log_combined(module: Any, name: str, value: Tensor, **kwargs: Any) -> None:
-    """Log a value already combined exactly over every rank as it is (``sync_dist=False``).
-
-    Lightning hints at ``sync_dist=True`` for an epoch-level value logged so; its float all_reduce
-    would change the bits, so the hint is silenced for this name (training and evaluation alike).
-    """
-    hint = f"It is recommended to use `self.log\\({re.escape(repr(name))}, ..., sync_dist=True\\)`"
-    warnings.filterwarnings("ignore", hint, UserWarning)
-    module.log(name, value.float(), sync_dist=False, **kwargs)
-
-
-@contextmanager
-def _recording(module: Any, training: bool) -> Any:
-    recorder = _LogRecorder(module.log, training)
-    module.log = recorder
-    try:
-        yield recorder
-    finally:
-        del module.log
-
-
 def _rows_of(a: int, b: int) -> Callable[[Any], Any]:
     """Cut a batch's tensors to rows ``[a, b)`` (other leaves as they are)."""
     return lambda t: t[a:b] if isinstance(t, Tensor) and t.dim() else t
 
 
-class ReproducibleSteps:
-    """The reproducible mode's state in a strategy: the shards of each step, the pending
-    gradients, the evaluation's logged values and the callback that logs them at epoch end."""
+class ReproducibleSteps(PlannedSteps):
+    """The reproducible mode's steps: this rank's shards of each step and their exact sums, the
+    evaluation's means combined exactly at each loader's last batch."""
 
     def __init__(self, virtual_shards: int) -> None:
-        self.virtual_shards = virtual_shards
+        super().__init__()
+        self.virtual_shards = self._shards = virtual_shards
         self._step: ShardedStep | None = None
         self._eval: list[tuple[int, dict[str, Tensor]]] = []  # (real rows, values) per evaluation batch
-        self._eval_kwargs: dict[str, dict[str, Any]] = {}
-        self.callback = _EvalLogs(self)
+        self._local = False  # the user's step runs: a logged value is this shard's or batch's, combined after it
+        self._threads: int | None = None  # the CPU threads before setup set one
+
+    def layer_sync(self, plugin: Any) -> Any:
+        if plugin is not None:
+            rank_zero_info(
+                "ddp_plugins: the reproducible mode normalizes BatchNorm per virtual shard: sync_batchnorm is set"
+                " aside."
+            )
+        return None
+
+    def before_launch(self, trainer: Any, world_size: int) -> None:
+        check_trainer(trainer, world_size, self._shards)
+
+    def setup(self, trainer: Any) -> None:
+        check_model(trainer.lightning_module)
+        self._threads = torch.get_num_threads()  # CPU kernels (a convolution's) sum in another order with more
+        torch.set_num_threads(1)
+        rank_zero_info(
+            f"ddp_plugins: reproducible mode: each step runs as {self.virtual_shards} virtual shards, summed"
+            " exactly, one CPU thread per rank: the same bits on any number of ranks."
+        )
+
+    def teardown(self) -> None:
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
     def training_step(
-        self, module: Any, plan: GlobalPlan, rank: int, world_size: int, args: tuple, context: Any
+        self, trainer: Any, rows: Any, plan: GlobalPlan | None, context: Any, step: Callable[[], Any], args: tuple
     ) -> Any:
         """Run this rank's shards of the step (``args[0]`` holds their rows in order); return the step's mean loss."""
-        batch, step, epoch = args[0], args[1], module.trainer.current_epoch
+        assert plan is not None, "the reproducible mode trains on a global plan"
+        module, batch, index = trainer.lightning_module, args[0], args[1]
         if self._step is None or self._step.module is not module:
             check_shards(module, plan)
-            self._step = ShardedStep(module, self.virtual_shards, seed=plan.seed)
-        first, stop = plan.rank_shards(world_size)[rank]
-        values, output = [], None
-        ends = itertools.accumulate(plan.shard_sizes(step)[first:stop], initial=0)
-        for shard, (a, b) in enumerate(itertools.pairwise(ends), start=first):
-            with _recording(module, training=True) as logs, self._step.shard(shard, b - a, epoch, step):
-                with context():
-                    output = module.training_step(tree_map(_rows_of(a, b), batch), *args[1:])
-                loss = output["loss"] if isinstance(output, Mapping) else output
-                if not isinstance(loss, Tensor):
-                    raise _refuse(
-                        "needs training_step to return a loss", "Skipping a step would differ per world size."
-                    )
-                loss.backward()
-            values.append([loss.detach(), *logs.values.values()])
-            names, kwargs = list(logs.values), logs.kwargs
-        means = self._step.finish(step_rows=plan.step_size(step), values=values)
-        for name, value in zip(names, means[1:], strict=True):
-            _log_combined(module, name, value, batch_size=plan.step_size(step), **kwargs[name])
+            self._step = ShardedStep(module, self._shards, seed=plan.seed)
+        results = _compat.running_results(trainer, "training_step")
+        kept, batch_size, self._local = _compat.set_aside(results, "training_step"), results.batch_size, True
+        first, stop = plan.rank_shards(trainer.world_size)[trainer.global_rank]
+        values, logged, output, loss = [], {}, None, None
+        try:
+            ends = itertools.accumulate(plan.shard_sizes(index)[first:stop], initial=0)
+            for shard, (a, b) in enumerate(itertools.pairwise(ends), start=first):
+                results.batch_size = 1  # one value a shard: finish weights it by the shard's rows
+                with self._step.shard(shard, b - a, trainer.current_epoch, index):
+                    with context():
+                        output = module.training_step(tree_map(_rows_of(a, b), batch), *args[1:])
+                    loss = output["loss"] if isinstance(output, Mapping) else output
+                    if not isinstance(loss, Tensor):
+                        raise _refuse(
+                            "needs training_step to return a loss", "Skipping a step would differ per world size."
+                        )
+                    loss.backward()
+                logged = _taken(results, "training_step")
+                values.append([loss.detach(), *(_compat.logged_value(entry) for entry in logged.values())])
+            means = self._step.finish(step_rows=plan.step_size(index), values=values)
+            _put(results, kept, logged, means[1:], plan.step_size(index))
+        finally:
+            self._local, results.batch_size = False, batch_size
+        assert loss is not None
         loss = means[0].to(loss.dtype)
         return {**output, "loss": loss} if isinstance(output, Mapping) else loss
 
-    def apply_gradients(self) -> None:
-        """Give the parameters the step's reduced gradients (at Lightning's backward)."""
+    def backward(
+        self, loss: Tensor, module: Any, rows: Any, precision: Any, backward: Callable[[Tensor], Tensor]
+    ) -> Tensor:
+        """The shards' backward ran in ``training_step``: the parameters get their exact sum."""
+        loss = precision.pre_backward(loss, module)
         assert self._step is not None
         self._step.apply()
+        return precision.post_backward(loss, module)
 
-    @staticmethod
-    def evaluation_loader(dataloader: Any, world_size: int, rank: int) -> Any:
+    def reduce(self, tensor: Any, group: Any, reduce_op: Any, reduce: Callable[..., Any]) -> Any:
+        """A value logged in a shard or evaluation batch stays local (it is combined exactly after it); a
+        mean of a value the same on every rank (the combinations) is that value: a float all-reduce would
+        change its last bits on some numbers of ranks."""
+        if self._local:
+            return tensor
+        if is_mean(reduce_op) and is_distributed():
+            everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(everyone, tensor, group=group)
+            if all(torch.equal(t, tensor) for t in everyone):
+                return tensor
+        return reduce(tensor, group, reduce_op)
+
+    def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
         """``dataloader`` cut into the same batches on any number of ranks, each rank whole batches in order.
 
         Lightning's ``DistributedSampler`` deals rows out one by one and repeats some to even out the
@@ -282,20 +259,41 @@ class ReproducibleSteps:
         sampler = SequentialDistributedSampler(dataloader.dataset, num_replicas=world_size, rank=rank, align=batch_size)
         return update_dataloader(dataloader, sampler)
 
-    @contextmanager
-    def evaluation_batch(self, module: Any, batch: Any, batch_idx: int, sampler: Any) -> Any:
-        """Keep the mean values an evaluation step logs with ``sync_dist``, weighted by the batch's real rows."""
-        rows = max(first_tensor_rows(batch), 0)
+    def evaluation_step(self, trainer: Any, hook: str, args: tuple, step: Callable[[], Any]) -> Any:
+        """Keep the means the step logs with ``sync_dist`` (weighted by the batch's real rows) out of
+        Lightning's per-rank sums; at the loader's last batch, log their exact combination over all ranks."""
+        if len(args) < 2:
+            return step()
+        results = _compat.running_results(trainer, hook)
+        kept, self._local = _compat.set_aside(results, hook, synced_only=True), True
+        try:
+            output = step()
+        finally:
+            self._local = False
+        logged = _taken(results, hook, synced_only=True)
+        values = {key: _compat.logged_value(entry) for key, entry in logged.items()}
+        _put(results, kept, logged)
+        loader = args[2] if len(args) > 2 else 0
+        dataloaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        if isinstance(dataloaders, (list, tuple)):
+            dataloaders = dataloaders[loader]
+        sampler = getattr(dataloaders, "sampler", None)
+        rows = max(first_tensor_rows(args[0]), 0)
         if isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples:
             rows = 0  # the padding batch of a rank past the dataset's end counts for nothing
-        with _recording(module, training=False) as logs:
-            yield
-        if logs.values:
-            self._eval.append((rows, logs.values))
-            self._eval_kwargs.update(logs.kwargs)
+        if values:
+            self._eval.append((rows, values))
+        counts = (
+            trainer.num_sanity_val_batches if trainer.sanity_checking
+            else trainer.num_test_batches if trainer.testing else trainer.num_val_batches
+        )  # fmt: skip
+        if args[1] == counts[loader] - 1:
+            for key, (mean, total) in self._evaluation_means().items():
+                results.update_metrics(key, mean.to(torch.get_default_dtype()), total)
+        return output
 
-    def evaluation_logs(self) -> dict[str, tuple[Tensor, int, dict[str, Any]]]:
-        """The evaluation epoch's values, combined exactly over all ranks' batches (every rank calls it)."""
+    def _evaluation_means(self) -> dict[str, tuple[Tensor, int]]:
+        """The logged means of the loader's batches, combined exactly over all ranks (every rank calls it)."""
         entries, self._eval = self._eval, []
         names = list(dict.fromkeys(name for _, values in entries for name in values))
         if is_distributed():
@@ -312,19 +310,39 @@ class ReproducibleSteps:
         for i, name in enumerate(names):
             total, rows = sums[i], sums[len(names) + i]
             if total is not None and rows is not None and float(rows) > 0:
-                out[name] = (total / rows, int(rows), self._eval_kwargs.get(name, {}))
+                out[name] = (total / rows, int(rows))
         return out
 
 
-class _EvalLogs(Callback):
-    """Logs the evaluation epoch's exactly combined values (added to the Trainer by the strategy)."""
+def _taken(results: Any, hook: str, synced_only: bool = False) -> dict[str, Any]:
+    """What the user's step just logged, taken out of ``results``; refused where no exact combination exists."""
+    for key, entry in results.items():
+        state = {} if entry.is_tensor or not key.startswith(hook) else entry.value.metric_state
+        floats = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_floating_point()]
+        if floats:  # integer counts (accuracy's) and concatenated rows sum the same in any grouping; floats do not
+            raise _refuse(
+                f"cannot combine the torchmetrics {type(entry.value).__name__} logged as {entry.meta.name!r} exactly:"
+                f" its state {floats[0]!r} is a float sum per rank",
+                "Log a tensor value (a mean is combined exactly), or give the metric to"
+                " SequentialEvaluation(metrics=...), which computes it once over every row.",
+            )
+    taken = _compat.set_aside(results, hook, synced_only)
+    for entry in taken.values():
+        if not entry.meta.is_mean_reduction:
+            fx = entry.meta.reduce_fx.__name__
+            raise _refuse(
+                f"combines logged values by their mean, got reduce_fx={fx!r} for {entry.meta.name!r}", "Log a mean."
+            )
+    return taken
 
-    def __init__(self, steps: ReproducibleSteps) -> None:
-        self.steps = steps
 
-    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        for name, (value, rows, kwargs) in self.steps.evaluation_logs().items():
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("on_step", "on_epoch")}
-            _log_combined(pl_module, name, value, batch_size=rows, on_step=False, on_epoch=True, **kwargs)
-
-    on_test_epoch_end = on_validation_epoch_end
+def _put(results: Any, kept: dict[str, Any], logged: dict[str, Any], means: Any = (), rows: int = 0) -> None:
+    """Put the entries set aside back in ``results`` (an empty one for a name first logged now), then
+    log each mean of ``means`` (the same on every rank) for the ``rows`` it stands for."""
+    results.update(kept)
+    for key, entry in logged.items():
+        if key not in results:
+            entry.reset()
+            results[key] = entry
+    for key, mean in zip(logged, means, strict=False):
+        results.update_metrics(key, mean.to(torch.get_default_dtype()), rows)

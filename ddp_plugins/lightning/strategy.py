@@ -10,7 +10,6 @@ import math
 import multiprocessing
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -20,13 +19,12 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ddp_plugins import _compat
-from ddp_plugins._compat import explicit_trainer_plugins
 from ddp_plugins.core.checkpoints import gather_per_rank
 from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_choice, check_int, check_number
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
@@ -42,24 +40,18 @@ from ddp_plugins.lightning.data_plan import (
     CHECKPOINT_KEY,
     BatchRows,
     PlannedLoader,
+    PlannedSteps,
     ResumeRecord,
     UnevenShards,
     check_global_batch,
+    is_mean,
     run_accumulation,
     train_loader,
 )
 from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import is_loopback, pin_gloo_to_loopback
-from ddp_plugins.lightning.reproducible import (
-    FINGERPRINT_KEY,
-    ReproducibleSteps,
-    check_model,
-    check_options,
-    check_trainer,
-    reduction_name,
-    state_fingerprint,
-)
+from ddp_plugins.lightning.reproducible import FINGERPRINT_KEY, ReproducibleSteps, check_options, state_fingerprint
 
 __all__ = ["BACKENDS", "DDPPluginsStrategy", "check_backend"]
 
@@ -265,6 +257,7 @@ class DDPPluginsStrategy(DDPStrategy):
             )
         if bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        self._steps = ReproducibleSteps(virtual_shards) if reproducible else PlannedSteps()
         super().__init__(
             process_group_backend=None if backend == "auto" else backend,
             timeout=timedelta(seconds=timeout),
@@ -285,14 +278,11 @@ class DDPPluginsStrategy(DDPStrategy):
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
         self.global_batch_size = global_batch_size
-        self._repro = ReproducibleSteps(virtual_shards) if reproducible else None
-        self._threads: int | None = None  # the CPU threads before the reproducible mode set one
         self._planned = PlannedLoader(global_batch_size, drop_last, virtual_shards if reproducible else None)
         self._uneven = UnevenShards(uneven_data, flag=self._raised_flag)  # shards in step, flags in their round
         self._resume = ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
         self._flag_sources: list[Callable[[], int]] = []
         self._rows: BatchRows | None = None  # the current micro-batch's (planned or uneven training)
-        self._in_training_step = False
         if comm_hook != "none":
             # set now so that callbacks (AllReduceCounter) can wrap it in `setup`; the state is
             # built per fit in `configure_ddp`
@@ -317,26 +307,18 @@ class DDPPluginsStrategy(DDPStrategy):
     @property
     def virtual_shards(self) -> int | None:
         """The shards of each step in the reproducible mode (contracts.ShardsEachStep), else ``None``."""
-        return self._repro.virtual_shards if self._repro is not None else None
+        return self._steps.virtual_shards
 
     @property
     def _layer_sync(self) -> LayerSync | None:
-        plugin = self.__layer_sync
-        if plugin is not None and getattr(self, "_repro", None) is not None:
-            rank_zero_info(
-                "ddp_plugins: the reproducible mode normalizes BatchNorm per virtual shard:"
-                " sync_batchnorm=True is set aside."
-            )
-            self.__layer_sync = None
-            return None
-        return plugin
+        return self.__layer_sync
 
     @_layer_sync.setter
     def _layer_sync(self, plugin: LayerSync | None) -> None:
-        # `Trainer(sync_batchnorm=True)` hands every strategy torch's (accelerator-only) SyncBatchNorm plugin:
-        # this strategy takes the device-agnostic one. One passed in `plugins=` (even torch's) is kept as given.
-        made_for_flag = type(plugin) is TorchSyncBatchNorm and not any(p is plugin for p in explicit_trainer_plugins())
-        self.__layer_sync = SyncBatchNormPlugin() if made_for_flag else plugin
+        # torch's TorchSyncBatchNorm (`sync_batchnorm=True`'s) runs on accelerators only: its device-agnostic
+        # drop-in takes its place. A subclass of it is kept, for whoever wants torch's own class.
+        plugin = SyncBatchNormPlugin() if type(plugin) is TorchSyncBatchNorm else plugin
+        self.__layer_sync = self._steps.layer_sync(plugin)
 
     @override
     def _configure_launcher(self) -> None:
@@ -353,6 +335,7 @@ class DDPPluginsStrategy(DDPStrategy):
             self._launcher = JobSubprocessLauncher(
                 env, processes, nodes, before_launch=check, child_command=self._child_command,
                 watch_after_startup=self._stall[0] is None,  # else the liveness room names a failed rank
+                on_failure=self._failed,
             )  # fmt: skip
         else:
             self._launcher = CleanExitMultiprocessingLauncher(
@@ -397,8 +380,7 @@ class DDPPluginsStrategy(DDPStrategy):
         if self.global_batch_size is not None:
             world_size = self.num_processes * self.num_nodes
             check_global_batch(self.global_batch_size, world_size, run_accumulation(trainer))
-            if self._repro is not None:
-                check_trainer(trainer, world_size, self._repro.virtual_shards)
+            self._steps.before_launch(trainer, world_size)
 
     @override
     def setup_distributed(self) -> None:
@@ -456,12 +438,15 @@ class DDPPluginsStrategy(DDPStrategy):
             return None
 
     def _make_process_group(self) -> None:
-        store = None if dist.is_initialized() else restart_scoped_store(timedelta(seconds=self._rendezvous_s))
-        if store is not None:
-            # Under torchrun the group is made here, on this restart round's keys (see
-            # restart_scoped_store); Lightning's _init_dist_connection then finds it made.
+        """Make the process group with the rendezvous timeout (Lightning's ``_init_dist_connection`` then
+        finds it made); under torchrun on this restart round's keys (see ``restart_scoped_store``)."""
+        if not dist.is_initialized():
             self.set_world_ranks()
-            rank, size = self.global_rank, self.world_size
+            rank, size, env = self.global_rank, self.world_size, self.cluster_environment
+            assert env is not None
+            store = restart_scoped_store(timedelta(seconds=self._rendezvous_s))
+            if store is None:  # where Lightning's env:// rendezvous looks
+                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
             logging.getLogger("lightning.fabric.utilities.distributed").info(  # Lightning's own line
                 f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{size}"
             )
@@ -473,31 +458,14 @@ class DDPPluginsStrategy(DDPStrategy):
                 timeout=timedelta(seconds=self._rendezvous_s),
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
-        # Otherwise Lightning's _init_dist_connection makes it, with the strategy's `_timeout`
-        collective, self._timeout = self._timeout, timedelta(seconds=self._rendezvous_s)
-        try:
-            super().setup_distributed()
-        finally:
-            self._timeout = collective
+        super().setup_distributed()
 
     @override
     def setup(self, trainer: Any) -> None:
         traps.warn_compiled_module(self.lightning_module)  # before dynamo fails in `self.log`
         super().setup(trainer)
         traps.check_static_graph(trainer)  # DDP wrapped the model; before torch's reducer asserts
-        if self._repro is not None:
-            assert self.lightning_module is not None
-            check_model(self.lightning_module)
-            if self._repro.callback not in trainer.callbacks:
-                trainer.callbacks.append(self._repro.callback)  # logs the evaluation's exact means
-            # CPU kernels (a convolution's) sum in another order with another thread count
-            self._threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            rank_zero_info(
-                f"ddp_plugins: reproducible mode: each step of {self.global_batch_size} rows runs as"
-                f" {self._repro.virtual_shards} virtual shards, summed exactly, one CPU thread per rank:"
-                " the same bits on any number of ranks."
-            )
+        self._steps.setup(trainer)
         # The ranks have met and the model is in sync: signals are the run's from here on
         if isinstance(self._launcher, JobSubprocessLauncher):
             self._launcher.startup_done()
@@ -528,8 +496,8 @@ class DDPPluginsStrategy(DDPStrategy):
             dataloader = train_loader(
                 dataloader, trainer, self.global_rank, self.world_size, self._planned, self._uneven, self._resume
             )
-        elif self._repro is not None and not trainer.predicting:
-            dataloader = self._repro.evaluation_loader(dataloader, self.world_size, self.global_rank)
+        elif not trainer.predicting:
+            dataloader = self._steps.evaluation_loader(dataloader, self.world_size, self.global_rank)
         if not trainer.training and isinstance(dataloader, DataLoader) and dataloader.generator is None:
             # Making an iterator draws the workers' base seed from the loader's generator, else
             # from the global stream: a resumed run, which makes its evaluation iterators at other
@@ -598,25 +566,15 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._mark("a validation step")
-        with self._exact_logs("val_dataloaders", args):
-            return super().validation_step(*args, **kwargs)
+        step = functools.partial(super().validation_step, *args, **kwargs)
+        return self._steps.evaluation_step(self._trainer(), "validation_step", args, step)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._mark("a test step")
-        with self._exact_logs("test_dataloaders", args):
-            return super().test_step(*args, **kwargs)
-
-    def _exact_logs(self, loaders: str, args: tuple) -> Any:
-        """In the reproducible mode, the step's ``sync_dist`` means are combined exactly at epoch end."""
-        if self._repro is None or len(args) < 2:
-            return nullcontext()
-        assert self.lightning_module is not None
-        dataloaders = getattr(self.lightning_module.trainer, loaders)
-        if isinstance(dataloaders, (list, tuple)):
-            dataloaders = dataloaders[args[2] if len(args) > 2 else 0]
-        sampler = getattr(dataloaders, "sampler", None)
-        return self._repro.evaluation_batch(self.lightning_module, args[0], args[1], sampler)
+        return self._steps.evaluation_step(
+            self._trainer(), "test_step", args, functools.partial(super().test_step, *args, **kwargs)
+        )
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -626,61 +584,36 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._mark("a training step")
-        if self._repro is not None:
-            assert self._planned.plan is not None, "the reproducible mode trains on a global plan"
-            context = self.precision_plugin.train_step_context
-            return self._repro.training_step(
-                self.lightning_module, self._planned.plan, self.global_rank, self.world_size, args, context
-            )
-        self._in_training_step = True  # `reduce` weights means by rows while the step logs
-        rows, module = self._rows, self.lightning_module
-        log = None
-        if rows is not None and rows.rank_rows == 0 and module is not None:
-            # an empty micro-batch logs the identity of each reduction (its mean loss is NaN)
-            log = module.log
-            module.log = functools.partial(_log_empty_batch, log)  # type: ignore[method-assign]
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            self._in_training_step = False
-            if log is not None and module is not None:
-                del module.log
+        context, step = (
+            self.precision_plugin.train_step_context,
+            functools.partial(super().training_step, *args, **kwargs),
+        )
+        return self._steps.training_step(self._trainer(), self._rows, self._planned.plan, context, step, args)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan,
-        # each micro-batch's mean loss is weighted by its rows instead (0 for an empty one)
         self._mark("a backward")  # where DDP's all-reduce waits for every rank
-        module = self.lightning_module
-        if self._repro is not None:  # the shards' backward ran in training_step: their exact sum is the gradient
-            assert module is not None
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            self._repro.apply_gradients()
-            return self.precision_plugin.post_backward(closure_loss, module)
-        rows = self._rows
-        if rows is not None and module is not None and module.automatic_optimization:
-            closure_loss = closure_loss * rows.loss_weight
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        parent = super().backward
+        return self._steps.backward(
+            closure_loss, self.lightning_module, self._rows, self.precision_plugin,
+            lambda loss: parent(loss, optimizer, *args, **kwargs),
+        )  # fmt: skip
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        rows = self._rows
-        weighted = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
-        if weighted and isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+        if not isinstance(tensor, torch.Tensor):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if is_mean(reduce_op) and not tensor.is_floating_point():
             # Lightning's mean divides an integer tensor in place and truncates; epoch means divide
             # by the integer count of rows, so 127 rows on 2 ranks would count as 63 per rank
             tensor = tensor.double()
-        if not isinstance(tensor, torch.Tensor):
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
         # a tensor logged with sync_dist may sit where the backend cannot take it (a CPU metric on nccl):
         # it is reduced on the group's device and comes back where it was
         device, tensor = tensor.device, for_collective(tensor, group)
-        if not (rows is not None and self._in_training_step and weighted):
-            return super().reduce(tensor, group=group, reduce_op=reduce_op).to(device)
-        # `self.log(..., sync_dist=True)` in training_step: the mean over the micro-batch's rows (an
-        # empty micro-batch's value, NaN for a mean loss, counts for nothing)
-        local = tensor * rows.rank_rows if rows.rank_rows else torch.zeros_like(tensor)
-        return (super().reduce(local, group=group, reduce_op="sum") / rows.micro_rows).to(device)
+        parent = super().reduce
+        return self._steps.reduce(tensor, group, reduce_op, lambda t, g, op: parent(t, group=g, reduce_op=op)).to(
+            device
+        )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -708,17 +641,15 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self._failed(exception)
+
+    def _failed(self, error: BaseException) -> None:
         if self._room is not None:
-            self._room.failed(exception)  # another rank caused it: named in one line, and the job ends here
+            self._room.failed(error)  # another rank caused it: named in one line, and the job ends here
 
     @override
     def teardown(self) -> None:
-        trainer = self._trainer()
-        if self._threads is not None:  # the reproducible mode's one thread ends with the fit
-            torch.set_num_threads(self._threads)
-            self._threads = None
-        if self._repro is not None and trainer is not None and self._repro.callback in trainer.callbacks:
-            trainer.callbacks.remove(self._repro.callback)
+        self._steps.teardown()
         if self._room is not None:
             self._room.stop()
             self._room = None
@@ -747,23 +678,6 @@ class DDPPluginsStrategy(DDPStrategy):
 def _is_lightning_seeding(fn: Any) -> bool:
     """Lightning's worker seeding (``seed_everything(workers=True)``), which :class:`WorkerInit` restates."""
     return fn is pl_worker_init_function
-
-
-_IDENTITY = {"mean": 0.0, "avg": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
-
-
-def _log_empty_batch(log: Callable[..., None], name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-    """``LightningModule.log`` (``log``) for a micro-batch with no rows on this rank.
-
-    Every rank must log what the others log (``sync_dist`` makes a collective), but an empty
-    batch's mean loss is NaN, and Lightning's epoch mean (``value * batch_size``) keeps NaN even
-    at batch size 0. A tensor value is replaced by the identity of its reduction: 0 for a mean
-    or sum (weight 0 at 0 rows), -inf for max, +inf for min.
-    """
-    identity = _IDENTITY.get(reduction_name(kwargs))
-    if identity is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-        value = torch.full_like(value, identity)
-    log(name, value, *args, **kwargs)
 
 
 _EVAL_LOADER = 2**31  # the epoch slot of evaluation loaders' generator seed (no training epoch reaches it)

@@ -489,3 +489,47 @@ def test_a_global_batch_smaller_than_ranks_times_accumulation_is_refused_before_
     error = _refused_before_launch(3, 2)  # a spawned rank's error would come back as ProcessRaisedException
     assert type(error).__name__ == "ArgumentValueError" and "\n" not in str(error), repr(error)
     assert "`global_batch_size` should be at least world size x accumulate_grad_batches (2 x 2 = 4)" in str(error)
+
+
+class _Watched(pl.LightningModule):
+    """Records, in each micro-batch, whether ``self.log`` is still the class's method, and its rows and loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.steps, self.callbacks_seen = _net(bn=False), [], []
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        loss = cross_entropy(self.net(x), y)
+        self.steps.append(("log" in vars(self), len(x), float(loss.detach())))
+        self.log("train/mean", loss, sync_dist=True, on_step=False, on_epoch=True)
+        self.log("train/worst", loss, sync_dist=True, on_step=False, on_epoch=True, reduce_fx="max")
+        self.callbacks_seen.append(list(self.trainer.callbacks))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # the same loss each epoch
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*_data(5)), batch_size=4)
+
+
+@pytest.mark.usefixtures("clean_process_state")
+def test_an_empty_micro_batch_counts_for_nothing_and_module_log_stays_the_class_method():
+    model = _Watched()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=DDPPluginsStrategy(backend="gloo", global_batch_size=4),
+        accumulate_grad_batches=2, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    before = list(trainer.callbacks)
+    trainer.fit(model)
+    assert [rows for _, rows, _ in model.steps] == [2, 2, 1, 0], "steps of 4 and 1 rows, 2 micro-batches each"
+    assert not any(replaced for replaced, _, _ in model.steps), "module.log was replaced on the instance"
+    assert "log" not in vars(model)
+    assert all(seen == before for seen in model.callbacks_seen) and trainer.callbacks == before
+    rows = [(n, loss) for _, n, loss in model.steps if n]
+    expected = sum(n * loss for n, loss in rows) / sum(n for n, _ in rows)
+    metrics = trainer.callback_metrics
+    torch.testing.assert_close(float(metrics["train/mean"]), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(float(metrics["train/worst"]), max(loss for _, loss in rows), rtol=1e-6, atol=0)

@@ -211,3 +211,43 @@ def test_sharded_step_equals_one_process_on_the_step():
     step.apply()
     for p, expected in zip(model.parameters(), whole, strict=True):
         torch.testing.assert_close(p.grad, expected)
+
+
+class _Watched(_Net):
+    """Records whether ``self.log`` is still the class's method, and the Trainer's callbacks, in each step."""
+
+    def __init__(self):
+        super().__init__("sgd")
+        self.replaced, self.callbacks_seen = [], []
+
+    def _watch(self):
+        self.replaced.append("log" in vars(self))
+        self.callbacks_seen.append(list(self.trainer.callbacks))
+
+    def training_step(self, batch, batch_idx):
+        self._watch()
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self._watch()
+        return super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.usefixtures("clean_process_state")
+def test_the_mode_leaves_module_log_and_the_callbacks_alone():
+    model = _Watched()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1,
+        strategy=DDPPluginsStrategy(backend="gloo", global_batch_size=64, reproducible=True),
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    before = list(trainer.callbacks)
+    trainer.fit(model)
+    assert len(model.replaced) == 3 * 8 + 6, "8 shards in each of 3 steps, 6 validation batches"
+    assert not any(model.replaced) and "log" not in vars(model), "module.log was replaced on the instance"
+    assert all(seen == before for seen in model.callbacks_seen) and trainer.callbacks == before
+    x, y = _data(VAL_ROWS, 2).tensors
+    with torch.no_grad():
+        expected = cross_entropy(model.eval().net(x), y)  # the mean over every validation row
+    torch.testing.assert_close(float(trainer.callback_metrics["val/loss"]), float(expected), rtol=1e-6, atol=0)
