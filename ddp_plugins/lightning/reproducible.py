@@ -147,7 +147,13 @@ class ReproducibleSteps(PlannedSteps):
     """The reproducible mode's steps: this rank's shards of each step and their exact sums, the
     evaluation's means combined exactly at each loader's last batch."""
 
-    def __init__(self, virtual_shards: int) -> None:
+    def __init__(self, virtual_shards: int, global_batch_size: int | None = None, **options: Any) -> None:
+        if global_batch_size is None:
+            raise ArgumentValueError(
+                "global_batch_size", "an integer with reproducible=True", None,
+                hint="The mode cuts each step of global_batch_size rows into virtual shards.",
+            )  # fmt: skip
+        check_options(**options)
         super().__init__()
         self.virtual_shards = self._shards = virtual_shards
         self._step: ShardedStep | None = None

@@ -51,7 +51,7 @@ from ddp_plugins.lightning.data_plan import (
 from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import is_loopback, pin_gloo_to_loopback
-from ddp_plugins.lightning.reproducible import FINGERPRINT_KEY, ReproducibleSteps, check_options, state_fingerprint
+from ddp_plugins.lightning.reproducible import FINGERPRINT_KEY, ReproducibleSteps, state_fingerprint
 
 __all__ = ["BACKENDS", "DDPPluginsStrategy", "check_backend"]
 
@@ -240,14 +240,11 @@ class DDPPluginsStrategy(DDPStrategy):
         check_bool("uneven_data", uneven_data)
         check_bool("reproducible", reproducible)
         check_int("virtual_shards", virtual_shards, 1)
-        if reproducible and global_batch_size is None:
-            raise ArgumentValueError(
-                "global_batch_size", "an integer with reproducible=True", None,
-                hint="The mode cuts each step of global_batch_size rows into virtual shards.",
-            )  # fmt: skip
-        if reproducible:
-            hook, unused = kwargs.get("ddp_comm_hook"), find_unused_parameters
-            check_options(comm_hook=comm_hook, ddp_comm_hook=hook, find_unused_parameters=unused)
+        bypassed = {"comm_hook": comm_hook, "ddp_comm_hook": kwargs.get("ddp_comm_hook")}
+        bypassed["find_unused_parameters"] = find_unused_parameters
+        self._steps = (
+            ReproducibleSteps(virtual_shards, global_batch_size, **bypassed) if reproducible else PlannedSteps()
+        )
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ArgumentValueError(
                 "comm_hook",
@@ -257,7 +254,6 @@ class DDPPluginsStrategy(DDPStrategy):
             )
         if bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-        self._steps = ReproducibleSteps(virtual_shards) if reproducible else PlannedSteps()
         super().__init__(
             process_group_backend=None if backend == "auto" else backend,
             timeout=timedelta(seconds=timeout),
@@ -278,7 +274,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self._powersgd_rank = powersgd_rank
         self._powersgd_start_iter = powersgd_start_iter
         self.global_batch_size = global_batch_size
-        self._planned = PlannedLoader(global_batch_size, drop_last, virtual_shards if reproducible else None)
+        self._planned = PlannedLoader(global_batch_size, drop_last, self._steps.virtual_shards)
         self._uneven = UnevenShards(uneven_data, flag=self._raised_flag)  # shards in step, flags in their round
         self._resume = ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
         self._flag_sources: list[Callable[[], int]] = []
