@@ -332,6 +332,7 @@ def restore_epoch_sums(results: Any, sums: dict[str, tuple[Any, Any]]) -> None:
             continue
         meta, value = entry.meta, entry.value
         empty = -math.inf if meta.is_max_reduction else math.inf if meta.is_min_reduction else 0.0
-        entry.value, count = sums.get(key, (torch.full_like(value, empty), torch.zeros_like(value, dtype=torch.long)))
+        before, count = sums.get(key, (torch.full_like(value, empty), torch.zeros_like(value, dtype=torch.long)))
+        entry.value = before.to(value)  # in the dtype the step's value made it (float64 for a float64 loss)
         if meta.is_mean_reduction:
             entry.cumulated_batch_size = count

@@ -75,8 +75,7 @@ def check_trainer(trainer: Any, world_size: int, virtual_shards: int) -> None:
 
 
 def check_options(**options: Any) -> None:
-    """DDP options that the mode would bypass are refused, not ignored: its exact sums run outside
-    ``DistributedDataParallel``'s reducer, which is what runs comm hooks and finds unused parameters.
+    """Refuse the DDP options the mode bypasses (its sums run outside DDP's reducer).
 
     Example::
 
@@ -99,11 +98,7 @@ _BYPASSED: dict[str, Any] = {"comm_hook": "none", "ddp_comm_hook": None, "find_u
 
 
 def check_shards(module: nn.Module, plan: GlobalPlan) -> None:
-    """Refuse a plan whose virtual shards are too small for the model's ``BatchNorm1d`` layers.
-
-    BatchNorm normalizes each shard on its own, and a ``BatchNorm1d`` over ``(rows, features)``
-    needs two rows or more; the refusal names the step and what would work.
-    """
+    """Refuse a plan with a virtual shard of 1 row where the model has a ``BatchNorm1d`` (it needs 2)."""
     if not any(isinstance(m, nn.BatchNorm1d) and m.training for m in module.modules()):
         return
     for step in sorted({0, plan.steps_per_epoch - 1}):  # every other step is as long as the first

@@ -339,10 +339,7 @@ class DDPPluginsStrategy(DDPStrategy):
             )
 
     def _ranks_per_gpu(self) -> int:
-        """How many of this host's ranks each GPU would carry (0 off CUDA): more than 1 where they share one.
-
-        This host runs ``devices`` ranks, or every rank when the main address is a loopback address
-        (all nodes are this machine: two torchrun launchers on 127.0.0.1)."""
+        """This host's ranks per GPU (0 off CUDA); every rank is this host's on a loopback main address."""
         if self.root_device.type != "cuda":
             return 0
         environment, gpus = self.cluster_environment, torch.cuda.device_count()
@@ -546,12 +543,8 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @property
     def batch_rows(self) -> BatchRows | None:
-        """Rows of the current micro-batch on a global plan or uneven shards (``None`` on neither).
-
-        Under manual optimization, multiply a mean loss by ``batch_rows.loss_weight /
-        accumulate_grad_batches`` (what the strategy does for automatic optimization) for the
-        gradient of one process on the step's rows.
-        """
+        """Rows of the current micro-batch on a global plan or uneven shards (``None`` on neither); under
+        manual optimization, weight a mean loss by ``loss_weight / accumulate_grad_batches``."""
         return self._rows
 
     def _mark(self, phase: str) -> None:
