@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,7 +35,7 @@ __all__ = [
 
 STALL_EXIT = 1
 _KEY = "ddp_plugins/liveness/"
-_VERDICT, _END = f"{_KEY}verdict", f"{_KEY}end"
+_VERDICT, _LEFT = f"{_KEY}verdict", f"{_KEY}left"
 
 
 class Record(NamedTuple):
@@ -212,9 +212,12 @@ class Liveness:
         self.marks, self.phase = 0, "starting"
         self.verdict: Verdict | None = None
         self._main = threading.main_thread().ident
-        self._halt = threading.Event()
+        self._halt, self._ending = threading.Event(), threading.Lock()
+        self._ended = False
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddp_plugins-liveness-store")
         self._thread: threading.Thread | None = None
+        self._observer: Record | None = None  # rank 0's last record, as another rank saw it
+        self._own: BaseException | None = None  # the error failed() let through
         self._seq = 0
         self._host = socket.gethostname()
 
@@ -222,16 +225,6 @@ class Liveness:
         """The training thread passed a phase boundary (never waits on the store)."""
         self.marks += 1
         self.phase = phase
-
-    @contextlib.contextmanager
-    def collective(self, name: str) -> Iterator[None]:
-        """Mark a collective entered and left: a rank stuck in one the others left is behind."""
-        before = self.phase
-        self.mark(f"in {name} (after {before})")
-        try:
-            yield
-        finally:
-            self.mark(before)
 
     def start(self) -> Liveness:
         self._thread = threading.Thread(target=self._run, name="ddp_plugins-liveness", daemon=True)
@@ -248,24 +241,42 @@ class Liveness:
         """This rank raised ``error``. When another rank caused it (gone, silent, or behind: this
         rank's collective failed waiting for it), name that rank in one line and end the job here
         (exit :data:`STALL_EXIT`, no traceback); return when this rank's own code raised."""
-        verdict = self.verdict
-        if verdict is None:
-            before = self._records_now()
-            verdict = _blame(before, before, self._host)
-            if verdict is None:  # a stopped process stops publishing: look again two publications later
-                time.sleep(2 * self.interval_s)
-                verdict = _blame(before, self._records_now(), self._host)
+        if error is self._own:  # judged already (the launcher asks before it stops the child ranks)
+            return
+        verdict, records = self.verdict or self._host_gone(), [self._observer] if self._observer else []
+        try:
+            if verdict is None:
+                verdict, records = self._fresh_blame()
+        except Exception:  # noqa: BLE001 - the store does not answer: its host (rank 0) is gone
+            verdict = Verdict((0,), "gone", 0)
         if verdict is None or self.rank in verdict.ranks:
+            self._own = error  # this rank's own error: it goes through with its traceback
             return
         self._halt.set()
-        records = self._records_now()
         if self._reports(verdict) and self.verdict is None:
+            first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
             print(
-                f"error: {verdict.line(_by_rank(records, verdict))}; a collective failed waiting for it",
+                f"error: {verdict.line(_by_rank(records, verdict))}; a collective failed waiting for it"
+                f" ({type(error).__name__}: {first[:200]})",
                 file=sys.stderr,
                 flush=True,
             )
         self._end(verdict, records)
+
+    def _fresh_blame(self) -> tuple[Verdict | None, list[Record]]:
+        """The blame on records every rank published after this one failed (each within an interval);
+        a rank that publishes nothing more in 1.5 intervals is silent, a process gone is named at once."""
+        self._publish()
+        before = after = self._records_now()
+        deadline = time.monotonic() + 1.5 * self.interval_s
+        while before and time.monotonic() < deadline:
+            if _blame(before, before, self._host, gone_only=True) is not None:
+                return _blame(before, before, self._host, gone_only=True), before
+            time.sleep(min(0.2, self.interval_s / 4))
+            after = self._records_now()
+            if all(a.seq != b.seq for a, b in zip(after, before, strict=True) if a.rank != self.rank):
+                break
+        return _blame(before, after, self._host, self.rank), after
 
     # the room's thread
 
@@ -280,17 +291,21 @@ class Liveness:
         since = 0.0  # when the stall named last began
         while not self._halt.wait(0 if self._seq == 0 else self.interval_s):
             try:
-                self._publish()
-                if self.rank == 0:
-                    records = self._observe(seen_at, progressed_at, last)
-                    verdict, ended = self._judge(records, seen_at, progressed_at), False
-                else:
-                    records, verdict, ended = self._follow(records, seen_at)
+                verdict, ended = self._host_gone(), False  # no store call would answer: none is made
+                if verdict is None:
+                    self._publish()
+                    if self.rank == 0:
+                        records = self._observe(seen_at, progressed_at, last)
+                        verdict = self._judge(records, seen_at, progressed_at)
+                    else:
+                        records, verdict, ended = self._follow(records, seen_at)
             except TimeoutError:
                 verdict, ended = Verdict((0,), "store", self.name_after_s), False
             except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to watch
                 return
             if ended:
+                with contextlib.suppress(Exception):  # rank 0 leaves the store last: no call fails here
+                    self._store(lambda: self.store.add(_LEFT, 1))
                 self._exit(STALL_EXIT)
                 return
             if verdict is None:
@@ -307,6 +322,13 @@ class Liveness:
             if due and (self._reports(verdict) or verdict.how == "store") and not self._halt.is_set():
                 self._end(verdict, records)
                 return
+
+    def _host_gone(self) -> Verdict | None:
+        """Rank 0 (the store's host) is gone, as another rank on its host sees it in ``/proc``."""
+        observer = self._observer
+        if observer is None or observer.host != self._host or process_state(observer.pid) != "gone":
+            return None
+        return Verdict((0,), "gone", 0)
 
     def _publish(self) -> None:
         self._seq += 1
@@ -353,7 +375,7 @@ class Liveness:
 
     def _follow(self, records: list[Record], seen_at: list[float]) -> tuple[list[Record], Verdict | None, bool]:
         """Any other rank: rank 0's record (rank 1 names a silent rank 0) and the verdict key."""
-        observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
+        observer = self._observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
         now = time.monotonic()
         if not records or observer.seq != records[0].seq:
             seen_at[0] = now
@@ -370,8 +392,8 @@ class Liveness:
         return [observer], None, False
 
     def _reports(self, verdict: Verdict) -> bool:
-        """Rank 0 names a verdict, unless it names rank 0 frozen or its store silent: then rank 1 does."""
-        return self.rank == (1 if 0 in verdict.ranks and verdict.how != "behind" else 0)
+        """The lowest rank the verdict does not name names it (and ends the job)."""
+        return self.rank == min(set(range(self.world_size)) - set(verdict.ranks))
 
     def _name(self, verdict: Verdict, records: list[Record]) -> None:
         named = _by_rank(records, verdict)
@@ -382,24 +404,40 @@ class Liveness:
         print(f"error: {verdict.line(named)}; the job ends {ends}{where}", file=sys.stderr, flush=True)
 
     def _end(self, verdict: Verdict, records: list[Record]) -> None:
-        """The reporting rank: the rescue checkpoint, the stalled ranks on this host killed, the others told."""
-        if self._reports(verdict):
-            saved = None
-            if self.rescue is not None and self.rank not in verdict.ranks:
-                try:
-                    saved = self.rescue()
-                except Exception as error:  # noqa: BLE001 - the job ends all the same; say why nothing was saved
-                    saved = f"none written ({type(error).__name__}: {error})"
-            resume = f"checkpoint of the last completed step: {saved}" if saved else "it resumes from its newest"
-            print(f"error: ending every rank; {resume}", file=sys.stderr, flush=True)
-            for record in records:
-                if record.rank in verdict.ranks and record.host == self._host and record.pid not in (0, os.getpid()):
-                    with contextlib.suppress(OSError):
-                        os.kill(record.pid, signal.SIGKILL)
-            if verdict.how != "store":
-                with contextlib.suppress(Exception):  # the others also end when the store goes
-                    self._tell(verdict, end=True)
+        """The reporting rank: the rescue checkpoint, the stalled ranks on this host killed, the others told.
+        Once per rank: the room's thread and the training thread (whose collective then failed) both come here."""
+        with self._ending:  # the second caller waits here until the first has ended the process
+            if not self._ended:
+                self._ended = True
+                self._end_once(verdict, records)
         self._exit(STALL_EXIT)
+
+    def _end_once(self, verdict: Verdict, records: list[Record]) -> None:
+        store_answers = verdict.how != "store" and not (0 in verdict.ranks and verdict.how == "gone")
+        if not self._reports(verdict):
+            if store_answers:
+                with contextlib.suppress(Exception):  # the reporter leaves the store last
+                    self._store(lambda: self.store.add(_LEFT, 1))
+            return
+        saved = None
+        if self.rescue is not None:
+            try:
+                saved = self.rescue()
+            except Exception as error:  # noqa: BLE001 - the job ends all the same; say why nothing was saved
+                saved = f"none written ({type(error).__name__}: {error})"
+        resume = f"checkpoint of the last completed step: {saved}" if saved else "it resumes from its newest"
+        print(f"error: ending every rank; {resume}", file=sys.stderr, flush=True)
+        if store_answers:  # the others leave first: no store call of theirs fails (C++ stack dumps)
+            with contextlib.suppress(Exception):
+                self._tell(verdict, end=True)
+                others = self.world_size - 1 - len(verdict.ranks)
+                deadline = time.monotonic() + 3 * self.interval_s + 2
+                while self._store(lambda: self.store.add(_LEFT, 0)) < others and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        for record in records:
+            if record.rank in verdict.ranks and record.host == self._host and record.pid not in (0, os.getpid()):
+                with contextlib.suppress(OSError):
+                    os.kill(record.pid, signal.SIGKILL)
 
 
 def _by_rank(records: Sequence[Record], verdict: Verdict) -> list[Record]:
@@ -407,9 +445,12 @@ def _by_rank(records: Sequence[Record], verdict: Verdict) -> list[Record]:
     return [by_rank.get(r, Record(r, 0, 0, "unknown", 0, "?")) for r in range(max(verdict.ranks) + 1)]
 
 
-def _blame(before: Sequence[Record], after: Sequence[Record], host: str) -> Verdict | None:
+def _blame(
+    before: Sequence[Record], after: Sequence[Record], host: str, me: int = -1, gone_only: bool = False
+) -> Verdict | None:
     """Who made a collective fail, from two reads of the records: gone ranks (seen from this host),
-    then ranks that published nothing between the reads, then the ranks behind the others.
+    then ranks that published nothing between the reads, then the ranks behind the others that did
+    not move between the reads (``me``, the rank that asks, is not silent and may be behind).
 
     Example::
 
@@ -423,15 +464,16 @@ def _blame(before: Sequence[Record], after: Sequence[Record], host: str) -> Verd
         return None
     states = [process_state(r.pid) if r.host == host else None for r in after]
     gone = tuple(r.rank for r in after if states[r.rank] == "gone")
-    if gone:
-        return Verdict(gone, "gone", 0)
-    silent = tuple(a.rank for a, b in zip(after, before, strict=False) if a.seq == b.seq and after is not before)
+    if gone or gone_only:
+        return Verdict(gone, "gone", 0) if gone else None
+    silent = tuple(a.rank for a, b in zip(after, before, strict=True) if a.seq == b.seq and a.rank != me)
     if silent:
         kinds = {states[r] or "silent" for r in silent}
         return Verdict(silent, kinds.pop() if len(kinds) == 1 else "silent", 0)
     fewest = min(r.marks for r in after)
     behind = tuple(r.rank for r in after if r.marks == fewest)
-    return Verdict(behind, "behind", 0) if len(behind) < len(after) else None
+    moved = any(a.marks != b.marks for a, b in zip(after, before, strict=True) if a.rank in behind and a.rank != me)
+    return Verdict(behind, "behind", 0) if len(behind) < len(after) and not moved else None
 
 
 def _dump(verdict: Verdict, records: list[Record], folder: str | os.PathLike) -> str | None:

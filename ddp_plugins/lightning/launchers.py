@@ -186,9 +186,11 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         before_launch: Callable[[Any], None] | None = None,
         child_command: ChildCommand | None = None,
         watch_after_startup: bool = True,
+        on_failure: Callable[[BaseException], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.on_failure = on_failure  # told of rank 0's error before the child ranks are stopped
         self.watch_after_startup = watch_after_startup  # False where a liveness room names a failed rank
         self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
         self.child_command = child_command or _compat.subprocess_cmd  # default: Lightning's command
@@ -226,6 +228,8 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 # with rank 0's one line: let the children finish
                 _wait_then_kill(self.procs, _PREEMPT_GRACE_S)
             else:
+                if self.on_failure is not None:  # may end the job here, naming the rank that caused it
+                    self.on_failure(error)
                 self._stop_children()
             raise
         finally:

@@ -401,9 +401,10 @@ class DDPPluginsStrategy(DDPStrategy):
             raise rendezvous_error(err, env.main_address, env.main_port, self.world_size, self._rendezvous_s) from None
         if self._rendezvous_s != self._timeout_s:  # the ranks have met: collectives get their own timeout
             _compat.set_group_timeout(self._timeout_s)
-        if self._stall[0] is not None and self.world_size > 1:
+        name_after, end_after = self._stall
+        if name_after is not None and self.world_size > 1:
             self._room = Liveness(
-                _compat.default_store(), self.global_rank, self.world_size, *self._stall,
+                _compat.default_store(), self.global_rank, self.world_size, name_after, end_after,
                 rescue=self._save_last_completed_step,
                 folder=lambda: getattr(self._trainer(), "default_root_dir", None),  # the run's folder
             ).start()  # fmt: skip
@@ -633,7 +634,9 @@ class DDPPluginsStrategy(DDPStrategy):
         self._failed(exception)
 
     def _failed(self, error: BaseException) -> None:
-        if self._room is not None:
+        # a collective that failed is a RuntimeError on every backend (gloo's are plain ones); an agreed
+        # stop (Preempted, a SystemExit) or a refusal (a ValueError) is every rank's own, and goes through
+        if self._room is not None and isinstance(error, RuntimeError):
             self._room.failed(error)  # another rank caused it: named in one line, and the job ends here
 
     @override

@@ -1,0 +1,176 @@
+"""Every stall the liveness room names, on real gloo ranks of a Lightning fit: the ranks are forked
+from the rank server (``ddp_plugins.testing``), each writes its own log; limits of 2 s (named) and
+5 s (ended) stand for the defaults' 30 s and 300 s."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+from ddp_plugins.testing import _RankServer, free_port
+
+pytestmark = pytest.mark.slow
+
+NAME, END = 2.0, 5.0
+STEP = 6  # the global step at which a case acts
+
+
+class _Net(pl.LightningModule):
+    def __init__(self, case: str, rank: int) -> None:
+        super().__init__()
+        self.case, self.rank = case, rank
+        self.layer = torch.nn.Linear(8, 2)
+        self.pair = None
+
+    def setup(self, stage: str) -> None:
+        if self.case == "collective":
+            self.pair = dist.new_group([0, 1])  # every rank makes it; only rank 1 ever calls into it
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == STEP and (self.global_rank == self.rank or self.rank == -1):
+            self._act()
+        elif self.global_step > STEP and self.case == "pause":
+            time.sleep(0.1)  # steps the room sees pass (at 0.33 s intervals) before the fit ends
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+    def _act(self) -> None:
+        case = self.case
+        if case in ("sigstop", "sigkill"):
+            os.kill(os.getpid(), getattr(signal, case.upper()))
+        elif case in ("hang", "timeout"):
+            time.sleep(600)  # inside its step, neither raising nor dying
+        elif case == "collective":
+            dist.barrier(group=self.pair)  # a collective that rank 0 never enters
+        elif case in ("long", "pause"):
+            time.sleep(NAME + 2)  # every rank ("long"), or one rank, longer than the naming limit
+        elif case == "raise":
+            raise ValueError(f"boom in training_step of rank {self.global_rank}")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(160, 8), torch.randint(0, 2, (160,)))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _fit(out_dir: str, case: str, rank: int, world_size: int, timeout: float) -> int:
+    name = NAME if timeout > NAME + END else 10 * timeout  # a short collective timeout fails first
+    strategy = DDPPluginsStrategy(
+        backend="gloo", timeout=timeout, stall_name_after=name, stall_end_after=max(END, name)
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEP + 10, default_root_dir=out_dir,
+        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_Net(case, rank))
+    return trainer.global_step
+
+
+def _run(case: str, rank: int, world_size: int = 2, timeout: float = 1800.0):
+    """Exit codes and logs by rank, the seconds the job took, and the run's folder's files."""
+    with tempfile.TemporaryDirectory(prefix="ddp_plugins_liveness_") as out_dir:
+        (Path(out_dir) / "args.pkl").write_bytes(pickle.dumps((case, rank, world_size, timeout)))
+        request = {
+            "target": f"{__name__}:_fit", "out_dir": out_dir, "world_size": world_size,
+            "env": {"MASTER_PORT": str(free_port())}, "cwd": os.getcwd(), "path": sys.path, "timeout": 90,
+        }  # fmt: skip
+        start = time.monotonic()
+        codes = _RankServer.get().run(request, 90)
+        took = time.monotonic() - start
+        logs = {r: (Path(out_dir) / f"rank{r}.log").read_text(errors="replace") for r in range(world_size)}
+        files = sorted(str(p.relative_to(out_dir)) for p in Path(out_dir).rglob("*") if p.is_file())
+    return codes, logs, took, files
+
+
+def _lines(logs):
+    """Every rank's non-blank log lines but Lightning's start-up chatter (its rank lines, device info, tips,
+    Python warnings ``file.py:N: message``): what the stall made the ranks print."""
+    chatter = (
+        r"Initializing distributed|^-+$|distributed_backend=|All distributed processes|GPU avail|TPU|Tip:|stopped: `max"
+    )
+    noise = re.compile(chatter + r"|^/\S+\.py:\d+: ")
+    lines = [(r, line) for r, text in logs.items() for line in text.splitlines()]
+    return [(r, line) for r, line in lines if line.strip() and not noise.search(line)]
+
+
+@pytest.mark.parametrize(
+    ("case", "rank", "world_size", "how", "reporter", "codes"),
+    [
+        ("sigstop", 0, 2, "the job's store (hosted there) does not answer", 1, {0: -9, 1: 1}),
+        ("sigstop", 1, 2, "its process is stopped (SIGSTOP or a debugger)", 0, {0: 1, 1: -9}),
+        ("sigstop", 2, 3, "its process is stopped (SIGSTOP or a debugger)", 0, {0: 1, 1: 1, 2: -9}),
+        ("hang", 1, 2, "it stopped progressing while the other ranks wait for it", 0, {0: 1, 1: (1, -9)}),
+        ("collective", 1, 3, "it stopped progressing while the other ranks wait for it", 0, {0: 1, 1: (1, -9), 2: 1}),
+    ],
+)
+def test_a_stall_is_named_in_one_line_then_the_job_ends(case, rank, world_size, how, reporter, codes):
+    result, logs, took, files = _run(case, rank, world_size)
+    # a stuck rank whose room still runs leaves with the others (1), or is killed first (-9)
+    assert all(result[r] in (c if isinstance(c, tuple) else (c,)) for r, c in codes.items()), f"{result}\n{logs}"
+    lines = _lines(logs)
+    assert len(lines) == 2, f"one line naming it, one ending the job, nothing else:\n{lines}"
+    (said_by, named), (_, ended) = lines
+    assert said_by == reporter and named.startswith(f"error: rank {rank} (PID "), lines
+    assert how in named and f"the job ends in {END:g} s" in named, named
+    assert ended.startswith("error: ending every rank;"), ended
+    if reporter == 0:  # rank 0 saw every rank's record and stack
+        assert "stall.txt" in files, files
+        assert re.search(r"checkpoints/step-\d+-stalled\.ckpt", ended) and any("stalled.ckpt" in f for f in files)
+
+
+@pytest.mark.parametrize(
+    ("case", "rank", "how", "codes"),
+    [
+        ("sigkill", 1, "its process is gone (killed or exited)", {0: 1, 1: -9}),
+        ("sigkill", 0, "its process is gone (killed or exited)", {0: -9, 1: 1}),
+        ("timeout", 1, "it stopped progressing while the other ranks wait for it", {0: 1, 1: -9}),
+    ],
+)
+def test_a_failed_collective_names_the_rank_that_caused_it_and_ends_the_job_at_once(case, rank, how, codes):
+    """A killed rank, or a collective timeout (3 s, before the 2 s + 5 s limits would)."""
+    result, logs, took, _ = _run(case, rank, timeout=3.0 if case == "timeout" else 1800.0)
+    assert result == codes, f"exit codes {result}\n{logs}"
+    lines = _lines(logs)
+    assert len(lines) == 2, f"one line naming it, one ending the job, nothing else:\n{lines}"
+    named, ended = lines[0][1], lines[1][1]
+    assert named.startswith(f"error: rank {rank} (PID ") and how in named, named
+    assert "; a collective failed waiting for it (RuntimeError: " in named, named  # and what the backend said
+    assert ended.startswith("error: ending every rank"), ended
+
+
+def test_a_long_step_on_every_rank_is_left_alone():
+    result, logs, _, _ = _run("long", -1)
+    assert result == {0: 0, 1: 0}, logs
+    assert _lines(logs) == [], "nothing is named when every rank is in the same long step"
+
+
+def test_a_rank_that_pauses_past_the_naming_limit_is_named_and_the_run_finishes():
+    result, logs, _, _ = _run("pause", 1)
+    assert result == {0: 0, 1: 0}, logs
+    lines = [line for _, line in _lines(logs)]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("error: rank 1 (PID ") and "the job ends in 5 s" in lines[0], lines
+    assert lines[1] == "ddp_plugins: ranks [1] progress again", lines
+
+
+def test_a_rank_that_raises_shows_its_own_traceback_and_the_other_names_it():
+    result, logs, _, _ = _run("raise", 1)
+    assert result[1] == 1 and result[0] == 1, logs
+    assert "ValueError: boom in training_step of rank 1" in logs[1], logs[1]
+    rank0 = [line for r, line in _lines(logs) if r == 0]
+    assert rank0[0].startswith("error: rank 1 (PID ") and "its process is gone" in rank0[0], rank0
+    assert "Traceback" not in logs[0], logs[0]
