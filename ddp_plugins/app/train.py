@@ -29,10 +29,10 @@ from ddp_plugins.app.config import CONFIG_MODULE, CONFIG_NAME, ConfigError, reso
 from ddp_plugins.app.hydra_args import hydra_quote, job_subprocess_cmd
 from ddp_plugins.app.precheck import load_checkpoint_safely, precheck, single_run_config
 from ddp_plugins.core import checkpoints
+from ddp_plugins.core.liveness import RendezvousError
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, is_distributed, setup_rank_logging
-from ddp_plugins.core.liveness import RendezvousError
 from ddp_plugins.lightning.data_plan import CHECKPOINT_KEY as DATA_RECORD
 from ddp_plugins.lightning.data_plan import ResumeMismatch, expected_record, resume_start
 from ddp_plugins.lightning.network import apply_network_env, restore_env
