@@ -209,7 +209,7 @@ class Liveness:
         self.interval_s = interval_s or min(5.0, name_after_s / 6)
         self.store, self.rank, self.world_size = store, rank, world_size
         self.folder, self.rescue, self._exit = folder, rescue, exit
-        self.marks, self.phase = 0, "starting"
+        self.marks, self.phase, self.waits = 0, "starting", False
         self.verdict: Verdict | None = None
         self._main = threading.main_thread().ident
         self._halt, self._ending = threading.Event(), threading.Lock()
@@ -218,13 +218,17 @@ class Liveness:
         self._thread: threading.Thread | None = None
         self._observer: Record | None = None  # rank 0's last record, as another rank saw it
         self._own: BaseException | None = None  # the error failed() let through
-        self._seq = 0
+        self._seq = self._published_marks = 0
+        self._published_at = 0.0
+        self._wake = threading.Event()
         self._host = socket.gethostname()
 
-    def mark(self, phase: str) -> None:
-        """The training thread passed a phase boundary (never waits on the store)."""
+    def mark(self, phase: str, waits: bool = False) -> None:
+        """The training thread passed a phase boundary; ``waits``: into a collective (the backward's
+        all-reduce). Published within a fifth of the interval, by the room's thread."""
         self.marks += 1
-        self.phase = phase
+        self.phase, self.waits = phase, waits
+        self._wake.set()
 
     def start(self) -> Liveness:
         self._thread = threading.Thread(target=self._run, name="ddp_plugins-liveness", daemon=True)
@@ -233,19 +237,23 @@ class Liveness:
 
     def stop(self) -> None:
         self._halt.set()
+        self._wake.set()
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.interval_s + 1)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def failed(self, error: BaseException) -> None:
-        """This rank raised ``error``. When another rank caused it (gone, silent, or behind: this
-        rank's collective failed waiting for it), name that rank in one line and end the job here
-        (exit :data:`STALL_EXIT`, no traceback); return when this rank's own code raised."""
+        """This rank raised ``error``. When another rank caused it (gone, or, while this rank waited in
+        a collective, silent or behind), name that rank in one line and end the job here (exit
+        :data:`STALL_EXIT`, no traceback); return when this rank's own code raised."""
         if error is self._own:  # judged already (the launcher asks before it stops the child ranks)
             return
         verdict, records = self.verdict or self._host_gone(), [self._observer] if self._observer else []
         try:
             if verdict is None:
+                records = self._records_now()
+                verdict = _blame(records, records, self._host, gone_only=True)
+            if verdict is None and self.waits:
                 verdict, records = self._fresh_blame()
         except Exception:  # noqa: BLE001 - the store does not answer: its host (rank 0) is gone
             verdict = Verdict((0,), "gone", 0)
@@ -253,6 +261,7 @@ class Liveness:
             self._own = error  # this rank's own error: it goes through with its traceback
             return
         self._halt.set()
+        self.rescue = None  # mid-step (the forward ran): no checkpoint of the last completed step
         if self._reports(verdict) and self.verdict is None:
             first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
             print(
@@ -270,8 +279,6 @@ class Liveness:
         before = after = self._records_now()
         deadline = time.monotonic() + 1.5 * self.interval_s
         while before and time.monotonic() < deadline:
-            if _blame(before, before, self._host, gone_only=True) is not None:
-                return _blame(before, before, self._host, gone_only=True), before
             time.sleep(min(0.2, self.interval_s / 4))
             after = self._records_now()
             if all(a.seq != b.seq for a, b in zip(after, before, strict=True) if a.rank != self.rank):
@@ -288,8 +295,19 @@ class Liveness:
         seen_at, progressed_at = [time.monotonic()] * self.world_size, [time.monotonic()] * self.world_size
         last: dict[int, tuple[int, int]] = {}
         records: list[Record] = []
-        since = 0.0  # when the stall named last began
-        while not self._halt.wait(0 if self._seq == 0 else self.interval_s):
+        since = judged = 0.0  # when the stall named last began; when the records were last judged
+        while not self._halt.is_set():
+            now, throttle = time.monotonic(), self.interval_s / 5
+            if now - judged < self.interval_s:  # between two judgements: publish marks, at most every throttle
+                if self.marks != self._published_marks and now - self._published_at >= throttle:
+                    with contextlib.suppress(Exception):  # the next judgement sees a store that fails
+                        self._publish()
+                self._wake.clear()
+                until_judged = judged + self.interval_s - time.monotonic()
+                dirty = self.marks != self._published_marks
+                self._wake.wait(max(0.0, min(until_judged, throttle) if dirty else until_judged))
+                continue
+            judged = now
             try:
                 verdict, ended = self._host_gone(), False  # no store call would answer: none is made
                 if verdict is None:
@@ -332,6 +350,7 @@ class Liveness:
 
     def _publish(self) -> None:
         self._seq += 1
+        self._published_at, self._published_marks = time.monotonic(), self.marks
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
         record = Record(self.rank, self._seq, self.marks, self.phase, os.getpid(), self._host, stack)
@@ -430,7 +449,8 @@ class Liveness:
         if store_answers:  # the others leave first: no store call of theirs fails (C++ stack dumps)
             with contextlib.suppress(Exception):
                 self._tell(verdict, end=True)
-                others = self.world_size - 1 - len(verdict.ranks)
+                # every rank whose room still runs acknowledges: a stalled rank that is only behind too
+                others = self.world_size - 1 - (len(verdict.ranks) if verdict.how != "behind" else 0)
                 deadline = time.monotonic() + 3 * self.interval_s + 2
                 while self._store(lambda: self.store.add(_LEFT, 0)) < others and time.monotonic() < deadline:
                     time.sleep(0.05)

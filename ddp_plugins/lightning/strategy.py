@@ -548,10 +548,19 @@ class DDPPluginsStrategy(DDPStrategy):
         manual optimization, weight a mean loss by ``loss_weight / accumulate_grad_batches``."""
         return self._rows
 
-    def _mark(self, phase: str) -> None:
+    def _mark(self, phase: str, waits: bool = False) -> None:
         if self._room is not None:
             trainer = self._trainer()
-            self._room.mark(f"{phase} (global step {trainer.global_step if trainer is not None else 0})")
+            self._room.mark(f"{phase} (global step {trainer.global_step if trainer is not None else 0})", waits)
+
+    def _waiting(self, phase: str, call: Callable[[], Any]) -> Any:
+        """``call()``, a collective every rank must enter, marked for the liveness room."""
+        before = self._room.phase if self._room is not None else ""
+        self._mark(phase, waits=True)
+        result = call()
+        if self._room is not None:
+            self._room.mark(before)
+        return result
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -582,12 +591,11 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._mark("a backward")  # where DDP's all-reduce waits for every rank
         parent = super().backward
-        return self._steps.backward(
+        return self._waiting("a backward", lambda: self._steps.backward(  # DDP's all-reduce waits for every rank
             closure_loss, self.lightning_module, self._rows, self.precision_plugin,
             lambda loss: parent(loss, optimizer, *args, **kwargs),
-        )  # fmt: skip
+        ))  # fmt: skip
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -601,9 +609,10 @@ class DDPPluginsStrategy(DDPStrategy):
         # it is reduced on the group's device and comes back where it was
         device, tensor = tensor.device, for_collective(tensor, group)
         parent = super().reduce
-        return self._steps.reduce(tensor, group, reduce_op, lambda t, g, op: parent(t, group=g, reduce_op=op)).to(
-            device
-        )
+        steps = self._steps
+        return self._waiting(
+            "a reduce (sync_dist)", lambda: steps.reduce(tensor, group, reduce_op, lambda t, g, op: parent(t, g, op))
+        ).to(device)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -636,7 +645,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def _failed(self, error: BaseException) -> None:
         # a collective that failed is a RuntimeError on every backend (gloo's are plain ones); an agreed
         # stop (Preempted, a SystemExit) or a refusal (a ValueError) is every rank's own, and goes through
-        if self._room is not None and isinstance(error, RuntimeError):
+        if self._room is not None and self._room.marks and isinstance(error, RuntimeError):  # after start-up
             self._room.failed(error)  # another rank caused it: named in one line, and the job ends here
 
     @override

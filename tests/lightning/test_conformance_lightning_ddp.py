@@ -104,12 +104,15 @@ def test_timeout_and_device_id_reach_init_process_group(timeout):
     trainer = Trainer(max_epochs=1, accelerator="cpu", strategy=strategy, **QUIET)
     trainer.strategy.connect(BoringModel())
     trainer.lightning_module.trainer = trainer
+    # the strategy makes the group itself (with the rendezvous timeout); Lightning then finds it made
     with mock.patch("torch.distributed.init_process_group") as init_pg:
-        trainer.strategy.setup_environment()
+        with mock.patch("torch.distributed.is_initialized", side_effect=lambda: init_pg.called):
+            trainer.strategy.setup_environment()
     env = trainer.strategy.cluster_environment
     init_pg.assert_called_once_with(
-        "gloo", rank=env.global_rank(), world_size=env.world_size(), timeout=timedelta(seconds=30), device_id=None
-    )
+        "gloo", store=None, rank=env.global_rank(), world_size=env.world_size(), timeout=timedelta(seconds=30),
+        device_id=None,
+    )  # fmt: skip
     assert trainer.strategy.process_group_backend == "gloo"  # resolved by setup_distributed, as in Lightning
 
 

@@ -53,20 +53,22 @@ class _UserSyncBatchNorm(TorchSyncBatchNorm):
     ("kwargs", "expected"),
     [
         ({"sync_batchnorm": True}, SyncBatchNormPlugin),  # the documented swap
-        ({"plugins": [TorchSyncBatchNorm()]}, TorchSyncBatchNorm),  # an explicit plugin is kept
-        ({"plugins": TorchSyncBatchNorm()}, TorchSyncBatchNorm),
-        ({"plugins": [_UserSyncBatchNorm()]}, _UserSyncBatchNorm),
+        ({"plugins": [TorchSyncBatchNorm()]}, SyncBatchNormPlugin),  # torch's exact class: the drop-in too
+        ({"plugins": TorchSyncBatchNorm()}, SyncBatchNormPlugin),
+        ({"plugins": [_UserSyncBatchNorm()]}, _UserSyncBatchNorm),  # a subclass is the user's own: kept
         ({"plugins": [_UserSyncBatchNorm()], "sync_batchnorm": True}, _UserSyncBatchNorm),
-        ({"plugins": [TorchSyncBatchNorm()], "sync_batchnorm": True}, TorchSyncBatchNorm),
+        ({"plugins": [TorchSyncBatchNorm()], "sync_batchnorm": True}, SyncBatchNormPlugin),
         ({}, type(None)),
     ],
 )
-def test_only_sync_batchnorm_true_swaps_in_our_plugin(kwargs, expected):
+def test_torch_s_sync_batchnorm_plugin_becomes_the_drop_in_and_a_subclass_is_kept(kwargs, expected):
+    """No stack frame is read to tell `sync_batchnorm=True` from `plugins=[TorchSyncBatchNorm()]`: torch's exact
+    class is swapped for the device-agnostic drop-in either way (docs/plugins.md, SyncBN)."""
     from lightning.pytorch import Trainer
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPPluginsStrategy(backend="gloo"), logger=False, **kwargs)
     layer_sync = trainer.strategy._layer_sync
     assert type(layer_sync) is expected
     explicit = kwargs.get("plugins")
-    if explicit is not None:
-        assert layer_sync is (explicit[0] if isinstance(explicit, list) else explicit), "the user's own object"
+    if expected is _UserSyncBatchNorm:
+        assert layer_sync is explicit[0], "the user's own object"
