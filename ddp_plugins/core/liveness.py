@@ -1,7 +1,5 @@
-"""One liveness room for a job: every rank publishes one progress record, one observer judges them,
-a stall is named within ``name_after_s`` and the job ended only after ``end_after_s``.
-
-Rationale in docs/design.md ("When a rank fails or stops")."""
+"""One liveness room for a job: one progress record per rank, one judge, a stall named within
+``name_after_s`` and the job ended after ``end_after_s``. Rationale: docs/design.md ("one liveness room")."""
 
 from __future__ import annotations
 
@@ -36,22 +34,31 @@ __all__ = [
 STALL_EXIT = 1
 _KEY = "ddp_plugins/liveness/"
 _VERDICT, _LEFT = f"{_KEY}verdict", f"{_KEY}left"
+_NEVER = float("-inf")
+_HOW = {
+    "gone": "its process is gone (killed or exited)",
+    "stopped": "its process is stopped (SIGSTOP or a debugger)",
+    "busy": "its process runs but publishes nothing (a C call holding Python's GIL)",
+    "silent": "it publishes nothing (stopped, killed or holding the GIL: another host, not told apart)",
+    "behind": "it stopped progressing while the other ranks wait for it",
+    "store": "the job's store (hosted there) does not answer",
+}
 
 
 class Record(NamedTuple):
-    """What a rank publishes every interval: how far its training thread got, and where it is."""
+    """What a rank publishes: publications so far (``seq``), phase boundaries passed (``marks``), where it is."""
 
     rank: int
-    seq: int  # publications so far: stops advancing when the process (or its Python threads) stops
-    marks: int  # phase boundaries and collectives passed, in order: stops advancing when the rank is stuck
-    phase: str  # where the training thread is, such as "training step 37" or "in reduce (sync_dist)"
+    seq: int
+    marks: int
+    phase: str
     pid: int
     host: str
     stack: str = ""  # the training thread's stack when published, innermost last
 
 
 class Verdict(NamedTuple):
-    """The ranks that stopped, how, and for how long (``how``: see :func:`judge`)."""
+    """The ranks that stopped, how (a key of the judge's kinds) and for how long."""
 
     ranks: tuple[int, ...]
     how: str
@@ -61,16 +68,6 @@ class Verdict(NamedTuple):
         """One line naming the ranks (``records`` by rank)."""
         who = ", ".join(f"rank {r} (PID {records[r].pid} on {records[r].host}, {records[r].phase})" for r in self.ranks)
         return f"{who}: {_HOW[self.how]}" + (f" for {self.seconds:.0f} s" if self.seconds else "")
-
-
-_HOW = {
-    "gone": "its process is gone (killed or exited)",
-    "stopped": "its process is stopped (SIGSTOP or a debugger)",
-    "busy": "its process runs but publishes nothing (a C call holding Python's GIL)",
-    "silent": "it publishes nothing (stopped, killed or holding the GIL: another host, not told apart)",
-    "behind": "it stopped progressing while the other ranks wait for it",
-    "store": "the job's store (hosted there) does not answer",
-}
 
 
 class RendezvousError(RuntimeError):
@@ -88,10 +85,9 @@ def rendezvous_error(
         >>> print(rendezvous_error(err, "127.0.0.1", 29500, 4, 15))  # doctest: +ELLIPSIS
         the 4 ranks did not all meet at 127.0.0.1:29500 within the timeout (15 s): Timed out after 16 seconds ...
     """
-    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     return RendezvousError(
         f"the {world_size} ranks did not all meet at {address}:{port} within the timeout ({timeout_s:g} s):"
-        f" {first} Check that every node started and can reach that address."
+        f" {_first_line(error)} Check that every node started and can reach that address."
     )
 
 
@@ -103,13 +99,13 @@ def judge(
     after_s: float,
     states: Sequence[str | None] = (),
 ) -> Verdict | None:
-    """The verdict on the ranks' records, from one observer's clock (``None``: nothing to name).
+    """The verdict on the ranks' records (``None``: nothing to name), from one observer's clock.
 
-    ``seen_at[r]`` is when rank ``r``'s ``seq`` last changed, ``progressed_at[r]`` when its
-    ``marks`` did, ``states[r]`` its process's :func:`process_state` where the observer can see it.
-    A gone process is named at once; a rank that published nothing for ``after_s`` is stopped, busy
-    or silent; else, when no rank's marks moved for ``after_s`` and some rank passed more, the ranks
-    with the fewest are behind. Every rank at the same mark is one long step: no verdict.
+    ``seen_at[r]``: when rank ``r``'s ``seq`` last changed; ``progressed_at[r]``: when its ``marks``
+    did; ``states[r]``: its :func:`process_state`, where the observer can see it. A gone process is
+    named at once; a rank that published nothing for ``after_s`` is stopped, busy or silent; when no
+    rank's marks moved for ``after_s`` and some rank passed more, the ranks with the fewest are
+    behind. Every rank at the same mark is one long step: no verdict.
 
     Example::
 
@@ -125,24 +121,19 @@ def judge(
     """
     state = list(states) + [None] * (len(records) - len(states))
     gone = [r.rank for r in records if state[r.rank] == "gone"]
-    if gone:
-        return Verdict(tuple(gone), "gone", max(now - seen_at[r] for r in gone))
-    silent = [r.rank for r in records if now - seen_at[r.rank] > after_s]
-    if silent:
-        kinds = {state[r] or "silent" for r in silent}
-        how = kinds.pop() if len(kinds) == 1 else "silent"
-        return Verdict(tuple(silent), how, max(now - seen_at[r] for r in silent))
-    quiet = now - max(progressed_at)
+    for ranks in (gone, [r.rank for r in records if now - seen_at[r.rank] > after_s]):
+        if ranks:
+            how = {state[r] or "silent" for r in ranks}
+            seconds = max(now - seen_at[r] for r in ranks)
+            return Verdict(tuple(ranks), how.pop() if len(how) == 1 else "silent", seconds)
     fewest = min(r.marks for r in records)
     behind = tuple(r.rank for r in records if r.marks == fewest)
-    if quiet <= after_s or len(behind) == len(records):
-        return None
-    return Verdict(behind, "behind", quiet)
+    quiet = now - max(progressed_at)
+    return Verdict(behind, "behind", quiet) if quiet > after_s and len(behind) < len(records) else None
 
 
 def process_state(pid: int) -> str | None:
-    """``"gone"``, ``"stopped"``, ``"busy"`` (running) or ``None`` (not on this host, or unknown),
-    from ``/proc/<pid>/stat`` on Linux.
+    """``"gone"``, ``"stopped"``, ``"busy"`` (alive) or ``None`` (unknown), from Linux's ``/proc/<pid>/stat``.
 
     Example::
 
@@ -155,30 +146,28 @@ def process_state(pid: int) -> str | None:
         return "gone"
     except OSError:
         return None
-    code = text.rpartition(")")[2].split()[0]
-    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(code, "busy")
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(text.rpartition(")")[2].split()[0], "busy")
 
 
 class Liveness:
     """The room: name a stalled rank within ``name_after_s``, end the job after ``end_after_s``.
 
-    The training thread calls :meth:`mark` at each phase boundary (a step begins, a backward, a
-    collective entered or left). A daemon thread publishes this rank's :class:`Record` every
-    ``interval_s`` (one store write); the observer (rank 0) reads every rank's and :func:`judge` s
-    them; every other rank reads the verdict key and the observer's record (a frozen observer is
-    named by rank 1). A store that does not answer within ``name_after_s`` is itself a verdict on
-    its host. On a verdict the reporting rank prints one line and writes every rank's last record
-    and stack to ``folder/stall.txt``; at ``end_after_s`` (at once once a collective failed) it
-    writes ``rescue()``'s checkpoint, kills the stalled ranks on its host, and every rank exits
-    with :data:`STALL_EXIT` without a traceback.
+    The training thread calls :meth:`mark` at each phase boundary. A daemon thread publishes this
+    rank's :class:`Record` (one store write per interval, and marks within a fifth of one); rank 0
+    reads every rank's and :func:`judge` s them; every other rank reads rank 0's record (rank 1 names
+    a silent rank 0) and the verdict. A store that does not answer within ``name_after_s`` is a
+    verdict on its host. The lowest rank a verdict does not name prints one line and writes every
+    rank's last record and stack to ``folder/stall.txt``; at ``end_after_s`` it writes ``rescue()``'s
+    checkpoint, kills the stalled ranks on its host, and every rank exits with :data:`STALL_EXIT`.
+    :meth:`failed` ends the job at once when another rank made this one's collective fail.
 
     Args:
         store: the job's store (the default process group's).
         name_after_s: seconds without progress before a stall is named.
-        end_after_s: seconds before the job is ended (``None``: named only, never ended).
+        end_after_s: seconds before the job is ended (``None``: named only).
         folder: where ``stall.txt`` goes (a callable is asked when it is written); ``None``: none.
-        rescue: called on the reporting rank before the job ends; returns what it saved, or ``None``.
-        exit: how a rank ends the job (``os._exit`` by default; a test passes its own).
+        rescue: called by the reporting rank before it ends the job; returns what it saved, or ``None``.
+        exit: how a rank ends the job (``os._exit``; a test passes its own).
 
     Example::
 
@@ -202,30 +191,25 @@ class Liveness:
         exit: Callable[[int], Any] = os._exit,
     ) -> None:
         self.name_after_s = check_number("name_after_s", name_after_s, 0, exclusive_minimum=True)
-        check_number("end_after_s", end_after_s, 0, exclusive_minimum=True, allow_none=True)
+        check_number("end_after_s", end_after_s, 0, allow_none=True)
         if end_after_s is not None and end_after_s < name_after_s:
             raise ArgumentValueError("end_after_s", f"None or at least name_after_s ({name_after_s:g})", end_after_s)
-        self.end_after_s = end_after_s
-        self.interval_s = interval_s or min(5.0, name_after_s / 6)
+        self.end_after_s, self.interval_s = end_after_s, interval_s or min(5.0, name_after_s / 6)
         self.store, self.rank, self.world_size = store, rank, world_size
         self.folder, self.rescue, self._exit = folder, rescue, exit
         self.marks, self.phase, self.waits = 0, "starting", False
         self.verdict: Verdict | None = None
-        self._main = threading.main_thread().ident
-        self._halt, self._ending = threading.Event(), threading.Lock()
-        self._ended = False
+        self._main, self._host = threading.main_thread().ident, socket.gethostname()
+        self._halt, self._wake, self._ending = threading.Event(), threading.Event(), threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddp_plugins-liveness-store")
         self._thread: threading.Thread | None = None
-        self._observer: Record | None = None  # rank 0's last record, as another rank saw it
+        self._observer: Record | None = None  # rank 0's last record, as another rank read it
         self._own: BaseException | None = None  # the error failed() let through
         self._seq = self._published_marks = 0
-        self._published_at = 0.0
-        self._wake = threading.Event()
-        self._host = socket.gethostname()
+        self._published_at, self._ended = 0.0, False
 
     def mark(self, phase: str, waits: bool = False) -> None:
-        """The training thread passed a phase boundary; ``waits``: into a collective (the backward's
-        all-reduce). Published within a fifth of the interval, by the room's thread."""
+        """The training thread passed a phase boundary; ``waits``: into a collective every rank enters."""
         self.marks += 1
         self.phase, self.waits = phase, waits
         self._wake.set()
@@ -243,82 +227,83 @@ class Liveness:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def failed(self, error: BaseException) -> None:
-        """This rank raised ``error``. When another rank caused it (gone, or, while this rank waited in
-        a collective, silent or behind), name that rank in one line and end the job here (exit
-        :data:`STALL_EXIT`, no traceback); return when this rank's own code raised."""
+        """This rank raised ``error``. Where another rank caused it (its process is gone, or, while this
+        rank waited in a collective, it is silent or behind), name it in one line and end the job here
+        (no traceback, no rescue: the step is half done); return where this rank's own code raised."""
         if error is self._own:  # judged already (the launcher asks before it stops the child ranks)
             return
         verdict, records = self.verdict or self._host_gone(), [self._observer] if self._observer else []
         try:
             if verdict is None:
                 records = self._records_now()
-                verdict = _blame(records, records, self._host, gone_only=True)
-            if verdict is None and self.waits:
-                verdict, records = self._fresh_blame()
-        except Exception:  # noqa: BLE001 - the store does not answer: its host (rank 0) is gone
+                now = time.monotonic()
+                verdict = judge(records, [now] * len(records), [now] * len(records), now, 1, self._states(records))
+            if verdict is None and self.waits and records:
+                verdict, records = self._blame_afresh()
+        except Exception:  # noqa: BLE001 - the store does not answer: its host, rank 0, is gone
             verdict = Verdict((0,), "gone", 0)
         if verdict is None or self.rank in verdict.ranks:
-            self._own = error  # this rank's own error: it goes through with its traceback
+            self._own = error
             return
         self._halt.set()
-        self.rescue = None  # mid-step (the forward ran): no checkpoint of the last completed step
+        self.rescue = None
         if self._reports(verdict) and self.verdict is None:
-            first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-            print(
-                f"error: {verdict.line(_by_rank(records, verdict))}; a collective failed waiting for it"
-                f" ({type(error).__name__}: {first[:200]})",
-                file=sys.stderr,
-                flush=True,
-            )
+            line = verdict.line(_by_rank(records, verdict))
+            print(f"error: {line}; a collective failed waiting for it ({type(error).__name__}: {_first_line(error)})",
+                  file=sys.stderr, flush=True)  # fmt: skip
         self._end(verdict, records)
 
-    def _fresh_blame(self) -> tuple[Verdict | None, list[Record]]:
-        """The blame on records every rank published after this one failed (each within an interval);
-        a rank that publishes nothing more in 1.5 intervals is silent, a process gone is named at once."""
+    def _blame_afresh(self) -> tuple[Verdict | None, list[Record]]:
+        """Judge records every rank published after this one failed (within 1.5 intervals): who did not
+        publish is silent; else the ranks behind the others."""
         self._publish()
         before = after = self._records_now()
         deadline = time.monotonic() + 1.5 * self.interval_s
-        while before and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             time.sleep(min(0.2, self.interval_s / 4))
             after = self._records_now()
             if all(a.seq != b.seq for a, b in zip(after, before, strict=True) if a.rank != self.rank):
                 break
-        return _blame(before, after, self._host, self.rank), after
+        now = time.monotonic()
+        seen = [now if a.seq != b.seq or a.rank == self.rank else _NEVER for a, b in zip(after, before, strict=True)]
+        verdict = judge(after, seen, [_NEVER] * len(after), now, 0, self._states(after))
+        return (verdict._replace(seconds=0) if verdict else None), after
 
     # the room's thread
 
     def _store(self, call: Callable[[], Any]) -> Any:
-        """One store call, given up after ``name_after_s``: a store that does not answer is a verdict."""
+        """One store call, given up after ``name_after_s`` (``TimeoutError``: the store does not answer)."""
         return self._pool.submit(call).result(timeout=self.name_after_s)
+
+    def _states(self, records: Sequence[Record]) -> list[str | None]:
+        return [process_state(r.pid) if r.host == self._host else None for r in records]
 
     def _run(self) -> None:
         seen_at, progressed_at = [time.monotonic()] * self.world_size, [time.monotonic()] * self.world_size
         last: dict[int, tuple[int, int]] = {}
         records: list[Record] = []
-        since = judged = 0.0  # when the stall named last began; when the records were last judged
+        since = judged = 0.0  # when the stall named began; when the records were last judged
         while not self._halt.is_set():
             now, throttle = time.monotonic(), self.interval_s / 5
-            if now - judged < self.interval_s:  # between two judgements: publish marks, at most every throttle
+            if now - judged < self.interval_s:  # between two judgements: publish new marks, once per throttle
                 if self.marks != self._published_marks and now - self._published_at >= throttle:
-                    with contextlib.suppress(Exception):  # the next judgement sees a store that fails
+                    with contextlib.suppress(Exception):  # the judgement sees a store that fails
                         self._publish()
                 self._wake.clear()
-                until_judged = judged + self.interval_s - time.monotonic()
-                dirty = self.marks != self._published_marks
-                self._wake.wait(max(0.0, min(until_judged, throttle) if dirty else until_judged))
+                wait = judged + self.interval_s - time.monotonic()
+                self._wake.wait(max(0.0, min(wait, throttle) if self.marks != self._published_marks else wait))
                 continue
-            judged = now
+            judged, ended = now, False
             try:
-                verdict, ended = self._host_gone(), False  # no store call would answer: none is made
+                verdict = self._host_gone()  # no store call would answer: none is made
                 if verdict is None:
                     self._publish()
                     if self.rank == 0:
-                        records = self._observe(seen_at, progressed_at, last)
-                        verdict = self._judge(records, seen_at, progressed_at)
+                        records, verdict = self._observe(seen_at, progressed_at, last)
                     else:
                         records, verdict, ended = self._follow(records, seen_at)
             except TimeoutError:
-                verdict, ended = Verdict((0,), "store", self.name_after_s), False
+                verdict = Verdict((0,), "store", self.name_after_s)
             except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to watch
                 return
             if ended:
@@ -332,8 +317,7 @@ class Liveness:
                 self.verdict = None
                 continue
             if self.verdict is None or verdict.ranks != self.verdict.ranks:
-                since = time.monotonic() - verdict.seconds
-                self.verdict = verdict
+                since, self.verdict = time.monotonic() - verdict.seconds, verdict
                 if self._reports(verdict):
                     self._name(verdict, records)
             due = self.end_after_s is not None and time.monotonic() - since >= self.end_after_s
@@ -342,112 +326,105 @@ class Liveness:
                 return
 
     def _host_gone(self) -> Verdict | None:
-        """Rank 0 (the store's host) is gone, as another rank on its host sees it in ``/proc``."""
+        """Rank 0, the store's host, is gone, as a rank on its host sees in ``/proc``."""
         observer = self._observer
-        if observer is None or observer.host != self._host or process_state(observer.pid) != "gone":
-            return None
-        return Verdict((0,), "gone", 0)
+        gone = observer is not None and observer.host == self._host and process_state(observer.pid) == "gone"
+        return Verdict((0,), "gone", 0) if gone else None
 
     def _publish(self) -> None:
         self._seq += 1
         self._published_at, self._published_marks = time.monotonic(), self.marks
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
-        record = Record(self.rank, self._seq, self.marks, self.phase, os.getpid(), self._host, stack)
-        text = json.dumps(record._asdict())
+        text = json.dumps(
+            Record(self.rank, self._seq, self.marks, self.phase, os.getpid(), self._host, stack)._asdict()
+        )
         self._store(lambda: self.store.set(f"{_KEY}{self.rank}", text))
 
     def _records_now(self) -> list[Record]:
+        """Every rank's record (empty until every rank published)."""
         keys = [f"{_KEY}{rank}" for rank in range(self.world_size)]
         if not self._store(lambda: self.store.check(keys)):
             return []
         return [Record(**json.loads(value)) for value in self._store(lambda: self.store.multi_get(keys))]
 
-    def _observe(self, seen_at: list[float], progressed_at: list[float], last: dict) -> list[Record]:
-        """Rank 0: every rank's record, and when each last published and progressed."""
-        records = self._records_now()  # empty until every rank published: judged from the next round
-        now = time.monotonic()
+    def _observe(self, seen_at: list[float], progressed_at: list[float], last: dict) -> tuple[list[Record], Any]:
+        """Rank 0: every rank's record, the verdict on them, told to the other ranks when it changes."""
+        records, now = self._records_now(), time.monotonic()
         for record in records:
             seq, marks = last.get(record.rank, (-1, -1))
-            if record.seq != seq:
-                seen_at[record.rank] = now
-            if record.marks != marks:
-                progressed_at[record.rank] = now
+            seen_at[record.rank] = now if record.seq != seq else seen_at[record.rank]
+            progressed_at[record.rank] = now if record.marks != marks else progressed_at[record.rank]
             last[record.rank] = (record.seq, record.marks)
-        return records
-
-    def _judge(self, records: list[Record], seen_at: list[float], progressed_at: list[float]) -> Verdict | None:
-        """Rank 0: the verdict, published to the other ranks when it changes."""
-        if not records:
-            return None
-        states = [process_state(r.pid) if r.host == self._host else None for r in records]
-        verdict = judge(records, seen_at, progressed_at, time.monotonic(), self.name_after_s, states)
+        verdict = (
+            judge(records, seen_at, progressed_at, now, self.name_after_s, self._states(records)) if records else None
+        )
         if verdict is None and self.verdict is not None:
             self._store(lambda: self.store.delete_key(_VERDICT))
         elif verdict is not None and (self.verdict is None or verdict.ranks != self.verdict.ranks):
             self._tell(verdict, end=False)
-        return verdict
+        return records, verdict
 
     def _tell(self, verdict: Verdict, end: bool) -> None:
         text = json.dumps({"ranks": list(verdict.ranks), "how": verdict.how, "end": end})
         self._store(lambda: self.store.set(_VERDICT, text))
 
     def _follow(self, records: list[Record], seen_at: list[float]) -> tuple[list[Record], Verdict | None, bool]:
-        """Any other rank: rank 0's record (rank 1 names a silent rank 0) and the verdict key."""
+        """Any other rank: rank 0's record and the verdict key."""
         observer = self._observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
         now = time.monotonic()
-        if not records or observer.seq != records[0].seq:
-            seen_at[0] = now
-        told = None
-        if self._store(lambda: self.store.check([_VERDICT])):
-            told = json.loads(self._store(lambda: self.store.get(_VERDICT)))
+        seen_at[0] = now if not records or observer.seq != records[0].seq else seen_at[0]
+        told = json.loads(self._store(lambda: self.store.get(_VERDICT))) if self._store(
+            lambda: self.store.check([_VERDICT])
+        ) else None  # fmt: skip
         if told is not None and told["end"]:
             return [observer], None, True
-        if now - seen_at[0] > self.name_after_s:  # the observer itself is silent: rank 1 names it
-            state = process_state(observer.pid) if observer.host == self._host else None
+        if now - seen_at[0] > self.name_after_s:  # rank 0 itself is silent
+            state = self._states([observer])[0]
             return [observer], Verdict((0,), state or "silent", now - seen_at[0]), False
-        if told is not None:
-            return [observer], Verdict(tuple(told["ranks"]), told["how"], self.name_after_s), False
-        return [observer], None, False
+        verdict = Verdict(tuple(told["ranks"]), told["how"], self.name_after_s) if told is not None else None
+        return [observer], verdict, False
 
     def _reports(self, verdict: Verdict) -> bool:
-        """The lowest rank the verdict does not name names it (and ends the job)."""
+        """The lowest rank a verdict does not name names it and ends the job."""
         return self.rank == min(set(range(self.world_size)) - set(verdict.ranks))
 
     def _name(self, verdict: Verdict, records: list[Record]) -> None:
-        named = _by_rank(records, verdict)
         folder = self.folder() if callable(self.folder) else self.folder
         dump = _dump(verdict, records, folder) if folder is not None and records else None
         ends = f"in {self.end_after_s:g} s" if self.end_after_s else "never"
         where = f"; every rank's last record and stack: {dump}" if dump else ""
-        print(f"error: {verdict.line(named)}; the job ends {ends}{where}", file=sys.stderr, flush=True)
+        print(
+            f"error: {verdict.line(_by_rank(records, verdict))}; the job ends {ends}{where}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _end(self, verdict: Verdict, records: list[Record]) -> None:
-        """The reporting rank: the rescue checkpoint, the stalled ranks on this host killed, the others told.
-        Once per rank: the room's thread and the training thread (whose collective then failed) both come here."""
-        with self._ending:  # the second caller waits here until the first has ended the process
+        """Once per rank (the room's thread and the training thread may both come here), then exit."""
+        with self._ending:  # a second caller waits here until the first has ended the process
             if not self._ended:
                 self._ended = True
                 self._end_once(verdict, records)
         self._exit(STALL_EXIT)
 
     def _end_once(self, verdict: Verdict, records: list[Record]) -> None:
+        """The reporter writes the rescue, tells the others and waits until they left the store (their
+        store calls would fail with torch's C++ stack dumps), then kills the stalled ranks on its host."""
         store_answers = verdict.how != "store" and not (0 in verdict.ranks and verdict.how == "gone")
         if not self._reports(verdict):
-            if store_answers:
-                with contextlib.suppress(Exception):  # the reporter leaves the store last
+            with contextlib.suppress(Exception):
+                if store_answers:
                     self._store(lambda: self.store.add(_LEFT, 1))
             return
-        saved = None
-        if self.rescue is not None:
-            try:
-                saved = self.rescue()
-            except Exception as error:  # noqa: BLE001 - the job ends all the same; say why nothing was saved
-                saved = f"none written ({type(error).__name__}: {error})"
+        try:
+            saved = self.rescue() if self.rescue is not None else None
+        except Exception as error:  # noqa: BLE001 - the job ends all the same; say why nothing was saved
+            saved = f"none written ({type(error).__name__}: {error})"
         resume = f"checkpoint of the last completed step: {saved}" if saved else "it resumes from its newest"
         print(f"error: ending every rank; {resume}", file=sys.stderr, flush=True)
-        if store_answers:  # the others leave first: no store call of theirs fails (C++ stack dumps)
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            if store_answers:
                 self._tell(verdict, end=True)
                 # every rank whose room still runs acknowledges: a stalled rank that is only behind too
                 others = self.world_size - 1 - (len(verdict.ranks) if verdict.how != "behind" else 0)
@@ -460,40 +437,13 @@ class Liveness:
                     os.kill(record.pid, signal.SIGKILL)
 
 
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)[:200]
+
+
 def _by_rank(records: Sequence[Record], verdict: Verdict) -> list[Record]:
     by_rank = {r.rank: r for r in records}
     return [by_rank.get(r, Record(r, 0, 0, "unknown", 0, "?")) for r in range(max(verdict.ranks) + 1)]
-
-
-def _blame(
-    before: Sequence[Record], after: Sequence[Record], host: str, me: int = -1, gone_only: bool = False
-) -> Verdict | None:
-    """Who made a collective fail, from two reads of the records: gone ranks (seen from this host),
-    then ranks that published nothing between the reads, then the ranks behind the others that did
-    not move between the reads (``me``, the rank that asks, is not silent and may be behind).
-
-    Example::
-
-        >>> rec = lambda rank, seq, marks: Record(rank, seq, marks, "training step 3", 1, "h")
-        >>> _blame([rec(0, 5, 9), rec(1, 5, 8)], [rec(0, 6, 9), rec(1, 5, 8)], "other host")
-        Verdict(ranks=(1,), how='silent', seconds=0)
-        >>> _blame([rec(0, 5, 9), rec(1, 5, 8)], [rec(0, 6, 9), rec(1, 6, 8)], "other host")
-        Verdict(ranks=(1,), how='behind', seconds=0)
-    """
-    if not after:
-        return None
-    states = [process_state(r.pid) if r.host == host else None for r in after]
-    gone = tuple(r.rank for r in after if states[r.rank] == "gone")
-    if gone or gone_only:
-        return Verdict(gone, "gone", 0) if gone else None
-    silent = tuple(a.rank for a, b in zip(after, before, strict=True) if a.seq == b.seq and a.rank != me)
-    if silent:
-        kinds = {states[r] or "silent" for r in silent}
-        return Verdict(silent, kinds.pop() if len(kinds) == 1 else "silent", 0)
-    fewest = min(r.marks for r in after)
-    behind = tuple(r.rank for r in after if r.marks == fewest)
-    moved = any(a.marks != b.marks for a, b in zip(after, before, strict=True) if a.rank in behind and a.rank != me)
-    return Verdict(behind, "behind", 0) if len(behind) < len(after) and not moved else None
 
 
 def _dump(verdict: Verdict, records: list[Record], folder: str | os.PathLike) -> str | None:
@@ -501,9 +451,8 @@ def _dump(verdict: Verdict, records: list[Record], folder: str | os.PathLike) ->
     lines = [f"ranks {list(verdict.ranks)}: {_HOW[verdict.how]} ({verdict.seconds:.0f} s)"]
     for r in records:
         lines += [f"\nrank {r.rank} (PID {r.pid} on {r.host}), marks {r.marks}, last: {r.phase}", r.stack]
-    path = Path(folder) / "stall.txt"
     try:
-        write_text_atomic(path, "\n".join(lines))
+        write_text_atomic(Path(folder) / "stall.txt", "\n".join(lines))
     except OSError:
         return None
-    return str(path)
+    return str(Path(folder) / "stall.txt")
