@@ -4,6 +4,7 @@ from the rank server (``ddp_plugins.testing``), each writes its own log; limits 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import re
@@ -41,7 +42,7 @@ class _Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         if self.global_step == STEP and (self.global_rank == self.rank or self.rank == -1):
             self._act()
-        elif self.global_step > STEP and self.case == "pause":
+        elif self.global_step > STEP and self.case in ("pause", "gil"):
             time.sleep(0.1)  # steps the room sees pass (at 0.33 s intervals) before the fit ends
         x, y = batch
         return torch.nn.functional.cross_entropy(self.layer(x), y)
@@ -56,6 +57,8 @@ class _Net(pl.LightningModule):
             dist.barrier(group=self.pair)  # a collective that rank 0 never enters
         elif case in ("long", "pause"):
             time.sleep(NAME + 2)  # every rank ("long"), or one rank, longer than the naming limit
+        elif case == "gil":
+            ctypes.PyDLL(None).sleep(int(NAME + 2))  # a C call that keeps the GIL: no thread of it runs
         elif case == "raise":
             raise ValueError(f"boom in training_step of rank {self.global_rank}")
 
@@ -164,12 +167,19 @@ def test_a_long_step_on_every_rank_is_left_alone():
     assert _lines(logs) == [], "nothing is named when every rank is in the same long step"
 
 
-def test_a_rank_that_pauses_past_the_naming_limit_is_named_and_the_run_finishes():
-    result, logs, _, _ = _run("pause", 1)
+@pytest.mark.parametrize(
+    ("case", "how"),
+    [
+        ("pause", "it stopped progressing while the other ranks wait for it"),
+        ("gil", "its process runs but publishes nothing (a C call holding Python's GIL)"),  # not 'stopped'
+    ],
+)
+def test_a_rank_that_pauses_past_the_naming_limit_is_named_and_the_run_finishes(case, how):
+    result, logs, _, _ = _run(case, 1)
     assert result == {0: 0, 1: 0}, logs
     lines = [line for _, line in _lines(logs)]
     assert len(lines) == 2, lines
-    assert lines[0].startswith("error: rank 1 (PID ") and "the job ends in 5 s" in lines[0], lines
+    assert lines[0].startswith("error: rank 1 (PID ") and how in lines[0] and "the job ends in 5 s" in lines[0], lines
     assert lines[1] == "ddp_plugins: ranks [1] progress again", lines
 
 
