@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -156,3 +157,17 @@ def _no_collectives(rank, world_size):
 def test_rank_aware_seed_state_dict_issues_no_collective(dist_pool):
     for world_size, keys in dist_pool.run(_no_collectives):
         assert world_size == 2 and keys == ["numpy", "python", "torch", "torch.cuda"]
+
+
+def test_rescue_checkpoints_of_the_liveness_room_are_pruned_with_the_step_checkpoints(tmp_path):
+    """A stalled run left ``step-N-stalled.ckpt`` files: the next run's step checkpoints count them
+    (the newest ``keep`` of both are kept), as preemption checkpoints are counted."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("step-1-stalled.ckpt", "step-3-stalled.ckpt"):
+        (folder / name).write_bytes(b"an older run's rescue")
+        time.sleep(0.01)  # write order: by modification time where the checkpoint IO recorded none
+    trainer = _trainer(tmp_path, PreemptionCheckpoint(every_n_train_steps=2, keep=2))
+    trainer.fit(BoringModel())
+    names = sorted(p.name for p in folder.glob("*.ckpt"))
+    assert names == ["step-6.ckpt", "step-8.ckpt"], names
