@@ -4,10 +4,9 @@
 (no hook, the anchor), ``fp16`` and ``powersgd`` (rank 4, compressing from step 2), built by
 :func:`ddp_plugins.core.build_comm_hook`, in one run, on ranks started by
 :func:`ddp_plugins.core.spawn`. Bytes are every ``torch.distributed.all_reduce`` tensor during the
-timed steps, counted in all threads by :func:`ddp_plugins.core.count_collectives` (PowerSGD issues
-two of its three all-reduces from future callbacks, which the per-hook ``CountingCommHook`` does
-not see); the anchor uses torch's ``allreduce_hook``, the Python twin of DDP's built-in all-reduce,
-so it is counted too. Prints ratios against the anchor and a markdown table for docs/benchmarks.md.
+timed steps, counted in all threads (PowerSGD's callbacks too) by the tests'
+``count_collectives``; the anchor uses torch's ``allreduce_hook``, the Python twin of DDP's
+built-in all-reduce, so it is counted too. Prints ratios against the anchor and a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_plugins.core import build_comm_hook, count_collectives, run_main
+from ddp_plugins.core import build_comm_hook, run_main
 from ddp_plugins.testing import spawn
+from tests.helpers.collectives import count_collectives
 
 HOOKS = ("none", "fp16", "powersgd")
 WARMUP, STEPS, BATCH = 3, 12, 32

@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from ddp_plugins.core import count_collectives, distributed_concat, run_main
+from ddp_plugins.core import distributed_concat, run_main
 from ddp_plugins.testing import spawn
+from tests.helpers.collectives import count_collectives
 
 SIZES = (1_000, 10_000, 1_000_000)
 CLASSES = 10

@@ -16,7 +16,7 @@ Fair to every variant: each rank runs with ``THREADS`` intra-op thread(s) (set h
 barrier, and a step's time is that of the slower rank (what a DDP step waits for; unsynchronized
 plain BN would otherwise be timed on one rank only). The variants alternate in rounds in one run
 (so load on the machine hits them alike); time is the median step. Collectives are counted with
-:func:`ddp_plugins.core.count_collectives` during one step.
+``count_collectives`` (tests/helpers/collectives.py) during one step.
 
     .venv/bin/python benchmarks/bench_sync_batchnorm.py
     python benchmarks/bench_sync_batchnorm.py --share-gpu  # both ranks on cuda:0 over gloo (make gpu-check)
@@ -41,8 +41,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddp_plugins.core import convert_sync_batchnorm, count_collectives, run_main
+from ddp_plugins.core import convert_sync_batchnorm, run_main
 from ddp_plugins.testing import spawn
+from tests.helpers.collectives import count_collectives
 
 BATCHES = (8, 32)
 ROUNDS = 6

@@ -20,11 +20,9 @@ from ddp_plugins.core.checks import (
 from ddp_plugins.core.collectives import distributed_concat
 from ddp_plugins.core.comm_hooks import (
     COMM_HOOKS,
-    CollectiveCounts,
     CountingCommHook,
     build_comm_hook,
     check_comm_hook,
-    count_collectives,
 )
 from ddp_plugins.core.files import save_atomic
 from ddp_plugins.core.liveness import Liveness, Record, Verdict, judge
@@ -84,10 +82,8 @@ __all__ = [
     "collect_rng_states",
     "collective_device",
     "collective_kind",
-    "CollectiveCounts",
     "COMM_HOOKS",
     "convert_sync_batchnorm",
-    "count_collectives",
     "CountingCommHook",
     "decode_rng_states",
     "distributed_concat",

@@ -1,12 +1,8 @@
-"""DDP communication hooks by name, and counters of what hooks and ``torch.distributed`` collectives send."""
+"""DDP communication hooks by name, and a hook that counts what another hook sends."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,24 +12,19 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_choice, check_int
 
-__all__ = [
-    "COMM_HOOKS",
-    "CollectiveCounts",
-    "CountingCommHook",
-    "build_comm_hook",
-    "check_comm_hook",
-    "count_collectives",
-]
+__all__ = ["COMM_HOOKS", "CountingCommHook", "build_comm_hook", "check_comm_hook"]
 
 #: The names of the DDP communication hooks, for :func:`build_comm_hook` and :func:`check_comm_hook`.
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
-def check_comm_hook(comm_hook: Any, backend: str | None = None) -> None:
-    """Check a DDP communication hook name, and that ``backend`` (when known) can run it.
+def check_comm_hook(comm_hook: Any, backend: str | None = None, device: Any = None) -> None:
+    """Check a DDP communication hook name, and that ``backend`` and ``device`` (when known) can run it.
 
     Raises:
-        ArgumentValueError: an unknown name, or ``bf16`` without NCCL 2.10+ (torch registers it on nccl only).
+        ArgumentValueError: an unknown name, ``bf16`` without NCCL 2.10+ (torch registers it on nccl only),
+            or ``powersgd`` for a CPU model on a machine with CUDA (torch's hook synchronizes the bucket's
+            device as a CUDA device).
 
     Example::
 
@@ -44,6 +35,11 @@ def check_comm_hook(comm_hook: Any, backend: str | None = None) -> None:
         ddp_plugins.core.checks.ArgumentValueError: `comm_hook` should be ..., got 'bf16' with the gloo backend.
     """
     check_choice("comm_hook", comm_hook, COMM_HOOKS)
+    if comm_hook == "powersgd" and device is not None and torch.device(device).type == "cpu":
+        if torch.cuda.is_available():
+            allowed = "'none' or 'fp16' for a CPU model on a machine with CUDA"
+            hint = "Train on the GPUs, or hide them (CUDA_VISIBLE_DEVICES=)."
+            raise ArgumentValueError("comm_hook", allowed, comm_hook, hint=hint)
     if comm_hook != "bf16" or backend is None:
         return
     nccl = torch.cuda.nccl.version() if backend == "nccl" and torch.cuda.is_available() else None
@@ -90,39 +86,25 @@ def _powersgd_hook(state, bucket):
     they could interleave differently on each rank with other collectives (SyncBatchNorm's), and
     gloo aborts on the mismatch. Waiting keeps one order. No annotations: DDP compares them.
     """
-    if not bucket.buffer().is_cuda and torch.cuda.is_available():
-        _let_cuda_synchronize_skip_the_cpu()
+    check_comm_hook("powersgd", device=bucket.buffer().device)
     future = powerSGD_hook.powerSGD_hook(state, bucket)
     if dist.get_backend(state.process_group) != "nccl":
         future.wait()
     return future
 
 
-def _let_cuda_synchronize_skip_the_cpu() -> None:
-    """Make ``torch.cuda.synchronize(<cpu device>)`` return at once instead of raising, process-wide.
-
-    torch's ``powerSGD_hook`` (checked on 2.11 and 2.13) calls it with a CPU bucket's device whenever
-    CUDA is available ("Expected a cuda device, but got: cpu"), from a callback on gloo's thread.
-    """
-    synchronize = torch.cuda.synchronize
-    if getattr(synchronize, "skips_the_cpu", False):
-        return
-
-    def cpu_tolerant_synchronize(device: Any = None) -> None:
-        if isinstance(device, (torch.device, str)) and torch.device(device).type == "cpu":
-            return
-        synchronize(device)
-
-    cpu_tolerant_synchronize.skips_the_cpu = True  # type: ignore[attr-defined]
-    torch.cuda.synchronize = cpu_tolerant_synchronize
+_HALF = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
+_POWERSGD = (_powersgd_hook, powerSGD_hook.powerSGD_hook)
 
 
 class CountingCommHook:
     """A DDP communication hook that counts what another hook sends, then returns its result.
 
-    ``calls`` and ``bytes`` count the ``all_reduce`` calls the hook issues on its own thread, at the
-    size actually sent; collectives of a future's ``then`` (PowerSGD's second all-reduce) are not
-    seen. ``rounds`` counts synchronized backward passes.
+    ``calls`` and ``bytes`` count the all-reduces per bucket and the bytes they send: one of the
+    bucket for torch's all-reduce, one of 2-byte elements for fp16/bf16, and for PowerSGD once
+    compressing its three (the uncompressed tensors, P and Q, from its state's
+    ``total_numel_after_compression``). Any other hook counts as one all-reduce of the bucket: what
+    it really sends is not seen. ``rounds`` counts synchronized backward passes.
 
     Args:
         hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` means torch's ``allreduce_hook``.
@@ -145,15 +127,16 @@ class CountingCommHook:
 
     def __call__(self, state, bucket):
         # no annotations: DDP compares them with the real classes, and this module's are strings
-        if self.hook is allreduce_hook:  # known to send the bucket once: counted without a patch
-            future = self.hook(state, bucket)
-            self.calls += 1
-            self.bytes += sent_nbytes([bucket.buffer()])
+        buffer = bucket.buffer()
+        numel, size = buffer.numel(), buffer.element_size()
+        compressed = state.total_numel_after_compression if self.hook in _POWERSGD else 0
+        future = self.hook(state, bucket)
+        if self.hook in _POWERSGD and state.total_numel_after_compression > compressed:
+            self.calls += 3
+            self.bytes += (state.total_numel_after_compression - compressed) * size
         else:
-            with count_collectives(("all_reduce",), this_thread=True) as counts:
-                future = self.hook(state, bucket)
-            self.calls += counts.calls["all_reduce"]
-            self.bytes += counts.bytes["all_reduce"]
+            self.calls += 1
+            self.bytes += numel * (2 if self.hook in _HALF else size)
         if bucket.is_last():
             self.rounds += 1
         return future
@@ -161,108 +144,3 @@ class CountingCommHook:
     def reset(self) -> None:
         """Set every count back to zero."""
         self.calls = self.bytes = self.rounds = 0
-
-
-@dataclass
-class CollectiveCounts:
-    """Calls and bytes per collective name, filled by :func:`count_collectives`.
-
-    Example::
-
-        >>> with count_collectives(("broadcast",)) as counts:
-        ...     pass
-        >>> isinstance(counts, CollectiveCounts), counts.calls["broadcast"], counts.bytes["broadcast"]
-        (True, 0, 0)
-    """
-
-    calls: Counter = field(default_factory=Counter)
-    bytes: Counter = field(default_factory=Counter)
-
-
-_active: list[tuple[CollectiveCounts, tuple[str, ...], int | None]] = []
-_originals: dict[str, Callable[..., Any]] = {}
-_lock = threading.Lock()
-
-
-# Collectives whose first argument is the output: what they send is their second argument, by this keyword.
-_SENT_ARGUMENT = {
-    "all_gather": "tensor",
-    "all_gather_into_tensor": "input_tensor",
-    "reduce_scatter": "input_list",
-    "all_gather_single": "input_tensor",
-    "reduce_scatter_single": "input",
-    "reduce_scatter_tensor": "input",
-    "all_to_all_single": "input",
-    "all_to_all": "input_tensor_list",
-}
-
-
-def sent_tensors(args: tuple, kwargs: dict, name: str = "") -> list[torch.Tensor]:
-    """The tensors a collective sends: its input (the first tensor argument, or list of tensors)."""
-    if name in _SENT_ARGUMENT:
-        key = _SENT_ARGUMENT[name]
-        args, kwargs = args[1:2], {key: kwargs[key]} if key in kwargs else {}
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return [value]
-        if isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
-            return list(value)
-    return []
-
-
-def sent_nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _counting(name: str) -> Callable[..., Any]:
-    original = _originals[name]
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        thread = threading.get_ident()
-        for counts, names, only_thread in list(_active):
-            if name in names and only_thread in (None, thread):
-                counts.calls[name] += 1
-                counts.bytes[name] += sent_nbytes(sent_tensors(args, kwargs, name))
-        return original(*args, **kwargs)
-
-    return counting
-
-
-@contextlib.contextmanager
-def count_collectives(
-    names: Iterable[str] = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter"),
-    *,
-    this_thread: bool = False,
-) -> Iterator[CollectiveCounts]:
-    """Count the calls of ``torch.distributed`` collectives (and the bytes they send) while the body runs.
-
-    The functions are patched while any counter is active; counters nest and may overlap across
-    threads. Calls on a ``ProcessGroup`` object, or through a reference taken earlier, are not seen.
-
-    Example::
-
-        >>> with count_collectives(("all_reduce",)) as counts:
-        ...     pass
-        >>> counts.calls["all_reduce"], counts.bytes["all_reduce"]
-        (0, 0)
-    """
-    names = tuple(names)
-    for name in names:
-        if not callable(getattr(dist, name, None)):
-            raise ArgumentValueError("names", "names of torch.distributed collectives", name)
-    counts = CollectiveCounts()
-    entry = (counts, names, threading.get_ident() if this_thread else None)
-    with _lock:
-        for name in names:
-            if name not in _originals:
-                _originals[name] = getattr(dist, name)
-                setattr(dist, name, _counting(name))
-        _active.append(entry)
-    try:
-        yield counts
-    finally:
-        with _lock:
-            _active.remove(entry)
-            still = {n for _, active_names, _ in _active for n in active_names}
-            for name in [n for n in _originals if n not in still]:
-                setattr(dist, name, _originals.pop(name))

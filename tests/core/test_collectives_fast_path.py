@@ -9,8 +9,8 @@ gather per tensor). Results, and errors word for word, must be the same; the col
 import torch
 import torch.distributed as dist
 
-from ddp_plugins.core import count_collectives
 from ddp_plugins.core.collectives import _flatten, _gather_with_metadata, _unflatten, distributed_concat
+from tests.helpers.collectives import count_collectives
 
 SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 PAD = -7

@@ -1,4 +1,4 @@
-"""DDP communication hooks by name, the counting hook and the collective counter, on raw DDP (2 gloo ranks).
+"""DDP communication hooks by name and the counting hook, on raw DDP (2 gloo ranks).
 
 Plain torch: no Lightning. The Trainer-level use is tested in tests/lightning/.
 """
@@ -16,7 +16,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_plugins.core.comm_hooks import CountingCommHook, build_comm_hook, check_comm_hook, count_collectives
+from ddp_plugins.core.checks import ArgumentValueError
+from ddp_plugins.core.comm_hooks import CountingCommHook, build_comm_hook, check_comm_hook
+from tests.helpers.collectives import count_collectives
 
 # ---------------------------------------------------------------- communication hooks on 2 gloo ranks
 
@@ -51,23 +53,13 @@ def _train(model, x, y, lo, hi):
     return grads, losses
 
 
-def _test_hook_trains(rank, world_size, name, cuda_present=False):
-    if cuda_present:  # a machine with a GPU, as torch's hooks see it: is_available() and a strict synchronize
-        with mock.patch.object(torch.cuda, "is_available", return_value=True):
-            with mock.patch.object(torch.cuda, "synchronize", _strict_synchronize):
-                return _test_hook_trains(rank, world_size, name)
+def _test_hook_trains(rank, world_size, name):
     x, y = _data(world_size)
     model = DistributedDataParallel(_net())
     state, hook = build_comm_hook(name, powersgd_rank=1, powersgd_start_iter=2)
     if hook is not None:
         model.register_comm_hook(state, hook)
     return _train(model, x, y, rank * PER_RANK, (rank + 1) * PER_RANK)
-
-
-def _strict_synchronize(device=None):
-    """torch.cuda.synchronize's answer to a CPU device on a machine with CUDA (torch 2.11, an H100)."""
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"Expected a cuda device, but got: {torch.device(device)}")
 
 
 @pytest.mark.parametrize("name", ["none", "fp16"])
@@ -85,11 +77,8 @@ def test_allreduce_and_fp16_hooks_equal_single_process_gradients(dist_pool, name
         assert any(not torch.equal(g, r) for g, r in zip(results[0][0][-1], ref_grads[-1], strict=True))
 
 
-# cuda_present: CPU tensors over gloo on a machine with a GPU, where torch's powerSGD_hook calls
-# torch.cuda.synchronize(<cpu>) (the failure seen on an H100); a real GPU runs it under `make gpu-check`
-@pytest.mark.parametrize("cuda_present", [False, True], ids=["cpu_machine", "cuda_present"])
-def test_powersgd_is_exact_before_its_start_iteration_then_a_rank_one_projection(dist_pool, cuda_present):
-    results = dist_pool.run(_test_hook_trains, "powersgd", cuda_present)
+def test_powersgd_is_exact_before_its_start_iteration_then_a_rank_one_projection(dist_pool):
+    results = dist_pool.run(_test_hook_trains, "powersgd")
     x, y = _data(2)
     ref_grads, _ = _train(_net(), x, y, 0, 2 * PER_RANK)
     (grads0, losses0), (grads1, _) = results
@@ -128,64 +117,74 @@ def _test_counting_hook(rank, world_size, which):
     numel = sum(p.numel() for p in net.parameters())
     ddp = DistributedDataParallel(net)
     _user_hook.seen = 0
-    if which == "default":
-        counter = CountingCommHook()
-        ddp.register_comm_hook(None, counter)
-    elif which == "user":
-        counter = CountingCommHook(_user_hook)
-        ddp.register_comm_hook(None, counter)
-    elif which == "fp16":
-        counter = CountingCommHook(fp16_compress_hook)
-        ddp.register_comm_hook(None, counter)
-    else:  # a wrapper around the counter, as Lightning's `ddp_comm_wrapper` composes hooks
+    if which == "fp16_wrapper":  # a wrapper around the counter, as Lightning's `ddp_comm_wrapper` composes hooks
         counter = CountingCommHook()
         ddp.register_comm_hook(None, fp16_compress_wrapper(counter))
+    else:
+        hooks = {"default": (None, None), "user": (None, _user_hook), "fp16": (None, fp16_compress_hook)}
+        state, hook = hooks.get(which) or build_comm_hook("powersgd", powersgd_rank=1, powersgd_start_iter=2)
+        counter = CountingCommHook(hook)
+        ddp.register_comm_hook(state, counter)
     torch.manual_seed(10 + rank)
     x = torch.randn(4, 8)
     with ddp.no_sync():
         ddp(x).sum().backward()  # accumulated locally, nothing sent
     after_no_sync = counter.calls
-    for _ in range(3):
-        ddp(x).sum().backward()
-    return (
-        after_no_sync,
-        counter.calls,
-        counter.bytes,
-        counter.rounds,
-        _user_hook.seen,
-        numel,
-        [p.grad.clone() for p in net.parameters()],
-    )
+    with count_collectives(("all_reduce",)) as sent:  # every thread: PowerSGD's callbacks too
+        for _ in range(4):
+            ddp(x).sum().backward()
+    counted = (counter.calls, counter.bytes, sent.calls["all_reduce"], sent.bytes["all_reduce"])
+    return after_no_sync, counted, counter.rounds, _user_hook.seen, numel, [p.grad.clone() for p in net.parameters()]
 
 
 def test_counting_hook_counts_calls_and_bytes_and_keeps_the_default_math(dist_pool):
     results = dist_pool.run(_test_counting_hook, "default")
-    # one process: both ranks' inputs, summed losses / world size, four backward passes (1 no_sync + 3)
+    # one process: both ranks' inputs, summed losses / world size, five backward passes (1 no_sync + 4)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     for rank in range(WORLD):
         torch.manual_seed(10 + rank)
         x = torch.randn(4, 8)
-        (net(x).sum() * 4 / WORLD).backward()
-    for after_no_sync, calls, nbytes, rounds, _, numel, grads in results:
+        (net(x).sum() * 5 / WORLD).backward()
+    for after_no_sync, counted, rounds, _, numel, grads in results:
         assert after_no_sync == 0, "no_sync step sent something"
-        assert (calls, rounds) == (3, 3), "one bucket per synchronized backward"
-        assert nbytes == 3 * numel * 4, "fp32 bucket bytes"
+        assert counted == (4, 4 * numel * 4) * 2 and rounds == 4, "one fp32 bucket per synchronized backward"
         for g, e in zip(grads, [p.grad for p in net.parameters()], strict=True):
             torch.testing.assert_close(g, e)
 
 
-@pytest.mark.parametrize("which", ["user", "fp16", "fp16_wrapper"])
-def test_counting_hook_composes_with_user_hooks_and_counts_compressed_bytes(dist_pool, which):
+@pytest.mark.parametrize("which", ["user", "fp16", "fp16_wrapper", "powersgd"])
+def test_counting_hook_counts_what_torch_distributed_sends(dist_pool, which):
     results = dist_pool.run(_test_counting_hook, which)
-    for after_no_sync, calls, nbytes, rounds, user_seen, numel, _ in results:
-        assert (after_no_sync, calls, rounds) == (0, 3, 3)
+    for after_no_sync, (calls, nbytes, sent_calls, sent_bytes), rounds, user_seen, numel, _ in results:
+        assert (after_no_sync, rounds) == (0, 4)
+        assert (calls, nbytes) == (sent_calls, sent_bytes), "the counter disagrees with torch.distributed.all_reduce"
         if which == "user":
-            assert user_seen == 3, "the user's hook did not run on every synchronized backward"
-            assert nbytes == 3 * numel * 4
-        else:
-            assert nbytes == 3 * numel * 2, "fp16 compression should halve the bytes on the wire"
+            assert user_seen == 4, "the user's hook did not run on every synchronized backward"
+        if which.startswith("fp16"):
+            assert nbytes == 4 * numel * 2, "fp16 compression should halve the bytes on the wire"
+        if which == "powersgd":  # 2 plain rounds, then 2 of 3 all-reduces (uncompressed, P, Q) and fewer bytes
+            assert calls == 2 + 2 * 3 and nbytes < 4 * numel * 4
     torch.testing.assert_close(results[0][-1], results[1][-1], msg="ranks disagree after sync")
+
+
+def _test_powersgd_refused_on_a_cpu_model_with_cuda(rank, world_size):
+    model = DistributedDataParallel(_net())
+    model.register_comm_hook(*build_comm_hook("powersgd"))
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):  # a machine with a GPU, as torch sees it
+        with pytest.raises(ArgumentValueError) as err:
+            model(torch.randn(2, 32)).sum().backward()
+    return str(err.value)
+
+
+def test_powersgd_on_a_cpu_model_of_a_machine_with_cuda_is_refused(dist_pool):
+    expected = "`comm_hook` should be 'none' or 'fp16' for a CPU model on a machine with CUDA, got 'powersgd'."
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        with pytest.raises(ArgumentValueError) as err:
+            check_comm_hook("powersgd", "gloo", torch.device("cpu"))  # before any process starts
+    for message in (str(err.value), *dist_pool.run(_test_powersgd_refused_on_a_cpu_model_with_cuda)):
+        assert message.startswith(expected) and "CUDA_VISIBLE_DEVICES=" in message and "\n" not in message
+    check_comm_hook("powersgd", "gloo", "cpu")  # a machine without CUDA runs it (the tests above)
 
 
 # ---------------------------------------------------------------- arguments (no processes)
@@ -219,11 +218,6 @@ def test_counting_hook_composes_with_user_hooks_and_counts_compressed_bytes(dist
             TypeError,
             "`hook` should be a DDP communication hook (callable) or None, got 3.",
         ),
-        (
-            lambda: count_collectives(("nope",)).__enter__(),
-            ValueError,
-            "`names` should be names of torch.distributed collectives, got 'nope'.",
-        ),
     ],
 )
 def test_bad_arguments_are_one_line_errors_naming_the_argument(call, error, message):
@@ -238,7 +232,7 @@ def test_hooks_by_name_are_torchs_own():
     check_comm_hook("bf16")  # the name alone is valid; only a backend without it is refused
 
 
-# ---------------------------------------------------------------- count_collectives
+# ---------------------------------------------------------------- the tests' count_collectives (tests/helpers)
 
 
 def _test_count_collectives(rank, world_size):
@@ -260,24 +254,3 @@ def test_count_collectives_counts_calls_and_bytes_nests_and_restores(dist_pool):
         assert outer_bytes == {"all_reduce": 12 + 16, "broadcast": 5, "all_gather": 8}
         assert (inner_calls, inner_bytes) == ({"all_reduce": 1}, {"all_reduce": 16})
         assert restored, "torch.distributed.all_reduce was not restored"
-
-
-def test_count_collectives_this_thread_ignores_other_threads():
-    import threading
-
-    def count_in_thread(result):
-        with count_collectives(("all_reduce",), this_thread=True) as counts:
-            try:
-                dist.all_reduce(torch.ones(1))  # no process group: raises after being counted
-            except (RuntimeError, ValueError):
-                pass
-        result.append(counts.calls["all_reduce"])
-
-    with count_collectives(("all_reduce",), this_thread=True) as mine, count_collectives(("all_reduce",)) as every:
-        seen: list = []
-        thread = threading.Thread(target=count_in_thread, args=(seen,))
-        thread.start()
-        thread.join()
-    assert seen == [1], "the thread's own counter missed its call"
-    assert mine.calls["all_reduce"] == 0, "a this_thread counter counted another thread's call"
-    assert every.calls["all_reduce"] == 1, "a counter for every thread missed the thread's call"

@@ -73,7 +73,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_plugins.core import SyncBatchNorm, convert_sync_batchnorm
-from ddp_plugins.core.comm_hooks import count_collectives
+from tests.helpers.collectives import count_collectives
 
 # ---------------------------------------------------------------- torch's models, our own code
 

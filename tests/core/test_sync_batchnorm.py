@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_plugins.core.comm_hooks import count_collectives
 from ddp_plugins.core.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from tests.helpers.collectives import count_collectives
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 CHANNELS = 3
