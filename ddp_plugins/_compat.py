@@ -40,7 +40,6 @@ __all__ = [
     "set_aside",
     "set_group_timeout",
     "set_num_threads_if_needed",
-    "set_strategy_comm_hook",
     "strategy_comm_hook",
     "strategy_comm_state_and_wrapper",
     "strategy_timeout",
@@ -272,11 +271,6 @@ def hydra_create_main(task_name: str, search_path: ConfigSearchPath) -> None:
 def strategy_comm_hook(strategy: Any) -> Any:
     """The communication hook a ``DDPStrategy`` was given (``None``: DDP's default all-reduce)."""
     return strategy._ddp_comm_hook
-
-
-def set_strategy_comm_hook(strategy: Any, hook: Any) -> None:
-    """Replace the hook a ``DDPStrategy`` will register when it wraps the model."""
-    strategy._ddp_comm_hook = hook
 
 
 def strategy_timeout(strategy: Any) -> float | None:

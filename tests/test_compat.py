@@ -80,5 +80,3 @@ def test_compat_accessors_work_on_a_strategy():
     strategy = DDPStrategy(ddp_comm_hook=hook, ddp_comm_state="state")
     assert _compat.strategy_comm_hook(strategy) is hook
     assert _compat.strategy_comm_state_and_wrapper(strategy) == ("state", None)
-    _compat.set_strategy_comm_hook(strategy, None)
-    assert _compat.strategy_comm_hook(strategy) is None

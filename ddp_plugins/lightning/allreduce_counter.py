@@ -28,7 +28,8 @@ class AllReduceCounter(Callback):
 
     The strategy's hook is wrapped in a :class:`CountingCommHook`; ``{prefix}/allreduce_calls``,
     ``_bytes``, ``_rounds`` and their ``_total`` go to the Trainer's loggers (when ``log``). Totals
-    are also attributes, and ``history`` holds ``(calls, bytes, rounds)`` per optimizer step.
+    are also attributes, and ``history`` holds ``(calls, bytes, rounds)`` per optimizer step. On
+    top of a ``ddp_comm_hook`` on CUDA it counts with ``DDPPluginsStrategy`` only.
 
     Example::
 
@@ -82,13 +83,13 @@ class AllReduceCounter(Callback):
             )
             return
         self._strategy = strategy
-        self.hook = add_comm_hook_layer(strategy, CountingCommHook)
-        self._last = self._live()
+        self.hook, self._last = None, (0, 0, 0)
+        add_comm_hook_layer(strategy, self._counting)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.hook is not None:
-            register_on_model(trainer.strategy)
+        if self._strategy is not None:
+            register_on_model(self._strategy)
 
     @override
     def on_before_optimizer_step(
@@ -111,7 +112,7 @@ class AllReduceCounter(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self._strategy is not None:
-            remove_comm_hook_layers(self._strategy)  # leave the strategy as it was given
+            remove_comm_hook_layers(self._strategy)
             self._strategy = None
 
     @override
@@ -124,6 +125,10 @@ class AllReduceCounter(Callback):
         saved = (state_dict.get("calls", 0), state_dict.get("bytes", 0), state_dict.get("rounds", 0))
         self._behind = _minus(self._live(), saved)
         self.optimizer_steps = state_dict.get("optimizer_steps", 0)
+
+    def _counting(self, hook: Any) -> CountingCommHook:
+        self.hook = CountingCommHook(hook)
+        return self.hook
 
     def _logs_now(self, trainer: pl.Trainer) -> bool:
         """Every ``log_every_n_steps`` optimizer steps, and at the last step of an epoch or the run:

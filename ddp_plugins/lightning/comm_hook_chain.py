@@ -1,7 +1,8 @@
 """Communication hooks layered on a strategy's hook, in the order of the callbacks' ``setup``.
 
-Each layer is built once around the hook the strategy holds at that callback's ``setup`` (the user's,
-or the previous callback's layer); ``teardown`` gives the strategy back the hook it held before."""
+The layers wait here, by strategy, until the hook is registered: ``DDPPluginsStrategy`` asks
+:func:`layered` for the hook it registers; on Lightning's ``DDPStrategy``, which registers a hook on
+CUDA only, :func:`register_on_model` registers them in ``on_fit_start`` where it registered none."""
 
 from __future__ import annotations
 
@@ -9,44 +10,46 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_plugins import _compat
 
-__all__ = ["add_comm_hook_layer", "register_on_model", "remove_comm_hook_layers"]
+__all__ = ["add_comm_hook_layer", "layered", "register_on_model", "remove_comm_hook_layers"]
 
-_before: weakref.WeakKeyDictionary[Strategy, Any] = weakref.WeakKeyDictionary()  # its hook before the layers
-_registered: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()  # models registered by this module
+_layers: weakref.WeakKeyDictionary[Strategy, list[Callable[[Any], Any]]] = weakref.WeakKeyDictionary()
 
 
-def add_comm_hook_layer(strategy: DDPStrategy, wrap: Callable[[Any], Any]) -> Any:
-    """Give the strategy ``wrap(h)`` as its hook, ``h`` the one it holds (``None``: DDP's default); return it."""
-    hook = _compat.strategy_comm_hook(strategy)
-    _before.setdefault(strategy, hook)
-    layer = wrap(hook)
-    _compat.set_strategy_comm_hook(strategy, layer)
-    return layer
+def add_comm_hook_layer(strategy: Strategy, wrap: Callable[[Any], Any]) -> None:
+    """Have ``wrap(h)`` registered in place of the hook ``h`` below it (``None``: DDP's default)."""
+    _layers.setdefault(strategy, []).append(wrap)
+
+
+def layered(strategy: Strategy, hook: Any) -> Any:
+    """``hook`` (``None``: DDP's default) inside every layer added for ``strategy``, which are then taken."""
+    for wrap in _layers.pop(strategy, []):
+        hook = wrap(hook)
+    return hook
 
 
 def register_on_model(strategy: Strategy) -> None:
-    """Register the strategy's hook (every layer) on its DDP model when the strategy did not.
-
-    Lightning's ``DDPStrategy`` registers hooks on CUDA only; the first call registers the whole
-    stack of layers, later calls find it registered.
-    """
+    """Register the layers on the strategy's DDP model, where the strategy neither took them nor registered a hook."""
     model, hook = strategy.model, _compat.strategy_comm_hook(strategy)
-    if hook is None or not isinstance(model, DistributedDataParallel) or model in _registered:
+    if strategy not in _layers or not isinstance(model, DistributedDataParallel):
         return
-    registers = getattr(type(strategy), "_register_ddp_hooks", None)
-    if strategy.root_device.type == "cuda" or registers is not DDPStrategy._register_ddp_hooks:
-        return  # registered by the strategy already: Lightning's on CUDA, an override (ours) on every device
+    if hook is not None and strategy.root_device.type == "cuda":  # Lightning registered the user's hook
+        remove_comm_hook_layers(strategy)
+        rank_zero_warn(
+            "No comm-hook layer (AllReduceCounter, CommTimeline) on Lightning's `ddp_comm_hook` on CUDA;"
+            " DDPPluginsStrategy layers them on it."
+        )
+        return
     state, wrapper = _compat.strategy_comm_state_and_wrapper(strategy)
+    hook = layered(strategy, hook)
     model.register_comm_hook(state, hook if wrapper is None else wrapper(hook))
-    _registered.add(model)
 
 
 def remove_comm_hook_layers(strategy: Strategy) -> None:
-    """Give the strategy back the hook it held before the first layer (every layer goes at once)."""
-    if strategy in _before:
-        _compat.set_strategy_comm_hook(strategy, _before.pop(strategy))
+    """Drop the layers not taken yet (a fit that ended before its model was wrapped)."""
+    _layers.pop(strategy, None)

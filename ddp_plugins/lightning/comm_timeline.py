@@ -33,8 +33,9 @@ class CommTimeline(Callback):
 
     A :class:`ddp_plugins.core.timeline.Timeline` per rank, gathered every ``every_n_steps``
     batches into ``time/*`` and ``straggler/*`` metrics; at the end of fit rank 0 writes the Chrome
-    trace. Timed: DDP's buckets and buffer broadcast, and the pack's own collectives; Lightning's and
-    torchmetrics' metric syncs are not. Metrics and files: docs/plugins.md ("Where time goes").
+    trace. Timed: DDP's buckets (on top of a ``ddp_comm_hook`` on CUDA with ``DDPPluginsStrategy``
+    only) and buffer broadcast, and the pack's own collectives; Lightning's and torchmetrics' metric
+    syncs are not. Metrics and files: docs/plugins.md ("Where time goes").
 
     Args:
         every_n_steps: batches between two gathers of the records (and the logged metrics).
