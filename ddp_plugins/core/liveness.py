@@ -46,7 +46,13 @@ _HOW = {
 
 
 class Record(NamedTuple):
-    """What a rank publishes: publications so far (``seq``), phase boundaries passed (``marks``), where it is."""
+    """What a rank publishes: publications so far (``seq``), phase boundaries passed (``marks``), where it is.
+
+    Example::
+
+        >>> Record(1, seq=3, marks=37, phase="a training step (global step 18)", pid=4242, host="n1").marks
+        37
+    """
 
     rank: int
     seq: int
@@ -58,7 +64,14 @@ class Record(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    """The ranks that stopped, how (a key of the judge's kinds) and for how long."""
+    """The ranks that stopped, how (a key of the judge's kinds) and for how long.
+
+    Example::
+
+        >>> records = [Record(0, 9, 9, "a backward", 10, "n1"), Record(1, 4, 8, "a step", 11, "n1")]
+        >>> Verdict((1,), "stopped", 31.0).line(records)
+        'rank 1 (PID 11 on n1, a step): its process is stopped (SIGSTOP or a debugger) for 31 s'
+    """
 
     ranks: tuple[int, ...]
     how: str
