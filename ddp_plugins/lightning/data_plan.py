@@ -1,9 +1,6 @@
 """Exact epochs for Lightning: the training data's plan, per-step rows and resume wiring.
 
-:class:`~ddp_plugins.lightning.DDPPluginsStrategy` holds a :class:`PlannedLoader`, an :class:`UnevenShards`
-and a :class:`ResumeRecord`, and :func:`train_loader` makes its training loader with them. Rationale in
-docs/design.md ("One global plan per epoch, and uneven data", "Checkpoints and resume").
-"""
+Rationale in docs/design.md ("One global plan per epoch, and uneven data", "Checkpoints and resume")."""
 
 from __future__ import annotations
 
@@ -73,47 +70,36 @@ class BatchRows:
 
 
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
-    if isinstance(sampler, DistributedSamplerWrapper):  # Lightning's wrapper of a sampler of the user's own
-        raise ArgumentValueError(
-            "global_batch_size",
-            "used with a DataLoader whose sampler is Lightning's DistributedSampler, a RandomSampler or a"
-            " SequentialSampler",
-            problem="the training DataLoader has a sampler of its own (in Lightning's DistributedSamplerWrapper)",
-            hint="The plan would replace its order. Leave global_batch_size unset to keep your sampler.",
-        )
-    if isinstance(sampler, DistributedSampler):
+    wrapped = isinstance(sampler, DistributedSamplerWrapper)  # Lightning's wrapper of a sampler of the user's own
+    if isinstance(sampler, DistributedSampler) and not wrapped:
         return bool(sampler.shuffle), int(sampler.seed)
     if isinstance(sampler, (RandomSampler, SequentialSampler)):
-        return isinstance(sampler, RandomSampler), int(os.environ.get("PL_GLOBAL_SEED", 0))
-    raise ArgumentValueError(
-        "global_batch_size",
-        "used with a DataLoader whose sampler is Lightning's DistributedSampler, a RandomSampler or a"
-        " SequentialSampler",
-        problem=f"the training DataLoader has a {type(sampler).__name__}",
-        hint="Leave global_batch_size unset to keep your sampler (each rank then takes its own batches).",
+        return isinstance(sampler, RandomSampler), _base_seed()
+    allowed = "used with a DataLoader whose sampler is Lightning's DistributedSampler, a RandomSampler or a"
+    has = (
+        "a sampler of its own (in Lightning's DistributedSamplerWrapper)" if wrapped else f"a {type(sampler).__name__}"
     )
+    raise ArgumentValueError(
+        "global_batch_size", f"{allowed} SequentialSampler", problem=f"the training DataLoader has {has}",
+        hint="The plan would replace its order. Leave global_batch_size unset to keep your sampler.",
+    )  # fmt: skip
 
 
 def plan_for(
     dataloader: Any, global_batch_size: int, drop_last: bool, world_size: int, accumulate: int,
     virtual_shards: int | None = None,
 ) -> GlobalPlan:  # fmt: skip
-    """The global plan of a training loader's rows (its dataset's length, shuffle flag and seed).
-
-    Raises:
-        ArgumentValueError: a loader whose rows cannot be planned globally, or a global batch
-            too small for the ranks and accumulation.
-    """
-    what = "a torch.utils.data.DataLoader over a map-style dataset (with a length) and a plain sampler"
+    """The global plan of a training loader's rows (``ArgumentValueError`` where they cannot be planned)."""
+    dataset: Any = getattr(dataloader, "dataset", None)
     if type(dataloader) is not DataLoader:
-        raise ArgumentValueError("global_batch_size", f"used with {what}", problem=f"got a {type(dataloader).__name__}")
-    dataset = dataloader.dataset
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ArgumentValueError(
-            "global_batch_size", f"used with {what}", problem=f"the dataset is a {type(dataset).__name__}"
-        )
-    if dataloader.batch_size is None:
-        raise ArgumentValueError("global_batch_size", f"used with {what}", problem="the DataLoader has a batch sampler")
+        problem: str | None = f"got a {type(dataloader).__name__}"
+    elif isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        problem = f"the dataset is a {type(dataset).__name__}"
+    else:
+        problem = "the DataLoader has a batch sampler" if dataloader.batch_size is None else None
+    if problem is not None:
+        what = "used with a torch.utils.data.DataLoader over a map-style dataset (with a length) and a plain sampler"
+        raise ArgumentValueError("global_batch_size", what, problem=problem)
     check_global_batch(global_batch_size, world_size, accumulate)
     shuffle, seed = _shuffle_and_seed(dataloader.sampler)
     return GlobalPlan(
@@ -128,8 +114,7 @@ _KEPT_LOADER_ARGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "
 def _plan_loader(
     dataloader: DataLoader, plan: GlobalPlan, rank: int, world_size: int, accumulate: int, epoch: int, start: int
 ) -> DataLoader:
-    """``dataloader`` on this rank's batches of ``plan``, its first iteration ``start`` micro-batches into ``epoch``
-    (its ``batch_size``, ``shuffle`` and ``sampler`` replaced; workers, ``collate_fn`` and the rest kept)."""
+    """``dataloader`` on this rank's batches of ``plan``, its first iteration ``start`` micro-batches into ``epoch``."""
     if start % accumulate:
         raise ResumeMismatch(
             f"resume: the checkpoint is {start} micro-batches into epoch {epoch}, inside an accumulation"
@@ -178,11 +163,8 @@ def expected_record(
     global_batch_size: int | None = None, drop_last: bool = False, limit_train_batches: Any = 1.0,
     virtual_shards: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The record :class:`ResumeRecord` keeps for a map-style dataset of ``dataset_length`` rows under
-    Lightning's ``DistributedSampler`` (or on a global plan), from the numbers alone.
-
-    What an app checks a checkpoint against before any rank starts (:func:`resume_start`), where
-    the real record exists only once the ranks have made their loaders.
+    """The record :class:`ResumeRecord` keeps for ``dataset_length`` rows, from the numbers alone (what an app
+    checks a checkpoint against before any rank starts).
 
     Example::
 
@@ -205,15 +187,10 @@ def expected_record(
 
 
 def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: bool, where: str = "") -> None:
-    """Refuse a resume that would train some of the epoch's rows twice or never.
+    """Refuse (:class:`ResumeMismatch`) a resume that would train some of the epoch's rows twice or never.
 
-    A planned run continues on any number of ranks when the plan is the same. A plain loader
-    continues in the middle of an epoch only with the same world size, per-rank batch and seed
-    (its order and its skipped rows depend on them); at an epoch boundary anything may change.
-    ``where`` (such as ``" (batch 38 of 45 of epoch 0)"``) follows "the middle of an epoch" in the message.
-
-    Raises:
-        ResumeMismatch: one line naming what changed and what is allowed.
+    A planned run continues on any number of ranks with the same plan; a plain loader mid-epoch only with the
+    same world size, per-rank batch and seed. ``where`` follows "the middle of an epoch" in the message.
 
     Example::
 
@@ -264,18 +241,9 @@ def resume_start(
     """Where training starts after a checkpoint restored ``done`` micro-batches into ``epoch``:
     ``(epoch, done)`` to finish that epoch, or ``(epoch + 1, 0)`` when the checkpoint had ended it.
 
-    Whether it had is the checkpoint's own record (its ``batches_per_epoch``), never this run's
-    loader: with fewer batches per epoch (more ranks, a larger batch or global batch) a stop late
-    in the old epoch is past the whole new one, and still in the middle of its own. A record from
-    before ddp_plugins kept that count gives it through its plan; without one, Lightning's
-    ``is_last_batch`` of the checkpoint (``last_batch``) decides. A checkpoint taken inside
-    ``on_train_batch_end`` of its epoch's last batch (``in_batch_end``; the pack's own callbacks
-    wait for the epoch's end there) is one Lightning finishes only at this run's own epoch length:
-    when ``now`` has more batches per epoch it counts as mid-epoch. In the middle of an epoch,
-    :func:`check_resume` decides whether this run may continue it.
-
-    Raises:
-        ResumeMismatch: from :func:`check_resume`, in the middle of an epoch.
+    Whether it had is the checkpoint's own record (its ``batches_per_epoch``, else its plan's, else
+    ``last_batch``), never this run's loader; one taken in ``on_train_batch_end`` of its last batch
+    (``in_batch_end``) is mid-epoch where ``now`` has more batches. Mid-epoch, :func:`check_resume` decides.
 
     Example::
 
@@ -319,12 +287,8 @@ def train_loader(
     dataloader: Any, trainer: Any, rank: int, world_size: int, planned: PlannedLoader, uneven: UnevenShards,
     resume: ResumeRecord,
 ) -> Any:  # fmt: skip
-    """The training loader this run trains on (planned, in step across uneven shards, or resumable).
-
-    The first one after a checkpoint was loaded starts where :func:`resume_start` says (the
-    checkpoint's own record tells whether it stopped in the middle of its epoch); one made again
-    at a later epoch's start (``reload_dataloaders_every_n_epochs``) starts that epoch.
-    """
+    """The training loader this run trains on (planned, in step across uneven shards, or resumable), the first
+    one after a checkpoint was loaded starting where :func:`resume_start` says."""
     uneven.loader = None
     plan = planned.make_plan(dataloader, trainer, world_size)
     accumulate = planned.accumulate if plan is not None else trainer.accumulate_grad_batches
@@ -348,15 +312,8 @@ def train_loader(
 
 
 class PlannedLoader:
-    """A global plan of the training loader's rows, and the rows of each of its micro-batches.
-
-    Written by hand because Lightning trains every rank on ``DistributedSampler``'s padded,
-    world-size-dependent split and has no notion of rows per step (issue 3325 and its kin).
-
-    Args:
-        global_batch_size: rows per optimizer step over all ranks and micro-batches (a global
-            plan), or ``None`` for per-rank batches (no plan).
-    """
+    """A global plan of the training loader's rows (``global_batch_size`` rows a step; ``None``: no plan),
+    and the rows of each of its micro-batches."""
 
     def __init__(self, global_batch_size: int | None, drop_last: bool, virtual_shards: int | None = None) -> None:
         self.global_batch_size = global_batch_size
@@ -410,16 +367,12 @@ class PlannedLoader:
 
 class UnevenShards:
     """Training loaders whose ranks may yield different numbers of batches, stepped together by
-    :class:`~ddp_plugins.core.plan.EvenSteps`: each micro-batch's rows, and a flag agreed in the same round.
+    :class:`~ddp_plugins.core.plan.EvenSteps` (``enabled``): each micro-batch's rows, and the largest flag of
+    ``sources`` (this rank's stop flags, contracts.StepAgreement) agreed in the same round."""
 
-    Args:
-        enabled: the strategy's ``uneven_data``.
-        flag: this rank's flag (0 to 64) at each step (contracts.StepAgreement's sources).
-    """
-
-    def __init__(self, enabled: bool, flag: Callable[[], int]) -> None:
+    def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.flag = flag
+        self.sources: dict[Callable[[], int], None] = {}  # an ordered set
         self.loader: EvenSteps | None = None  # the current training loader, when it steps shards together
         self._agreed = 0  # the flag agreed with the current batch's counts
 
@@ -429,7 +382,7 @@ class UnevenShards:
             dataloader,
             rows_of=extract_batch_size,
             length=length,
-            flag=self.flag,
+            flag=self._raised,
             window=lambda: current_accumulation(trainer),
             start=start,
         )
@@ -442,6 +395,9 @@ class UnevenShards:
         mine, micro, step, self._agreed = self.loader.batch_counts.popleft()
         weight = world_size * current_accumulation(trainer) * mine / step if step else 0.0
         return BatchRows(rank_rows=mine, micro_rows=micro, step_rows=step, loss_weight=weight)
+
+    def _raised(self) -> int:
+        return max((int(source()) for source in self.sources), default=0)
 
     @property
     def agreed_flag(self) -> int | None:
@@ -527,10 +483,8 @@ class ResumeRecord:
         self._resumed, self._restored = record, True
 
     def start(self, record: dict[str, Any], length: int | None, trainer: Any) -> tuple[int, int]:
-        """Keep a new training loader's ``record`` (``length``: its micro-batches per epoch, when
-        known) and return the epoch and micro-batch it starts at: where the checkpoint loaded last
-        stopped (:func:`resume_start`), else the start of the current epoch.
-        """
+        """Keep a new training loader's ``record`` (``length``: its micro-batches per epoch) and return the
+        epoch and micro-batch it starts at (where the checkpoint loaded last stopped, else the epoch's start)."""
         if isinstance(length, int):
             record["batches_per_epoch"] = _limited(length, getattr(trainer, "limit_train_batches", 1.0))
         self.record = record
@@ -553,12 +507,8 @@ class ResumeRecord:
         return epoch, start
 
     def checkpoint_record(self, module: Any, planned: PlannedLoader) -> dict[str, Any] | None:
-        """What a checkpoint stores: the layout with the micro-batches of each of its epochs (what a
-        resume tells the middle of an epoch by), and on a plan its epoch and the global rows done.
-
-        ``module`` is the LightningModule (``None`` or detached once a spawned fit has ended: the
-        training position is then not needed, only the layout).
-        """
+        """What a checkpoint stores: the layout with its micro-batches per epoch, and on a plan its epoch and
+        the global rows done (only the layout where ``module`` is ``None`` or detached: a spawned fit ended)."""
         if self.record is None:
             return None
         try:
@@ -601,15 +551,8 @@ def mode_switch(saved: dict[str, Any] | None, now: dict[str, Any]) -> str | None
 
 
 def run_accumulation(trainer: Any) -> int:
-    """The micro-batches per optimizer step of the whole run, known before its first epoch starts.
-
-    Callbacks that set ``trainer.accumulate_grad_batches`` per epoch say so through
-    :class:`~ddp_plugins.lightning.contracts.AccumulationSchedule`; a global plan needs one value
-    for the run.
-
-    Raises:
-        ArgumentValueError: the schedule changes K.
-    """
+    """The micro-batches per optimizer step of the whole run (``ArgumentValueError`` where an
+    :class:`~ddp_plugins.lightning.contracts.AccumulationSchedule` changes it)."""
     values = {trainer.accumulate_grad_batches}
     for callback in of_kind(trainer.callbacks, AccumulationSchedule):
         if callback.scheduling and dict(callback.scheduling) != {0: 1}:  # {0: 1}: no accumulation asked there
@@ -649,14 +592,8 @@ def _agreed_length(dataloader: Any) -> int | None:
 
 
 def _resumable_train_loader(dataloader: Any, rank: int, epoch: int, done: int) -> DataLoader | None:
-    """The training DataLoader with its sampler wrapped in a :class:`ResumableSampler` (``None``: one
-    over an IterableDataset, with a custom batch sampler or that Lightning cannot rebuild is left as it is).
-
-    Its first iteration is in ``epoch`` and skips the ``done`` batches already trained (a run
-    resumed in the middle of an epoch, see :func:`resume_start`); its order and, without the user's
-    ``generator``, its workers' base seed are drawn from streams of the sampler's own, never from the
-    global ones (so a resumed step sees the random numbers the uninterrupted run's did).
-    """
+    """The training DataLoader with its sampler in a :class:`ResumableSampler`, its first iteration in ``epoch``
+    after ``done`` batches, order and workers' seed from streams of its own (``None``: one that cannot be)."""
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         return None
     if type(dataloader.batch_sampler) is not BatchSampler or not isinstance(dataloader.sampler, Sized):

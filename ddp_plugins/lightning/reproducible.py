@@ -1,7 +1,6 @@
 """The strategy's reproducible mode (``DDPPluginsStrategy(global_batch_size=G, reproducible=True)``).
 
-Design and limits in docs/design.md ("The reproducible mode").
-"""
+Design and limits in docs/design.md ("The reproducible mode")."""
 
 from __future__ import annotations
 
@@ -51,11 +50,7 @@ def _refuse(what: str, hint: str) -> ValueError:
 
 
 def check_trainer(trainer: Any, world_size: int, virtual_shards: int) -> None:
-    """What the mode needs of the Trainer, checked before any rank starts (one line each).
-
-    Raises:
-        ArgumentValueError: gradient accumulation, float16 precision, or more ranks than shards.
-    """
+    """Refuse gradient accumulation, float16 precision, or more ranks than shards, before any rank starts."""
     accumulate = run_accumulation(trainer)
     if accumulate != 1:
         raise ArgumentValueError(
@@ -74,26 +69,7 @@ def check_trainer(trainer: Any, world_size: int, virtual_shards: int) -> None:
         )  # fmt: skip
 
 
-def check_options(**options: Any) -> None:
-    """Refuse the DDP options the mode bypasses (its sums run outside DDP's reducer).
-
-    Example::
-
-        >>> check_options(comm_hook="none", find_unused_parameters=False)
-        >>> check_options(comm_hook="fp16")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ddp_plugins.core.checks.ArgumentValueError: `comm_hook` should be 'none' with reproducible=True, got 'fp16'. ...
-    """
-    for name, value in options.items():
-        if value != _BYPASSED[name]:
-            raise ArgumentValueError(
-                name, f"{_BYPASSED[name]!r} with reproducible=True", value,
-                hint="The mode sums the gradients exactly itself, outside DistributedDataParallel's reducer, which"
-                " is what runs comm hooks and finds unused parameters (unused ones get no gradient in this mode).",
-            )  # fmt: skip
-
-
+# the DDP options the mode bypasses (its sums run outside DDP's reducer), and the only value each may have
 _BYPASSED: dict[str, Any] = {"comm_hook": "none", "ddp_comm_hook": None, "find_unused_parameters": False}
 
 
@@ -142,15 +118,21 @@ class ReproducibleSteps(PlannedSteps):
     """The reproducible mode's steps: this rank's shards of each step and their exact sums, the
     evaluation's means combined exactly at each loader's last batch."""
 
-    def __init__(self, virtual_shards: int, global_batch_size: int | None = None, **options: Any) -> None:
+    def __init__(self, virtual_shards: int, global_batch_size: int | None = None, **ddp_options: Any) -> None:
         if global_batch_size is None:
             raise ArgumentValueError(
                 "global_batch_size", "an integer with reproducible=True", None,
                 hint="The mode cuts each step of global_batch_size rows into virtual shards.",
             )  # fmt: skip
-        check_options(**options)
+        for name, allowed in _BYPASSED.items():
+            if (value := ddp_options.get(name, allowed)) != allowed:
+                raise ArgumentValueError(
+                    name, f"{allowed!r} with reproducible=True", value,
+                    hint="The mode sums the gradients exactly itself, outside DistributedDataParallel's reducer, which"
+                    " is what runs comm hooks and finds unused parameters (unused ones get no gradient in this mode).",
+                )  # fmt: skip
         super().__init__()
-        self.virtual_shards = self._shards = virtual_shards
+        self.virtual_shards: int = virtual_shards
         self._step: ShardedStep | None = None
         self._eval: list[tuple[int, dict[str, Tensor]]] = []  # (real rows, values) per evaluation batch
         self._local = False  # the user's step runs: a logged value is this shard's or batch's, combined after it
@@ -158,14 +140,11 @@ class ReproducibleSteps(PlannedSteps):
 
     def layer_sync(self, plugin: Any) -> Any:
         if plugin is not None:
-            rank_zero_info(
-                "ddp_plugins: the reproducible mode normalizes BatchNorm per virtual shard: sync_batchnorm is set"
-                " aside."
-            )
+            rank_zero_info("ddp_plugins: the reproducible mode normalizes BatchNorm per virtual shard, not synced.")
         return None
 
     def before_launch(self, trainer: Any, world_size: int) -> None:
-        check_trainer(trainer, world_size, self._shards)
+        check_trainer(trainer, world_size, self.virtual_shards)
 
     def setup(self, trainer: Any) -> None:
         check_model(trainer.lightning_module)
@@ -189,7 +168,7 @@ class ReproducibleSteps(PlannedSteps):
         module, batch, index = trainer.lightning_module, args[0], args[1]
         if self._step is None or self._step.module is not module:
             check_shards(module, plan)
-            self._step = ShardedStep(module, self._shards, seed=plan.seed)
+            self._step = ShardedStep(module, self.virtual_shards, seed=plan.seed)
         results = _compat.running_results(trainer, "training_step")
         kept, batch_size, self._local = _compat.set_aside(results, "training_step"), results.batch_size, True
         first, stop = plan.rank_shards(trainer.world_size)[trainer.global_rank]
@@ -240,14 +219,8 @@ class ReproducibleSteps(PlannedSteps):
         return reduce(tensor, group, reduce_op)
 
     def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
-        """``dataloader`` cut into the same batches on any number of ranks, each rank whole batches in order.
-
-        Lightning's ``DistributedSampler`` deals rows out one by one and repeats some to even out the
-        ranks, so a batch's mean (and its padding) would depend on the number of ranks.
-
-        Raises:
-            ValueError: a loader that cannot be rebuilt so (an iterable dataset, no ``batch_size``).
-        """
+        """``dataloader`` cut into the same batches on any number of ranks, each rank whole batches in order
+        (``DistributedSampler`` deals rows out one by one and pads: its batches depend on the world size)."""
         if isinstance(getattr(dataloader, "sampler", None), SequentialDistributedSampler):
             return dataloader  # SequentialEvaluation's, aligned the same way
         dataset, batch_size = getattr(dataloader, "dataset", None), getattr(dataloader, "batch_size", None)

@@ -82,9 +82,7 @@ def _start(layout: Layout, epoch: int, done: int, resumed: dict | None, monkeypa
     monkeypatch.setenv("PL_GLOBAL_SEED", str(layout.seed))  # what seed_everything sets (the plan's seed)
     ranks = []
     for rank in range(layout.world_size):
-        data = Parts(
-            PlannedLoader(layout.global_batch_size, drop_last=False), UnevenShards(False, lambda: 0), ResumeRecord()
-        )
+        data = Parts(PlannedLoader(layout.global_batch_size, drop_last=False), UnevenShards(False), ResumeRecord())
         data.resume.checkpoint_loaded(resumed)
         loader = data.loader(_loader(layout, rank), _trainer(epoch, done, rank), rank, layout.world_size)
         ranks.append((data, loader))
