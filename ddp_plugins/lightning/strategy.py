@@ -67,9 +67,8 @@ def check_backend(backend: Any, accelerator: str = "auto") -> None:
         problem = f"got 'mpi' with a torch built without MPI ({torch.__version__}; dist.is_mpi_available() is False)"
         hint = "Use backend=gloo, or build torch from source against your MPI."
     if problem is not None:
-        raise ArgumentValueError(
-            "backend", "'auto' or 'gloo' (or a backend this machine can run)", problem=problem, hint=hint
-        )
+        allowed = "'auto' or 'gloo' (or a backend this machine can run)"
+        raise ArgumentValueError("backend", allowed, problem=problem, hint=hint)
 
 
 def _seconds(name: str, value: Any, allow_none: bool = False) -> Any:
@@ -199,10 +198,9 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # once accelerator, devices and plugins are known, before any process starts; the world size
-        # first: the backend check reads the device at this process's local rank
+        # once accelerator, devices and plugins are known, before any process starts; the world size first
         env, expected = self.cluster_environment, self.num_processes * self.num_nodes
-        assert env is not None  # Lightning's message, before a bare IndexError, when torchrun started more ranks:
+        assert env is not None  # Lightning's message, before a bare IndexError, when torchrun started more ranks
         if env.creates_processes_externally and (world_size := env.world_size()) != expected:
             raise ArgumentValueError(
                 "devices", f"devices x num_nodes = the world size the launcher started ({world_size})",
@@ -227,15 +225,12 @@ class DDPPluginsStrategy(DDPStrategy):
         check = self._check_before_launch
         if self._start_method == "popen":
             self._launcher = JobSubprocessLauncher(
-                env, self.num_processes, self.num_nodes, before_launch=check,
-                child_command=self._child_command,
+                env, self.num_processes, self.num_nodes, before_launch=check, child_command=self._child_command,
                 watch_after_startup=self._stall[0] is None,  # else the liveness room names a failed rank
                 on_failure=self._failed,
             )  # fmt: skip
         else:
-            self._launcher = CleanExitMultiprocessingLauncher(
-                self, start_method=self._start_method, before_launch=check
-            )
+            self._launcher = CleanExitMultiprocessingLauncher(self, self._start_method, before_launch=check)
 
     def _ranks_per_gpu(self) -> int:
         """This host's ranks per GPU (0 off CUDA); every rank is this host's on a loopback main address."""
@@ -371,9 +366,8 @@ class DDPPluginsStrategy(DDPStrategy):
         if isinstance(dataloader, DataLoader) and dataloader.num_workers > 0:
             init = WorkerInit(dataloader.worker_init_fn, trainer.global_rank, restates=_is_lightning_seeding)
             dataloader.worker_init_fn = init
-            context = dataloader.multiprocessing_context
-            start_method = context.get_start_method() if context is not None else multiprocessing.get_start_method()
-            if start_method == "forkserver":
+            context = dataloader.multiprocessing_context or multiprocessing.get_context()
+            if context.get_start_method() == "forkserver":
                 start_forkserver()  # now, deaf to the job's stop signals, not at the first batch
         return dataloader
 
@@ -455,8 +449,8 @@ class DDPPluginsStrategy(DDPStrategy):
         if data_plan.is_mean(reduce_op) and not tensor.is_floating_point():
             tensor = tensor.double()  # Lightning's mean divides an integer tensor in place, truncating
         # reduced on the group's device (a CPU metric on nccl), back where it was
-        device, tensor, parent = tensor.device, for_collective(tensor, group), super().reduce
-        reduce = functools.partial(self._steps.reduce, tensor, group, reduce_op, lambda t, g, op: parent(t, g, op))
+        device, tensor = tensor.device, for_collective(tensor, group)
+        reduce = functools.partial(self._steps.reduce, tensor, group, reduce_op, super().reduce)
         return self._waiting("a reduce (sync_dist)", reduce).to(device)
 
     @override
@@ -499,9 +493,8 @@ class DDPPluginsStrategy(DDPStrategy):
         if self.comm_hook == "powersgd":
             self._ddp_comm_state = None  # a fresh PowerSGD state for the next fit
         for key, value in self._env_before.items():  # the environment gets the user's values back
-            if value is None:
-                os.environ.pop(key, None)
-            else:
+            os.environ.pop(key, None)
+            if value is not None:
                 os.environ[key] = value
         self._env_before = {}
 
@@ -513,9 +506,8 @@ class DDPPluginsStrategy(DDPStrategy):
             ("ddp_plugins_spawn", "spawn", "spawned child processes"),
             ("ddp_plugins_notebook", "fork", "forked child processes, for notebooks"),
         ):
-            strategy_registry.register(
-                name, cls, description=f"ddp_plugins DDP strategy: {what}", start_method=start_method, override=True
-            )
+            description = f"ddp_plugins DDP strategy: {what}"
+            strategy_registry.register(name, cls, description=description, start_method=start_method, override=True)
 
 
 def _is_lightning_seeding(fn: Any) -> bool:

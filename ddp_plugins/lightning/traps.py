@@ -1,9 +1,5 @@
-"""Two traps next door: Lightning's and torch's, met first inside the pack (docs/compatibility.md).
-
-Both fail the same with Lightning's own ``ddp``; the strategy's ``setup`` calls these so that the
-user reads one line naming the fix before the failure instead of a trace from deep inside dynamo or
-torch's reducer.
-"""
+"""Two traps of Lightning's and torch's own ``ddp``, named in one line at the strategy's ``setup``
+(docs/compatibility.md)."""
 
 from __future__ import annotations
 
@@ -28,16 +24,8 @@ COMPILED_MODULE_WARNING = (
 
 
 def warn_compiled_module(module: pl.LightningModule | None) -> bool:
-    """Warn in one line, on rank 0, when ``module`` reached the Trainer compiled whole.
-
-    ``Trainer.fit(torch.compile(module))`` (and ``validate``/``test``/``predict``) unwraps the
-    ``OptimizedModule`` with ``lightning.pytorch.utilities.compile.from_compiled``, which also wraps
-    ``training_step`` and the other step methods in dynamo: the first ``self.log`` then fails in
-    dynamo (``InternalTorchDynamoError: AttributeError: 'method' object has no attribute '__dict__'``
-    with torch 2.13 and Lightning 2.6.6). A warning, not a refusal: a step that logs nothing may run.
-
-    Returns:
-        Whether it warned.
+    """Warn in one line, on rank 0, when ``module`` reached the Trainer compiled whole (dynamo then fails
+    in its first ``self.log``; a step that logs nothing may run). Returns whether it warned.
 
     Example::
 
@@ -57,21 +45,8 @@ def warn_compiled_module(module: pl.LightningModule | None) -> bool:
 
 
 def check_static_graph(trainer: pl.Trainer) -> None:
-    """Refuse, in one line, DDP's ``static_graph=True`` with a fit whose first step accumulates.
-
-    With gradient accumulation (``Trainer(accumulate_grad_batches=K)``, ``AccumulationNoSync`` or
-    ``GradientAccumulationScheduler`` at K > 1 in the epoch the fit starts), the first backward after
-    DDP wraps the model runs under ``no_sync``; torch's reducer then fails an internal assert
-    (``RuntimeError: expect_autograd_hooks_ INTERNAL ASSERT FAILED at ".../reducer.cpp":1732``),
-    with Lightning's own ``ddp`` too. A refusal rather than a warning: that run always crashes at its
-    first backward (the one exception, an epoch of a single batch, accumulates nothing). A schedule
-    that starts at K = 1, such as ``{0: 1, 1: K}``, passes: once DDP has synced one backward, the
-    static graph takes ``no_sync``. Read at ``setup``, after the strategy wrapped the model; a fit
-    resumed into a later epoch is judged by the schedule's first epoch (Lightning restores the epoch
-    after ``setup``).
-
-    Raises:
-        ArgumentValueError: DDP's graph is static and the first step accumulates K > 1 micro-batches.
+    """Refuse, in one line, DDP's ``static_graph=True`` with a fit whose first step accumulates (torch's
+    reducer fails an internal assert at its first backward); a schedule starting at K = 1 passes.
 
     Example::
 

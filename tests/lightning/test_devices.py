@@ -58,8 +58,8 @@ def test_auto_picks_nccl_only_when_every_rank_has_its_own_gpu(gpus, gpu_count, d
 def test_nccl_on_ranks_that_share_a_gpu_is_refused_in_one_line_before_any_group(gpus):
     strategy = _strategy("nccl", 1, 2, "127.0.0.1")
     with pytest.raises(ArgumentValueError) as refused:
-        strategy._check_one_gpu_per_nccl_rank()
+        strategy._configure_launcher()
     message = str(refused.value)
     assert message.startswith("`backend` should be 'gloo' or 'auto' when ranks share a GPU, got 'nccl' with 2 ranks")
     assert "\n" not in message and not dist.is_initialized()
-    _strategy("nccl", 1, 1, "127.0.0.1")._check_one_gpu_per_nccl_rank()  # a GPU per rank: fine
+    _strategy("nccl", 1, 1, "127.0.0.1")._configure_launcher()  # a GPU per rank: fine
