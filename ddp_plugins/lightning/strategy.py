@@ -34,7 +34,7 @@ from ddp_plugins.core.process import start_forkserver
 from ddp_plugins.core.ranks import for_collective
 from ddp_plugins.core.samplers import loader_seed
 from ddp_plugins.core.workers import WorkerInit
-from ddp_plugins.lightning import data_plan, traps
+from ddp_plugins.lightning import comm_hook_chain, data_plan, traps
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
@@ -342,9 +342,10 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning's version registers only when the root device is CUDA
+        # Lightning's version registers only when the root device is CUDA; the callbacks' layers
+        # (AllReduceCounter, CommTimeline) wrap the hook here, handed over without touching the strategy
         assert isinstance(self.model, DistributedDataParallel)
-        hook, wrapper = self._ddp_comm_hook, self._ddp_comm_wrapper
+        hook, wrapper = comm_hook_chain.layered(self, self._ddp_comm_hook), self._ddp_comm_wrapper
         if hook is not None:
             self.model.register_comm_hook(self._ddp_comm_state, hook if wrapper is None else wrapper(hook))
 
