@@ -219,12 +219,13 @@ class Liveness:
         self._observer: Record | None = None  # rank 0's last record, as another rank read it
         self._own: BaseException | None = None  # the error failed() let through
         self._seq = self._published_marks = 0
-        self._published_at, self._ended = 0.0, False
+        self._published_at = self._marked_at = 0.0
+        self._ended = False
 
     def mark(self, phase: str, waits: bool = False) -> None:
         """The training thread passed a phase boundary; ``waits``: into a collective every rank enters."""
         self.marks += 1
-        self.phase, self.waits = phase, waits
+        self.phase, self.waits, self._marked_at = phase, waits, time.monotonic()
         self._wake.set()
 
     def start(self) -> Liveness:
@@ -333,7 +334,8 @@ class Liveness:
                 since, self.verdict = time.monotonic() - verdict.seconds, verdict
                 if self._reports(verdict):
                     self._name(verdict, records)
-            due = self.end_after_s is not None and time.monotonic() - since >= self.end_after_s
+            # a gone rank cannot come back: the job ends at once
+            due = verdict.how == "gone" or self.end_after_s is not None and time.monotonic() - since >= self.end_after_s
             if due and (self._reports(verdict) or verdict.how == "store") and not self._halt.is_set():
                 self._end(verdict, records)
                 return
@@ -405,7 +407,7 @@ class Liveness:
     def _name(self, verdict: Verdict, records: list[Record]) -> None:
         folder = self.folder() if callable(self.folder) else self.folder
         dump = _dump(verdict, records, folder) if folder is not None and records else None
-        ends = f"in {self.end_after_s:g} s" if self.end_after_s else "never"
+        ends = "now" if verdict.how == "gone" else f"in {self.end_after_s:g} s" if self.end_after_s else "never"
         where = f"; every rank's last record and stack: {dump}" if dump else ""
         print(
             f"error: {verdict.line(_by_rank(records, verdict))}; the job ends {ends}{where}",
@@ -430,8 +432,10 @@ class Liveness:
                 if store_answers:
                     self._store(lambda: self.store.add(_LEFT, 1))
             return
+        # the training thread waits in a collective for longer than an interval: the state is a step's
+        idle = self.waits and time.monotonic() - self._marked_at > self.interval_s
         try:
-            saved = self.rescue() if self.rescue is not None else None
+            saved = self.rescue() if self.rescue is not None and idle else None
         except Exception as error:  # noqa: BLE001 - the job ends all the same; say why nothing was saved
             saved = f"none written ({type(error).__name__}: {error})"
         resume = f"checkpoint of the last completed step: {saved}" if saved else "it resumes from its newest"

@@ -157,7 +157,9 @@ def test_a_failed_collective_names_the_rank_that_caused_it_and_ends_the_job_at_o
     assert len(lines) == 2, f"one line naming it, one ending the job, nothing else:\n{lines}"
     named, ended = lines[0][1], lines[1][1]
     assert named.startswith(f"error: rank {rank} (PID ") and how in named, named
-    assert "; a collective failed waiting for it (RuntimeError: " in named, named  # and what the backend said
+    # what the backend said, where the collective failed first; a killed process may be seen in /proc first
+    said = "; a collective failed waiting for it (RuntimeError: " in named
+    assert said or case == "sigkill" and "; the job ends now" in named, named
     assert ended.startswith("error: ending every rank"), ended
 
 
