@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train lint test gpu-check gpu-tests matrix bench clean
+.PHONY: train lint test test-e2e gpu-check gpu-tests matrix bench clean
 
 # pip compiles the bytecode of what it installs one file at a time (about a third of the set-up): it
 # is skipped there and done once on every core (`compileall -j 0`, the same .pyc files). compileall
@@ -41,9 +41,14 @@ lint: $(STAMP)
 # of another's queue, so the run does not end on one worker's last long tests.
 XDIST := -n 3 --dist worksteal
 
+# `make test` leaves out the slowest end-to-end proofs (marker `e2e`: Slurm and submitit requeues, the
+# default-settings stall, long preemption sequences): `make test-e2e` runs them, and .ci/run runs both.
 test: $(STAMP)
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not hazard_control and not e2e" $(PYTEST_ARGS)
 	@if $(HAS_CUDA); then $(MAKE) --no-print-directory gpu-tests PY=$(PY); else echo "make test: no CUDA GPU here, the gpu tests were skipped (make gpu-check runs them where one is)"; fi
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest $(XDIST) -m e2e $(PYTEST_ARGS)
 
 # The GPU proofs, on a machine with at least one CUDA GPU, in an existing environment (no install,
 # no network: `make gpu-check PY=python3`), in about 5 minutes: the tests marked `gpu` (CUDA shown,

@@ -161,6 +161,7 @@ def test_a_stop_late_in_an_epoch_refuses_another_batch_size_and_at_the_epoch_end
         )
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_resume_never_starts_over_and_a_path_resumes_from_it(reference, tmp_path):
     folder = tmp_path / "run"
@@ -236,6 +237,7 @@ def test_torchrun_restarts_the_group_after_a_worker_is_killed_and_it_resumes(ref
     assert metrics_rows(folder) == metrics_rows(reference)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, reference, tmp_path):
@@ -274,6 +276,7 @@ def test_slurm_usr1_requeues_the_job_and_it_resumes_by_itself(slurm_cluster, ref
     assert metrics_rows(folder) == metrics_rows(reference)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slurm_cluster, reference, tmp_path):
@@ -377,6 +380,7 @@ def test_a_sigterm_at_the_last_step_ends_as_a_finished_run_and_a_rerun_says_so(r
     assert f"already finished at epoch 1 (accuracy {final.group(1)}" in rerun.stdout, rerun.stdout[-2000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_tensorboard_run_killed_then_preempted_resumes_into_one_event_stream(tmp_path):
     """Issue 35: ``logger=tensorboard`` resumes as the CSV does. A launch killed outright at step 7
