@@ -35,6 +35,7 @@ STALL_EXIT = 1
 _KEY = "ddp_plugins/liveness/"
 _VERDICT, _LEFT = f"{_KEY}verdict", f"{_KEY}left"
 _NEVER = float("-inf")
+_LEFT_PHASE, _RAISED = "left", "raised "
 _HOW = {
     "gone": "its process is gone (killed or exited)",
     "stopped": "its process is stopped (SIGSTOP or a debugger)",
@@ -42,6 +43,7 @@ _HOW = {
     "silent": "it publishes nothing (stopped, killed or holding the GIL: another host, not told apart)",
     "behind": "it stopped progressing while the other ranks wait for it",
     "store": "the job's store (hosted there) does not answer",
+    "raised": "it raised an error (its own traceback says where)",
 }
 
 
@@ -132,7 +134,10 @@ def judge(
         >>> judge([rec(0, 38), rec(1, 37)], [99, 99], [99, 99], now=100, after_s=30, states=[None, "gone"])
         Verdict(ranks=(1,), how='gone', seconds=1)
     """
-    state = list(states) + [None] * (len(records) - len(states))
+    records = [r for r in records if not _left(r)]  # a rank that left (its fit ended, or it raised): judged no more
+    if not records:
+        return None
+    state = list(states) + [None] * (max(r.rank for r in records) + 1 - len(states))
     gone = [r.rank for r in records if state[r.rank] == "gone"]
     for ranks in (gone, [r.rank for r in records if now - seen_at[r.rank] > after_s]):
         if ranks:
@@ -141,7 +146,7 @@ def judge(
             return Verdict(tuple(ranks), how.pop() if len(how) == 1 else "silent", seconds)
     fewest = min(r.marks for r in records)
     behind = tuple(r.rank for r in records if r.marks == fewest)
-    quiet = now - max(progressed_at)
+    quiet = now - max(progressed_at[r.rank] for r in records)
     return Verdict(behind, "behind", quiet) if quiet > after_s and len(behind) < len(records) else None
 
 
@@ -233,7 +238,12 @@ class Liveness:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, error: BaseException | None = None) -> None:
+        """This rank leaves: its fit ended, or it raised ``error`` (said in a last record), then the thread ends."""
+        if self._thread is not None and not self._halt.is_set():
+            self.phase = _LEFT_PHASE if error is None else f"{_RAISED}{type(error).__name__}: {_first_line(error)}"
+            with contextlib.suppress(Exception):
+                self._publish()
         self._halt.set()
         self._wake.set()
         if self._thread is not None and threading.current_thread() is not self._thread:
@@ -250,6 +260,9 @@ class Liveness:
         try:
             if verdict is None:
                 records = self._records_now()
+                raised = tuple(r.rank for r in records if r.phase.startswith(_RAISED) and r.rank != self.rank)
+                verdict = Verdict(raised, "raised", 0) if raised else None
+            if verdict is None:
                 now = time.monotonic()
                 verdict = judge(records, [now] * len(records), [now] * len(records), now, 1, self._states(records))
             if verdict is None and self.waits and records:
@@ -394,7 +407,7 @@ class Liveness:
         ) else None  # fmt: skip
         if told is not None and told["end"]:
             return [observer], None, True
-        if now - seen_at[0] > self.name_after_s:  # rank 0 itself is silent
+        if now - seen_at[0] > self.name_after_s and not _left(observer):  # rank 0 itself is silent
             state = self._states([observer])[0]
             return [observer], Verdict((0,), state or "silent", now - seen_at[0]), False
         verdict = Verdict(tuple(told["ranks"]), told["how"], self.name_after_s) if told is not None else None
@@ -432,8 +445,8 @@ class Liveness:
                 if store_answers:
                     self._store(lambda: self.store.add(_LEFT, 1))
             return
-        # the training thread waits in a collective for longer than an interval: the state is a step's
-        idle = self.waits and time.monotonic() - self._marked_at > self.interval_s
+        # the training thread passed no mark for an interval: it waits for the stalled rank, the state is a step's
+        idle = time.monotonic() - self._marked_at > self.interval_s
         try:
             saved = self.rescue() if self.rescue is not None and idle else None
         except Exception as error:  # noqa: BLE001 - the job ends all the same; say why nothing was saved
@@ -452,6 +465,10 @@ class Liveness:
             if record.rank in verdict.ranks and record.host == self._host and record.pid not in (0, os.getpid()):
                 with contextlib.suppress(OSError):
                     os.kill(record.pid, signal.SIGKILL)
+
+
+def _left(record: Record) -> bool:
+    return record.phase == _LEFT_PHASE or record.phase.startswith(_RAISED)
 
 
 def _first_line(error: BaseException) -> str:

@@ -223,13 +223,13 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             if watcher is None:
                 raise
             watcher.stop()
+            if self.on_failure is not None:  # may end the job here, naming the rank that caused it
+                self.on_failure(error)
             if isinstance(error, (Preempted, ResumeMismatch)):
                 # every rank agreed to stop at this step and wrote its part, or refuses the same resume
                 # with rank 0's one line: let the children finish
                 _wait_then_kill(self.procs, _PREEMPT_GRACE_S)
             else:
-                if self.on_failure is not None:  # may end the job here, naming the rank that caused it
-                    self.on_failure(error)
                 self._stop_children()
             raise
         finally:

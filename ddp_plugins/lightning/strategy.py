@@ -402,13 +402,18 @@ class DDPPluginsStrategy(DDPStrategy):
             trainer = self._trainer()
             self._room.mark(f"{phase} (global step {trainer.global_step if trainer is not None else 0})", waits)
 
-    def _waiting(self, phase: str, call: Callable[[], Any]) -> Any:
-        """``call()``, a collective every rank must enter, marked for the liveness room."""
-        before = self._room.phase if self._room is not None else ""
+    def _waiting(self, phase: str, call: Callable[[], Any], then: str | None = None) -> Any:
+        """``call()``, a collective every rank must enter, marked for the liveness room; then the phase
+        before it, or ``then`` (after the backward: the optimizer step and the next batch's agreement
+        round, where every rank waits for the others too)."""
+        room = self._room
+        before = (room.phase, room.waits) if room is not None else ("", False)
         self._mark(phase, waits=True)
         result = call()
-        if self._room is not None:
-            self._room.mark(before)
+        if then is not None:
+            self._mark(then, waits=True)
+        elif room is not None:
+            room.mark(*before)
         return result
 
     @override
@@ -441,7 +446,7 @@ class DDPPluginsStrategy(DDPStrategy):
         return self._waiting("a backward", lambda: self._steps.backward(  # DDP's all-reduce waits for every rank
             closure_loss, self.lightning_module, self.batch_rows, self.precision_plugin,
             lambda loss: parent(loss, optimizer, *args, **kwargs),
-        ))  # fmt: skip
+        ), then="after a backward")  # fmt: skip
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -481,8 +486,12 @@ class DDPPluginsStrategy(DDPStrategy):
     def _failed(self, error: BaseException) -> None:
         # a collective that failed is a RuntimeError on every backend (gloo's are plain ones); an agreed
         # stop (Preempted, a SystemExit) or a refusal (a ValueError) is every rank's own, and goes through
-        if self._room is not None and self._room.marks and isinstance(error, RuntimeError):  # after start-up
-            self._room.failed(error)  # another rank caused it: named in one line, and the job ends here
+        room = self._room
+        if room is not None:
+            if room.marks and isinstance(error, RuntimeError):  # after start-up
+                room.failed(error)  # another rank caused it: named in one line, and the job ends here
+            # this rank leaves: the others see it left (an agreed stop, a refusal every rank makes) or raised
+            room.stop(None if isinstance(error, (SystemExit, KeyboardInterrupt, data_plan.ResumeMismatch)) else error)
 
     @override
     def teardown(self) -> None:

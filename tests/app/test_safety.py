@@ -312,7 +312,7 @@ def test_a_stopped_rank_is_named_within_a_minute_with_the_default_settings(tmp_p
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-4000:]
     named, ended = _error_lines(result.stderr)
     # its last known step: what it published last, at most the step it froze at
-    found = re.match(r"error: rank 1 \(PID \d+ on \S+, a (?:training|validation) step \(global step (\d+)\)\)", named)
+    found = re.match(r"error: rank 1 \(PID \d+ on \S+, [a-z (_)]+ \(global step (\d+)\)\)", named)
     assert found and 1 <= int(found.group(1)) <= 20, f"not rank 1 at a step up to the one it froze at (20): {named}"
     assert "its process is stopped (SIGSTOP or a debugger) for 3" in named, named  # named at 30 to 39 s
     assert 40 <= took < 60, f"the job ended {took:.0f} s after rank 1 froze, not at the 40 s end limit"

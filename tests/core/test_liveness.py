@@ -60,6 +60,12 @@ def _rooms(store, world_size, exits, tmp_path=None, name=NAME, end=END):
     ]
 
 
+def _freeze(room):
+    """The room's thread stops without a last record, as in a stopped process or one holding the GIL."""
+    room._halt.set()
+    room._wake.set()
+
+
 def _wait(condition, seconds):
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
@@ -168,7 +174,7 @@ def test_a_rank_that_stops_publishing_is_named_by_another(capsys, silent):
     for room in rooms:
         room.start()
     time.sleep(3 * EVERY)
-    rooms[silent].stop()
+    _freeze(rooms[silent])
     assert _wait(lambda: len(exits) >= 1, 10 * END), "nobody ended the job"
     time.sleep(4 * EVERY)
     for room in rooms:
@@ -234,3 +240,23 @@ def test_process_state_tells_stopped_from_running_and_gone():
 def test_the_limits_are_checked():
     with pytest.raises(ValueError, match="`end_after_s` should be None or at least name_after_s"):
         Liveness(dist.HashStore(), 0, 2, name_after_s=30, end_after_s=10)
+
+
+def test_a_rank_that_leaves_is_not_named_and_one_that_raised_is_named_by_the_rank_that_waited(capsys):
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 3, exits)
+    for room in rooms:
+        room.mark("a training step (global step 4)")
+        room.start()
+    time.sleep(3 * EVERY)
+    rooms[2].stop()  # its fit ended first: its last record says it left
+    time.sleep(3 * END)
+    assert exits == [] and _errors(capsys) == [], "a rank that left is not stopped, silent nor gone"
+    rooms[1].stop(ValueError("boom in training_step\nmore"))  # its own error: a traceback of its own
+    rooms[0].mark("a backward (global step 4)", waits=True)
+    rooms[0].failed(RuntimeError("Connection reset by peer"))  # the collective it waited in failed
+    assert exits == [STALL_EXIT]
+    named, ended = _errors(capsys)
+    assert named.startswith("error: rank 1 (PID ") and "raised ValueError: boom in training_step)" in named, named
+    assert "it raised an error (its own traceback says where); a collective failed waiting for it" in named, named
+    rooms[0].stop()

@@ -190,5 +190,6 @@ def test_a_rank_that_raises_shows_its_own_traceback_and_the_other_names_it():
     assert result[1] == 1 and result[0] == 1, logs
     assert "ValueError: boom in training_step of rank 1" in logs[1], logs[1]
     rank0 = [line for r, line in _lines(logs) if r == 0]
-    assert rank0[0].startswith("error: rank 1 (PID ") and "its process is gone" in rank0[0], rank0
+    assert rank0[0].startswith("error: rank 1 (PID ") and "raised ValueError: boom in training_step" in rank0[0], rank0
+    assert "it raised an error (its own traceback says where)" in rank0[0], rank0
     assert "Traceback" not in logs[0], logs[0]
