@@ -99,6 +99,11 @@ def _run(case: str, rank: int, world_size: int = 2, timeout: float = 1800.0):
     return codes, logs, took, files
 
 
+_TORCH_STORE_WARNING = re.compile(
+    r"\[rank\d+\]:\[W.* TCPStore\.cpp:\d+\] |Exception raised from recvBytes |frame #\d+: "
+)
+
+
 def _exits(result, codes):
     """A stuck rank whose room still runs leaves with the others (1), or is killed first (-9): ``(1, -9)``."""
     return result.keys() == codes.keys() and all(
@@ -154,6 +159,10 @@ def test_a_failed_collective_names_the_rank_that_caused_it_and_ends_the_job_at_o
     result, logs, took, _ = _run(case, rank, timeout=3.0 if case == "timeout" else 1800.0)
     assert _exits(result, codes), f"exit codes {result}\n{logs}"
     lines = _lines(logs)
+    if (case, rank) == ("sigkill", 0):
+        # the store's host killed outright: a store call of rank 1's room that was in flight makes torch's
+        # C++ client print its warning (docs/design.md); nothing else of it, and never a Python traceback
+        lines = [(r, line) for r, line in lines if not _TORCH_STORE_WARNING.match(line)]
     assert len(lines) == 2, f"one line naming it, one ending the job, nothing else:\n{lines}"
     named, ended = lines[0][1], lines[1][1]
     assert named.startswith(f"error: rank {rank} (PID ") and how in named, named
