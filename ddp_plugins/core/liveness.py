@@ -81,7 +81,7 @@ class Verdict(NamedTuple):
 
     def line(self, records: Sequence[Record]) -> str:
         """One line naming the ranks (``records`` by rank)."""
-        who = ", ".join(f"rank {r} (PID {records[r].pid} on {records[r].host}, {records[r].phase})" for r in self.ranks)
+        who = ", ".join(f"rank {r} ({_where(records[r])})" for r in self.ranks)
         return f"{who}: {_HOW[self.how]}" + (f" for {self.seconds:.0f} s" if self.seconds else "")
 
 
@@ -213,7 +213,7 @@ class Liveness:
         if end_after_s is not None and end_after_s < name_after_s:
             raise ArgumentValueError("end_after_s", f"None or at least name_after_s ({name_after_s:g})", end_after_s)
         self.end_after_s, self.interval_s = end_after_s, interval_s or min(5.0, name_after_s / 6)
-        self.store, self.rank, self.world_size = store, rank, world_size
+        self.store, self.rank, self.world_size = _own_client(store), rank, world_size
         self.folder, self.rescue, self._exit = folder, rescue, exit
         self.marks, self.phase, self.waits = 0, "starting", False
         self.verdict: Verdict | None = None
@@ -329,6 +329,8 @@ class Liveness:
                         records, verdict = self._observe(seen_at, progressed_at, last)
                     else:
                         records, verdict, ended = self._follow(records, seen_at)
+                        if self._observer is None:  # rank 0 has not published yet: look again soon
+                            judged = now - self.interval_s + throttle
             except TimeoutError:
                 verdict = Verdict((0,), "store", self.name_after_s)
             except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to watch
@@ -387,8 +389,8 @@ class Liveness:
         verdict = (
             judge(records, seen_at, progressed_at, now, self.name_after_s, self._states(records)) if records else None
         )
-        if verdict is None and self.verdict is not None:
-            self._store(lambda: self.store.delete_key(_VERDICT))
+        if verdict is None and self.verdict is not None:  # never deleted: a reader's check-then-get never blocks
+            self._store(lambda: self.store.set(_VERDICT, "null"))
         elif verdict is not None and (self.verdict is None or verdict.ranks != self.verdict.ranks):
             self._tell(verdict, end=False)
         return records, verdict
@@ -398,9 +400,12 @@ class Liveness:
         self._store(lambda: self.store.set(_VERDICT, text))
 
     def _follow(self, records: list[Record], seen_at: list[float]) -> tuple[list[Record], Verdict | None, bool]:
-        """Any other rank: rank 0's record and the verdict key."""
-        observer = self._observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
+        """Any other rank: rank 0's record and the verdict key, each read only once it exists (a ``get``
+        of a missing key blocks until it is set)."""
         now = time.monotonic()
+        if not self._store(lambda: self.store.check([f"{_KEY}0"])):  # rank 0's room has not published yet
+            return records, None, False
+        observer = self._observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
         seen_at[0] = now if not records or observer.seq != records[0].seq else seen_at[0]
         told = json.loads(self._store(lambda: self.store.get(_VERDICT))) if self._store(
             lambda: self.store.check([_VERDICT])
@@ -467,8 +472,24 @@ class Liveness:
                     os.kill(record.pid, signal.SIGKILL)
 
 
+def _own_client(store: Any) -> Any:
+    """A client of the room's own on ``store`` (``Store.clone``): a store call of the training thread
+    (a rendezvous's blocking ``get``) never waits for the room's, nor the room's for it; ``store`` itself
+    where it cannot be cloned (a store written in Python)."""
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return store
+
+
 def _left(record: Record) -> bool:
     return record.phase == _LEFT_PHASE or record.phase.startswith(_RAISED)
+
+
+def _where(record: Record) -> str:
+    if not record.pid:  # nothing read of it: the store's host before its room published, say
+        return "no record read yet"
+    return f"PID {record.pid} on {record.host}, {record.phase}"
 
 
 def _first_line(error: BaseException) -> str:
