@@ -248,6 +248,10 @@ class PreemptionCheckpoint(Callback):
 
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if trainer.state.fn != "fit":
+            # `test`/`validate`/`predict(ckpt_path=...)` only load weights: no resume, so no rows are
+            # cut (issue 49: `test(ckpt_path="best")` after `fit` lost every epoch after the best)
+            return
         self.resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path else None
         callbacks = checkpoint.get("callbacks", {})
         state: dict[str, Any] = next((v for k, v in callbacks.items() if k.startswith(type(self).__name__)), {})
