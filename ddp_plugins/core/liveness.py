@@ -36,6 +36,9 @@ _KEY = "ddp_plugins/liveness/"
 _VERDICT, _LEFT = f"{_KEY}verdict", f"{_KEY}left"
 _NEVER = float("-inf")
 _LEFT_PHASE, _RAISED = "left", "raised "
+# what a room ends at its end limit by default: a process provably stopped or gone, or a store that does
+# not answer (its host is stopped: a store served by a C++ thread answers while Python is busy)
+_PROVEN = frozenset({"gone", "stopped", "store"})
 _HOW = {
     "gone": "its process is gone (killed or exited)",
     "stopped": "its process is stopped (SIGSTOP or a debugger)",
@@ -63,6 +66,7 @@ class Record(NamedTuple):
     pid: int
     host: str
     stack: str = ""  # the training thread's stack when published, innermost last
+    pid_ns: str = ""  # its PID namespace: a PID is seen in this host's /proc only from the same one
 
 
 class Verdict(NamedTuple):
@@ -176,8 +180,10 @@ class Liveness:
     a silent rank 0) and the verdict. A store that does not answer within ``name_after_s`` is a
     verdict on its host. The lowest rank a verdict does not name prints one line and writes every
     rank's last record and stack to ``folder/stall.txt``; at ``end_after_s`` it writes ``rescue()``'s
-    checkpoint, kills the stalled ranks on its host, and every rank exits with :data:`STALL_EXIT`.
-    :meth:`failed` ends the job at once when another rank made this one's collective fail.
+    checkpoint, kills the stalled ranks on its host, and every rank exits with :data:`STALL_EXIT`, where
+    the stalled ranks are provably stopped or gone (or ``end_running``: any stall). A rank whose process
+    runs (busy, behind, or silent on another host) may be doing legitimate work: by default it is named,
+    never ended. :meth:`failed` ends the job at once when another rank made this one's collective fail.
 
     Args:
         store: the job's store (the default process group's).
@@ -185,6 +191,9 @@ class Liveness:
         end_after_s: seconds before the job is ended (``None``: named only).
         folder: where ``stall.txt`` goes (a callable is asked when it is written); ``None``: none.
         rescue: called by the reporting rank before it ends the job; returns what it saved, or ``None``.
+        end_running: end at ``end_after_s`` a stall of ranks whose processes run, too.
+        collective_timeout_s: the group's collective timeout; a collective that failed sooner was not
+            timed out by a rank behind the others (``None``: not known, any failure may be).
         exit: how a rank ends the job (``os._exit``; a test passes its own).
 
     Example::
@@ -207,6 +216,8 @@ class Liveness:
         folder: str | os.PathLike | Callable[[], str | os.PathLike | None] | None = None,
         rescue: Callable[[], str | None] | None = None,
         exit: Callable[[int], Any] = os._exit,
+        end_running: bool = False,
+        collective_timeout_s: float | None = None,
     ) -> None:
         self.name_after_s = check_number("name_after_s", name_after_s, 0, exclusive_minimum=True)
         check_number("end_after_s", end_after_s, 0, allow_none=True)
@@ -215,9 +226,10 @@ class Liveness:
         self.end_after_s, self.interval_s = end_after_s, interval_s or min(5.0, name_after_s / 6)
         self.store, self.rank, self.world_size = _own_client(store), rank, world_size
         self.folder, self.rescue, self._exit = folder, rescue, exit
+        self.end_running, self.collective_timeout_s = end_running, collective_timeout_s
         self.marks, self.phase, self.waits = 0, "starting", False
         self.verdict: Verdict | None = None
-        self._main, self._host = threading.main_thread().ident, socket.gethostname()
+        self._main, self._host, self._ns = threading.main_thread().ident, socket.gethostname(), _pid_namespace()
         self._halt, self._wake, self._ending = threading.Event(), threading.Event(), threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddp_plugins-liveness-store")
         self._thread: threading.Thread | None = None
@@ -294,7 +306,14 @@ class Liveness:
         now = time.monotonic()
         seen = [now if a.seq != b.seq or a.rank == self.rank else _NEVER for a, b in zip(after, before, strict=True)]
         verdict = judge(after, seen, [_NEVER] * len(after), now, 0, self._states(after))
+        if verdict is not None and verdict.how == "behind" and not self._timed_out(now):
+            return None, after  # the others publish and the wait was short: this rank's own error
         return (verdict._replace(seconds=0) if verdict else None), after
+
+    def _timed_out(self, now: float) -> bool:
+        """This rank waited in its collective for about the collective timeout (or it is not known)."""
+        timeout = self.collective_timeout_s
+        return timeout is None or now - self._marked_at >= 0.9 * timeout
 
     # the room's thread
 
@@ -303,13 +322,18 @@ class Liveness:
         return self._pool.submit(call).result(timeout=self.name_after_s)
 
     def _states(self, records: Sequence[Record]) -> list[str | None]:
-        return [process_state(r.pid) if r.host == self._host else None for r in records]
+        return [process_state(r.pid) if self._local(r) else None for r in records]
+
+    def _local(self, record: Record) -> bool:
+        """``record``'s PID is one of this host's ``/proc`` (same host, same PID namespace)."""
+        return record.host == self._host and record.pid_ns == self._ns
 
     def _run(self) -> None:
         seen_at, progressed_at = [time.monotonic()] * self.world_size, [time.monotonic()] * self.world_size
         last: dict[int, tuple[int, int]] = {}
         records: list[Record] = []
         since = judged = 0.0  # when the stall named began; when the records were last judged
+        failing: float | None = None  # since when every store call failed (not timed out)
         while not self._halt.is_set():
             now, throttle = time.monotonic(), self.interval_s / 5
             if now - judged < self.interval_s:  # between two judgements: publish new marks, once per throttle
@@ -333,8 +357,17 @@ class Liveness:
                             judged = now - self.interval_s + throttle
             except TimeoutError:
                 verdict = Verdict((0,), "store", self.name_after_s)
-            except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to watch
-                return
+            except Exception as error:  # noqa: BLE001 - retried: one failed call does not end the room
+                failing = now if failing is None else failing
+                if self._halt.is_set() or (self._observer is not None and _left(self._observer)):
+                    return  # the store went away with the job: nothing left to watch
+                if now - failing >= self.name_after_s:
+                    print(f"ddp_plugins: rank {self.rank}'s liveness room stops: its store calls fail for"
+                          f" {now - failing:.0f} s ({type(error).__name__}: {_first_line(error)})",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    return
+                continue
+            failing = None
             if ended:
                 with contextlib.suppress(Exception):  # rank 0 leaves the store last: no call fails here
                     self._store(lambda: self.store.add(_LEFT, 1))
@@ -350,26 +383,33 @@ class Liveness:
                 if self._reports(verdict):
                     self._name(verdict, records)
             # a gone rank cannot come back: the job ends at once
-            due = verdict.how == "gone" or self.end_after_s is not None and time.monotonic() - since >= self.end_after_s
+            due = verdict.how == "gone" or self._ends(verdict) and time.monotonic() - since >= (self.end_after_s or 0)
             if due and (self._reports(verdict) or verdict.how == "store") and not self._halt.is_set():
                 self._end(verdict, records)
                 return
 
+    def _ends(self, verdict: Verdict) -> bool:
+        """Whether ``verdict`` ends the job at the end limit."""
+        return self.end_after_s is not None and (self.end_running or verdict.how in _PROVEN)
+
     def _host_gone(self) -> Verdict | None:
         """Rank 0, the store's host, is gone, as a rank on its host sees in ``/proc``."""
         observer = self._observer
-        gone = observer is not None and observer.host == self._host and process_state(observer.pid) == "gone"
+        gone = observer is not None and self._local(observer) and process_state(observer.pid) == "gone"
         return Verdict((0,), "gone", 0) if gone else None
 
     def _publish(self) -> None:
+        """This rank's record, made in the room's one store thread when it is written (the training
+        thread's last record, "left", and the room thread's are written in turn, never an older last)."""
+        self._store(self._write_record)
+
+    def _write_record(self) -> None:
         self._seq += 1
         self._published_at, self._published_marks = time.monotonic(), self.marks
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
-        text = json.dumps(
-            Record(self.rank, self._seq, self.marks, self.phase, os.getpid(), self._host, stack)._asdict()
-        )
-        self._store(lambda: self.store.set(f"{_KEY}{self.rank}", text))
+        record = Record(self.rank, self._seq, self.marks, self.phase, os.getpid(), self._host, stack, self._ns)
+        self.store.set(f"{_KEY}{self.rank}", json.dumps(record._asdict()))
 
     def _records_now(self) -> list[Record]:
         """Every rank's record (empty until every rank published)."""
@@ -425,10 +465,15 @@ class Liveness:
     def _name(self, verdict: Verdict, records: list[Record]) -> None:
         folder = self.folder() if callable(self.folder) else self.folder
         dump = _dump(verdict, records, folder) if folder is not None and records else None
-        ends = "now" if verdict.how == "gone" else f"in {self.end_after_s:g} s" if self.end_after_s else "never"
+        if verdict.how == "gone":
+            ends = "the job ends now"
+        elif self._ends(verdict):
+            ends = f"the job ends in {round(max(0.0, (self.end_after_s or 0) - verdict.seconds), 1):g} s"
+        else:
+            ends = "the job goes on (a rank whose process runs is not ended)"
         where = f"; every rank's last record and stack: {dump}" if dump else ""
         print(
-            f"error: {verdict.line(_by_rank(records, verdict))}; the job ends {ends}{where}",
+            f"error: {verdict.line(_by_rank(records, verdict))}; {ends}{where}",
             file=sys.stderr,
             flush=True,
         )
@@ -467,7 +512,7 @@ class Liveness:
                 while self._store(lambda: self.store.add(_LEFT, 0)) < others and time.monotonic() < deadline:
                     time.sleep(0.05)
         for record in records:
-            if record.rank in verdict.ranks and record.host == self._host and record.pid not in (0, os.getpid()):
+            if record.rank in verdict.ranks and self._local(record) and record.pid not in (0, os.getpid()):
                 with contextlib.suppress(OSError):
                     os.kill(record.pid, signal.SIGKILL)
 
@@ -480,6 +525,14 @@ def _own_client(store: Any) -> Any:
         return store.clone()
     except (AttributeError, NotImplementedError, RuntimeError):
         return store
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (``/proc/self/ns/pid``), ``""`` where it cannot be read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def _left(record: Record) -> bool:

@@ -98,7 +98,10 @@ class DDPPluginsStrategy(DDPStrategy):
         drop_last: with ``global_batch_size``, leave out each epoch's short last step.
         uneven_data: ranks whose loaders yield different numbers of batches step together, rows weighted.
         stall_name_after: seconds without progress after which a stalled rank is named in one line (``None``: off).
-        stall_end_after: seconds after which a stall ends the job, with a rescue checkpoint (``None``: named only).
+        stall_end_after: seconds after which a stall of ranks provably stopped or gone ends the job, with a
+            rescue checkpoint (``None``: named only).
+        stall_end_running: end at ``stall_end_after`` a stall of ranks whose processes run, too (by default
+            they are named and left to finish: legitimate work on one rank looks the same).
         child_command: ``local_rank -> (command, working folder)`` of each child rank under ``start_method="popen"``.
         reproducible: with ``global_batch_size``, the same bits on 1 to ``virtual_shards`` ranks.
         virtual_shards: the reproducible mode's shards per step (the same for runs to compare).
@@ -130,6 +133,7 @@ class DDPPluginsStrategy(DDPStrategy):
         uneven_data: bool = True,
         stall_name_after: float | None = 30.0,
         stall_end_after: float | None = 300.0,
+        stall_end_running: bool = False,
         child_command: Callable[[int], tuple[list[str], str | None]] | None = None,
         reproducible: bool = False,
         virtual_shards: int = 8,
@@ -156,6 +160,7 @@ class DDPPluginsStrategy(DDPStrategy):
         check_number("bucket_cap_mb", bucket_cap_mb, 0, exclusive_minimum=True, what="MiB", allow_none=True)
         ddp_kwargs: dict[str, Any] = {"static_graph": static_graph, "gradient_as_bucket_view": gradient_as_bucket_view}
         flags = {"drop_last": drop_last, "uneven_data": uneven_data, "reproducible": reproducible}
+        flags["stall_end_running"] = stall_end_running
         for name, value in {"find_unused_parameters": find_unused_parameters, **ddp_kwargs, **flags}.items():
             check_bool(name, value)
         check_int("global_batch_size", global_batch_size, 1, allow_none=True)
@@ -179,6 +184,7 @@ class DDPPluginsStrategy(DDPStrategy):
         )  # fmt: skip
         self._backend, self._child_command = backend, child_command
         self._stall = (stall_name_after, stall_end_after)
+        self._stall_end_running = stall_end_running
         self._room: Liveness | None = None
         self._timeout_s, self._rendezvous_s = float(timeout_s), float(rendezvous_s or timeout_s)
         self._env_before: dict[str, str | None] = {}  # the user's values of what setup_distributed may set
@@ -279,7 +285,8 @@ class DDPPluginsStrategy(DDPStrategy):
         if name_after is not None and self.world_size > 1:
             self._room = Liveness(
                 _compat.default_store(), self.global_rank, self.world_size, name_after, end_after,
-                rescue=self._save_last_completed_step,
+                rescue=self._save_last_completed_step, end_running=self._stall_end_running,
+                collective_timeout_s=self._timeout_s,
                 folder=lambda: getattr(self._trainer(), "default_root_dir", None),  # the run's folder
             ).start()  # fmt: skip
 
