@@ -188,6 +188,12 @@ class PreemptionCheckpoint(Callback):
         self._partials.after_batch(trainer)  # names the resumed epoch logged late
         if self._due is not None:  # the epoch's last step, deferred until validation is done
             due, self._due = self._due, None
+            # The epoch's metrics first, on every rank (issue 50): computing them is a collective (a
+            # torchmetrics object's gather, a `sync_dist` reduce), and the progress bar, which runs on
+            # rank 0 only, may have computed them there already, in its own `on_train_epoch_end`; the
+            # other ranks would compute them only after every callback, so our checkpoint's gather met
+            # rank 0's metrics gather. Read here, they pair with rank 0's (computed once, then cached).
+            trainer.callback_metrics  # noqa: B018 - read for its effect: the epoch's values computed
             self._checkpoint(trainer, *due)
 
     @override
