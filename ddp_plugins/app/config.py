@@ -96,6 +96,7 @@ class TrainConfig:
     reproducible: bool = False
     resume: str = field(default="auto", metadata={"allowed": "'auto', 'never' or the path of a checkpoint file"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    weights_only: bool = True
 
 
 ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)

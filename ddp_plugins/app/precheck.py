@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -34,6 +35,7 @@ from ddp_plugins.app.hydra_args import split_config_flags
 from ddp_plugins.core.checkpoints import NO_DIGEST, verify_checkpoint
 from ddp_plugins.core.checks import ArgumentError, ArgumentTypeError, ArgumentValueError, check_int
 from ddp_plugins.core.seeding import check_seed
+from ddp_plugins.lightning.safe_loading import UnsafeCheckpointError, safe_loading
 from ddp_plugins.lightning.strategy import check_backend
 
 __all__ = [
@@ -167,7 +169,7 @@ def _check_top_level(resolved: dict[str, Any], raw: dict[str, Any]) -> None:
     with as_config_error("global_batch_size", raw):
         check_int("global_batch_size", resolved.get("global_batch_size"), 1, allow_none=True)
     with as_config_error("resume", raw):
-        check_resume(resolved.get("resume", "auto"))
+        check_resume(resolved.get("resume", "auto"), weights_only=resolved.get("weights_only", True) is not False)
     checkpoint = resolved.get("checkpoint") or {}
     checkpoint_keys = [f.name for f in dataclasses.fields(CheckpointConfig)]
     for key in checkpoint:  # `+checkpoint.<key>=...` adds past the schema (Hydra opens the node)
@@ -192,8 +194,9 @@ def _check_top_level(resolved: dict[str, Any], raw: dict[str, Any]) -> None:
     _check_global_batch(resolved.get("strategy") or {}, trainer)
 
 
-def check_resume(resume: Any) -> str:
-    """``resume``: ``"auto"``, ``"never"`` or the path of a checkpoint that verifies and loads with ``weights_only``.
+def check_resume(resume: Any, weights_only: bool = True) -> str:
+    """``resume``: ``"auto"``, ``"never"`` or the path of a checkpoint that verifies and loads: with
+    ``weights_only=True``, unless the config's ``weights_only`` is false (the user trusts the file).
 
     Example::
 
@@ -212,16 +215,16 @@ def check_resume(resume: Any) -> str:
     reason = verify_checkpoint(resume)
     if reason is None or reason.startswith(NO_DIGEST):  # no digest to check: taken unverified
         try:
-            checkpoint_position(resume)
+            checkpoint_position(resume, weights_only=weights_only)
             return resume
         except ValueError as err:
             reason = str(err)
     raise ArgumentValueError("resume", allowed, problem=f"got {resume!r} ({reason})")
 
 
-def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
+def checkpoint_position(path: str | os.PathLike, weights_only: bool = True) -> tuple[int, int]:
     """(epoch, global step) of a Lightning checkpoint (``state_dict`` and ``loops``), else a ``ValueError``."""
-    checkpoint = load_checkpoint_safely(path)
+    checkpoint = load_checkpoint_safely(path, weights_only=weights_only)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError("not a Lightning checkpoint (no state_dict)")
     if not isinstance(checkpoint.get("loops"), dict):
@@ -229,16 +232,25 @@ def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
     return int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0))
 
 
-def load_checkpoint_safely(path: str | os.PathLike) -> Any:
-    """``torch.load(path, weights_only=True)``, memory-mapped on the CPU; a refusal is a one-line ``ValueError``."""
+def load_checkpoint_safely(path: str | os.PathLike, weights_only: bool = True) -> Any:
+    """``torch.load(path, weights_only=True)`` with the pack's :data:`~ddp_plugins.lightning.safe_loading.SAFE_GLOBALS`,
+    memory-mapped on the CPU; a refusal is a one-line ``ValueError``. ``weights_only=False`` (the config's
+    ``weights_only=false``: the user trusts the file) loads anything."""
     # mmap needs torch.save's zip format: any other file (a legacy pickle, a YAML file) is read whole,
     # so that torch's message says why it does not load, not that it cannot be memory-mapped
+    what = "" if zipfile.is_zipfile(path) else "not a zip archive written by torch.save, "
     try:
-        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=True)
+        with safe_loading(path) if weights_only else contextlib.nullcontext():
+            return torch.load(path, map_location="cpu", mmap=not what, weights_only=weights_only)
+    except UnsafeCheckpointError as err:
+        raise ValueError(
+            f"does not load with weights_only=True: {what}{err.held}; weights_only=false loads it if you trust"
+            " the file, or save plain types in the hyperparameters"
+        ) from None
     except Exception as err:  # noqa: BLE001 - torch raises many kinds; the caller reports one line
         first = one_line(err).split(". ")[0][:200]
-        what = "" if zipfile.is_zipfile(path) else "not a zip archive written by torch.save, "
-        raise ValueError(f"does not load with weights_only=True: {what}{type(err).__name__}: {first}") from None
+        loaded = "with weights_only=True" if weights_only else "(weights_only=false)"
+        raise ValueError(f"does not load {loaded}: {what}{type(err).__name__}: {first}") from None
 
 
 def _check_global_batch(strategy: Mapping[str, Any], trainer: Mapping[str, Any]) -> None:

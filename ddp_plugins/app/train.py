@@ -96,15 +96,16 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
         # model: into float32 parameters they would be rounded (a resumed float64 run would differ)
         model = model.double()
     resume = str(cfg.get("resume", "auto"))
+    weights_only = cfg.get("weights_only", True) is not False  # false: the user trusts their checkpoints
     _prepare_checkpoint_folder(Path(output_dir) / "checkpoints", resume)
     # Everything the config and the checkpoint decide is decided here, before the Trainer (its banner)
     # and before any other rank starts: a refusal is one line, a finished run says so.
-    ckpt_path = resume_path(resume, output_dir)
+    ckpt_path = resume_path(resume, output_dir, weights_only=weights_only)
     point = _check_resume_checkpoint(ckpt_path, model, datamodule, cfg) if ckpt_path is not None else None
     if point is not None and point.finished:
         if get_rank() != 0:
             return None
-        accuracy = _final_accuracy(Path(str(ckpt_path)), point, _accuracy_key(cfg))
+        accuracy = _final_accuracy(Path(str(ckpt_path)), point, _accuracy_key(cfg), weights_only)
         shown = "unknown" if accuracy is None else f"{accuracy:.4f}"
         print(f"already finished at epoch {point.epoch} (accuracy {shown}; run folder: {output_dir})", flush=True)
         return accuracy
@@ -119,7 +120,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
             n, was = trainer.world_size, point.world_size
             ranks = f" on {n} rank{'s' * (n != 1)}" + (f" (was {was})" if was and was != n else "")
             print(f"resuming from {ckpt_path} (epoch {point.epoch}, step {point.step}){ranks}", flush=True)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=weights_only)
     metrics, key = trainer.callback_metrics, _accuracy_key(cfg)
     if not trainer.is_global_zero or key not in metrics:
         return None
@@ -130,12 +131,13 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     return accuracy
 
 
-def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
+def resume_path(resume: str, output_dir: str | os.PathLike, weights_only: bool = True) -> str | None:
     """The checkpoint a run continues from: ``resume`` itself, the newest *verified* checkpoint of
     the run folder's ``checkpoints/`` for ``"auto"`` (None when it has none), None for ``"never"``.
 
     Under ``"auto"`` a damaged checkpoint (its SHA-256 does not match its sidecar, or it has none)
     is skipped with one line naming it and why; the run continues from the newest valid one.
+    ``weights_only``: how a checkpoint is read to compare it with a preemption checkpoint of the same step.
 
     Example::
 
@@ -160,13 +162,13 @@ def resume_path(resume: str, output_dir: str | os.PathLike) -> str | None:
     if get_rank() == 0:
         for path, reason in skipped:
             log.warning("resume: skipped %s (%s)", path, reason)
-    return str(_the_stop_at_the_same_step(found)) if found is not None else None
+    return str(_the_stop_at_the_same_step(found, weights_only)) if found is not None else None
 
 
 _PREEMPTED = re.compile(r"step-(\d+)-preempted\.ckpt")
 
 
-def _the_stop_at_the_same_step(found: Path) -> Path:
+def _the_stop_at_the_same_step(found: Path, weights_only: bool = True) -> Path:
     """A preemption checkpoint of the same global step as ``found``, if there is a valid one, else ``found``.
 
     At an epoch's last step the stop checkpoint and the epoch-end ``last.ckpt`` hold the same point,
@@ -178,7 +180,7 @@ def _the_stop_at_the_same_step(found: Path) -> Path:
     if not stops:
         return found
     try:
-        step = int(load_checkpoint_safely(found).get("global_step", -1))
+        step = int(load_checkpoint_safely(found, weights_only).get("global_step", -1))
     except (ValueError, AttributeError):
         return found  # reported when it is loaded
     same = [p for p, s in stops.items() if s == step and checkpoints.verify_checkpoint(p) is None]
@@ -215,7 +217,8 @@ class ResumePoint(NamedTuple):
 
 def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictConfig) -> ResumePoint:
     """Where the checkpoint to resume from stands, after checking that it fits ``model`` and the config
-    (loaded once, with ``weights_only=True``); a refusal is one line on every rank, not a traceback per rank.
+    (loaded once, with ``weights_only=True`` unless the config's ``weights_only`` is false); a refusal is one
+    line on every rank, not a traceback per rank.
 
     Raises:
         ConfigError: the checkpoint does not load safely or does not fit the model or the config.
@@ -223,7 +226,7 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
             ranks would refuse it: :func:`resume_start`).
     """
     try:
-        checkpoint = load_checkpoint_safely(path)
+        checkpoint = load_checkpoint_safely(path, weights_only=cfg.get("weights_only", True) is not False)
     except ValueError as err:
         raise ConfigError("resume", f"got {path!r} ({err})", "a checkpoint written by ddp_plugins") from None
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
@@ -315,14 +318,14 @@ def _expected_record(cfg: DictConfig, datamodule: Any) -> dict[str, Any] | None:
     )  # fmt: skip
 
 
-def _final_accuracy(path: Path, point: ResumePoint, key: str) -> float | None:
+def _final_accuracy(path: Path, point: ResumePoint, key: str, weights_only: bool = True) -> float | None:
     """The accuracy a finished run ended with: ``last.ckpt``'s record when it holds the same step as
     ``path`` (a stop at the last step is written before the epoch's ``ModelCheckpoint`` updates its
     score; ``last.ckpt`` is written after it), else ``path``'s own."""
     last = path.with_name("last.ckpt")
     if last != path and checkpoints.verify_checkpoint(last) is None:
         with contextlib.suppress(ValueError, AttributeError):
-            checkpoint = load_checkpoint_safely(last)
+            checkpoint = load_checkpoint_safely(last, weights_only)
             recorded = _recorded_accuracy(checkpoint, key)
             if int(checkpoint.get("global_step", -1)) == point.step and recorded is not None:
                 return recorded

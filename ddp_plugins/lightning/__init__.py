@@ -21,6 +21,7 @@ from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import apply_network_env
 from ddp_plugins.lightning.preemption import PreemptionCheckpoint
 from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
+from ddp_plugins.lightning.safe_loading import UnsafeCheckpointError, safe_loading
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from ddp_plugins.lightning.sync_batchnorm import SyncBatchNormCallback
@@ -39,5 +40,7 @@ __all__ = [
     "SequentialEvaluation",
     "SyncBatchNormCallback",
     "SyncBatchNormPlugin",
+    "UnsafeCheckpointError",
     "apply_network_env",
+    "safe_loading",
 ]

@@ -1,4 +1,4 @@
-"""Checkpoint files that are whole or absent, verified, and loaded with ``weights_only=True``."""
+"""Checkpoint files that are whole or absent, verified, and loaded with ``weights_only=True`` by default."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from ddp_plugins.core.checkpoints import remove_checkpoint_file, save_checkpoint_file
+from ddp_plugins.lightning.safe_loading import safe_loading
 
 __all__ = ["AtomicCheckpointIO"]
 
@@ -24,6 +25,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ``DDPPluginsStrategy``'s default. The sidecars live in a hidden ``.sha256`` folder, so the folder's
     file names are Lightning's own: ``fit(ckpt_path="hpc")`` and Slurm's auto-requeue find
     ``hpc_ckpt_<N>.ckpt``, ``ModelCheckpoint`` numbers ``-v1`` and links ``last`` as without this plugin.
+
+    Lightning's ``weights_only=None`` (the default of ``fit``/``validate``/``test``/``predict``) loads
+    weights-only, taking torch's safe types and :data:`~ddp_plugins.lightning.safe_loading.SAFE_GLOBALS`
+    (the OmegaConf containers Hydra passes to ``save_hyperparameters``, namespaces, paths); anything
+    else is refused with one line, an :class:`~ddp_plugins.lightning.safe_loading.UnsafeCheckpointError`
+    naming the file and what it holds. ``weights_only=False`` (a checkpoint the user trusts) loads it all.
 
     Example::
 
@@ -47,7 +54,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         kwargs = {} if map_location is None else {"map_location": map_location}
-        return super().load_checkpoint(path, weights_only=True if weights_only is None else weights_only, **kwargs)
+        if weights_only is False:  # the user trusts the file
+            return super().load_checkpoint(path, weights_only=False, **kwargs)
+        with safe_loading(path):
+            return super().load_checkpoint(path, weights_only=True, **kwargs)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:

@@ -141,6 +141,7 @@ SCHEMA_ERRORS = [
     (["checkpoint.keep=x"], "checkpoint.keep got 'x', allowed: an integer"),
     (["checkpoint=5"], "checkpoint got 5, allowed: a mapping of every_n_train_steps, keep"),
     (["resume=null"], "resume got None, allowed: 'auto', 'never' or the path of a checkpoint file"),
+    (["weights_only=maybe"], "weights_only got 'maybe', allowed: true or false"),
     (["network.env=5"], "network.env got 5, allowed: a mapping of environment variable names to values"),
     (["seed=${oc.env:DDP_PLUGINS_NO_SUCH_VARIABLE,abc}"], "seed got 'abc', allowed: an integer"),  # resolved late
     (["+checkpoint.foo=1"], "checkpoint.foo is not a key of the app's config, allowed: 'every_n_train_steps', 'keep'"),
@@ -174,6 +175,25 @@ def test_the_composed_config_is_typed_by_the_schema():
     assert OmegaConf.get_type(cfg) is config.TrainConfig
     assert (cfg.seed, cfg.deterministic, cfg.checkpoint.keep) == (7, True, 3)
     assert isinstance(build_objects(cfg)["strategy"], DDPPluginsStrategy)  # `_target_` nodes still instantiate
+
+
+def test_weights_only_false_lets_the_resume_check_load_a_trusted_checkpoint(tmp_path):
+    """A checkpoint of the user's own model, an ``nn.Module`` in its hyperparameters (issue 53): refused in
+    one line by default, naming the class and the way through; ``weights_only=false`` resumes from it."""
+    import torch
+
+    path = tmp_path / "trusted.ckpt"
+    hyper_parameters = {"net": torch.nn.Linear(2, 2), "split": OmegaConf.create([55_000, 5_000, 10_000])}
+    torch.save({"state_dict": {}, "loops": {}, "global_step": 3, "hyper_parameters": hyper_parameters}, path)
+    with pytest.raises(ConfigError) as err:
+        precheck([f"resume={path}"])
+    assert str(err.value).startswith(
+        f"resume got '{path}' (does not load with weights_only=True: it holds torch.nn.modules.linear.Linear;"
+        " weights_only=false loads it if you trust the file, or save plain types in the hyperparameters)"
+    ), str(err.value)
+    assert "\n" not in str(err.value), "the error must be one line"
+    assert compose_config([]).weights_only is True, "weights-only by default"
+    precheck([f"resume={path}", "weights_only=false"])
 
 
 def test_multirun_sweep_values_are_checked_before_any_job():
