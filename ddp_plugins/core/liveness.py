@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,13 +29,17 @@ __all__ = [
     "judge",
     "process_state",
     "rendezvous_error",
+    "waiting",
 ]
 
 STALL_EXIT = 1
+_room: Liveness | None = None  # this process's running room (`waiting` marks in it)
 _KEY = "ddp_plugins/liveness/"
 _VERDICT, _LEFT = f"{_KEY}verdict", f"{_KEY}left"
+_ASKS, _ANSWER = f"{_KEY}asks", f"{_KEY}answer/"  # failed collectives asked about; the observer's answers
 _NEVER = float("-inf")
 _LEFT_PHASE, _RAISED = "left", "raised "
+_LIVE = frozenset({"behind", "silent", "busy"})  # verdicts on a rank whose process may be running
 # what a room ends at its end limit by default: a process provably stopped or gone, or a store that does
 # not answer (its host is stopped: a store served by a C++ thread answers while Python is busy)
 _PROVEN = frozenset({"gone", "stopped", "store"})
@@ -67,6 +71,15 @@ class Record(NamedTuple):
     host: str
     stack: str = ""  # the training thread's stack when published, innermost last
     pid_ns: str = ""  # its PID namespace: a PID is seen in this host's /proc only from the same one
+    waits: bool = False  # the training thread waits in a collective (marked so, or torch.distributed's code)
+
+
+class Ask(NamedTuple):
+    """A rank's question to the observer when its collective failed: did it wait in one, for about the timeout."""
+
+    rank: int
+    waits: bool
+    timed_out: bool
 
 
 class Verdict(NamedTuple):
@@ -124,7 +137,10 @@ def judge(
     did; ``states[r]``: its :func:`process_state`, where the observer can see it. A gone process is
     named at once; a rank that published nothing for ``after_s`` is stopped, busy or silent; when no
     rank's marks moved for ``after_s`` and some rank passed more, the ranks with the fewest are
-    behind. Every rank at the same mark is one long step: no verdict.
+    behind; at the same mark past start-up (marks > 0), the ranks that do not wait in a collective
+    while others do are behind (every collective is seen, marked or not: one the pack, Lightning,
+    torchmetrics or the user calls). Every rank at the same mark, waiting or not alike, is one long
+    step, and a slow start is the launcher's: no verdict.
 
     Example::
 
@@ -133,6 +149,8 @@ def judge(
         Verdict(ranks=(1,), how='behind', seconds=100)
         >>> judge([rec(0, 38), rec(1, 38)], [99, 99], [0, 0], now=100, after_s=30) is None  # one long step
         True
+        >>> judge([rec(0, 38)._replace(waits=True), rec(1, 38)], [99, 99], [0, 0], now=100, after_s=30)
+        Verdict(ranks=(1,), how='behind', seconds=100)
         >>> judge([rec(0, 38), rec(1, 37)], [99, 40], [90, 40], now=100, after_s=30, states=[None, "stopped"])
         Verdict(ranks=(1,), how='stopped', seconds=60)
         >>> judge([rec(0, 38), rec(1, 37)], [99, 99], [99, 99], now=100, after_s=30, states=[None, "gone"])
@@ -150,6 +168,10 @@ def judge(
             return Verdict(tuple(ranks), how.pop() if len(how) == 1 else "silent", seconds)
     fewest = min(r.marks for r in records)
     behind = tuple(r.rank for r in records if r.marks == fewest)
+    waiting = [r.rank for r in records if r.waits]
+    if len(behind) == len(records) and fewest and 0 < len(waiting) < len(records):
+        # the same mark, past start-up: who is not in the collective the others wait in
+        behind = tuple(r.rank for r in records if not r.waits)
     quiet = now - max(progressed_at[r.rank] for r in records)
     return Verdict(behind, "behind", quiet) if quiet > after_s and len(behind) < len(records) else None
 
@@ -235,6 +257,9 @@ class Liveness:
         self._thread: threading.Thread | None = None
         self._observer: Record | None = None  # rank 0's last record, as another rank read it
         self._own: BaseException | None = None  # the error failed() let through
+        self._asks: list[Ask] = []  # rank 0: its own training thread's question, for its room thread
+        self._answers: dict[int, tuple[Verdict | None, list[Record]]] = {}
+        self._asks_read = 0  # rank 0: the questions of other ranks answered so far
         self._seq = self._published_marks = 0
         self._published_at = self._marked_at = 0.0
         self._ended = False
@@ -245,7 +270,22 @@ class Liveness:
         self.phase, self.waits, self._marked_at = phase, waits, time.monotonic()
         self._wake.set()
 
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """The training thread waits in a collective every rank enters (``what``) in the body; elsewhere nothing."""
+        if threading.get_ident() != self._main:
+            yield
+            return
+        before = (self.phase, self.waits)
+        self.mark(f"{what} in {before[0]}", waits=True)
+        try:
+            yield
+        finally:
+            self.mark(*before)
+
     def start(self) -> Liveness:
+        global _room
+        _room = self
         self._thread = threading.Thread(target=self._run, name="ddp_plugins-liveness", daemon=True)
         self._thread.start()
         return self
@@ -256,6 +296,8 @@ class Liveness:
             self.phase = _LEFT_PHASE if error is None else f"{_RAISED}{type(error).__name__}: {_first_line(error)}"
             with contextlib.suppress(Exception):
                 self._publish()
+        global _room
+        _room = None if _room is self else _room
         self._halt.set()
         self._wake.set()
         if self._thread is not None and threading.current_thread() is not self._thread:
@@ -263,22 +305,16 @@ class Liveness:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def failed(self, error: BaseException) -> None:
-        """This rank raised ``error``. Where another rank caused it (its process is gone, or, while this
-        rank waited in a collective, it is silent or behind), name it in one line and end the job here
-        (no traceback, no rescue: the step is half done); return where this rank's own code raised."""
+        """This rank raised ``error``. Where another rank caused it (its process is gone or stopped, it
+        raised, or, while this rank waited in a collective, it is silent or behind), name it in one line
+        and end the job here (no traceback, no rescue: the step is half done); return where this rank's
+        own code raised. The observer (rank 0's room thread) judges; this rank waits a bounded time."""
         if error is self._own:  # judged already (the launcher asks before it stops the child ranks)
             return
         verdict, records = self.verdict or self._host_gone(), [self._observer] if self._observer else []
         try:
             if verdict is None:
-                records = self._records_now()
-                raised = tuple(r.rank for r in records if r.phase.startswith(_RAISED) and r.rank != self.rank)
-                verdict = Verdict(raised, "raised", 0) if raised else None
-            if verdict is None:
-                now = time.monotonic()
-                verdict = judge(records, [now] * len(records), [now] * len(records), now, 1, self._states(records))
-            if verdict is None and self.waits and records:
-                verdict, records = self._blame_afresh()
+                verdict, records = self._ask()
         except Exception:  # noqa: BLE001 - the store does not answer: its host, rank 0, is gone
             verdict = Verdict((0,), "gone", 0)
         if verdict is None or self.rank in verdict.ranks:
@@ -292,22 +328,96 @@ class Liveness:
                   file=sys.stderr, flush=True)  # fmt: skip
         self._end(verdict, records)
 
-    def _blame_afresh(self) -> tuple[Verdict | None, list[Record]]:
-        """Judge records every rank published after this one failed (within 1.5 intervals): who did not
+    def _ask(self) -> tuple[Verdict | None, list[Record]]:
+        """Ask the observer for the verdict on this rank's failed collective (one append, then one key
+        polled): the failure path's store traffic grows with N, not N². No answer within three intervals:
+        rank 0 itself is told from its record and ``/proc``."""
+        ask = Ask(self.rank, self.waits, self._timed_out(time.monotonic()))
+        self._publish()  # what this rank waits in, as the observer judges it
+        if self.rank == 0:
+            if self._thread is None or not self._thread.is_alive():  # no observer thread: judge here
+                return self._decide([ask])[0]
+            self._asks.append(ask)
+            self._wake.set()
+        else:
+            self._store(lambda: self.store.append(_ASKS, json.dumps(ask._asdict()) + "\n"))
+        deadline, key = time.monotonic() + 3 * self.interval_s + 2, f"{_ANSWER}{self.rank}"
+        while time.monotonic() < deadline:
+            if self.rank == 0 and 0 in self._answers:
+                return self._answers.pop(0)
+            if self.rank != 0 and self._store(lambda: self.store.check([key])):
+                told = json.loads(self._store(lambda: self.store.get(key)))
+                if told is None:
+                    return None, []
+                return Verdict(tuple(told["ranks"]), told["how"], 0), [Record(**r) for r in told["records"]]
+            time.sleep(min(0.2, self.interval_s / 4))
+        observer = self._observer
+        if observer is None:
+            return None, []
+        observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
+        state = self._states([observer])[0]
+        if observer.phase.startswith(_RAISED) or state in ("gone", "stopped"):
+            return Verdict((0,), "raised" if observer.phase.startswith(_RAISED) else str(state), 0), [observer]
+        return None, []
+
+    def _answer_asks(self) -> None:
+        """Rank 0's room thread: judge every failed collective asked about since the last round, answer each."""
+        asks = list(self._asks)
+        del self._asks[: len(asks)]
+        if self._store(lambda: self.store.check([_ASKS])):
+            lines = self._store(lambda: self.store.get(_ASKS)).decode().splitlines()
+            asks += [Ask(**json.loads(line)) for line in lines[self._asks_read :]]
+            self._asks_read = len(lines)
+        if not asks:
+            return
+        for ask, (verdict, records) in zip(asks, self._decide(asks), strict=True):
+            if ask.rank == 0:
+                self._answers[0] = (verdict, records)
+                continue
+            named = [r._asdict() for r in records if verdict is not None and r.rank in verdict.ranks]
+            told = None if verdict is None else {"ranks": list(verdict.ranks), "how": verdict.how, "records": named}
+            self._store(lambda: self.store.set(f"{_ANSWER}{ask.rank}", json.dumps(told)))  # noqa: B023
+
+    def _decide(self, asks: list[Ask]) -> list[tuple[Verdict | None, list[Record]]]:
+        """The verdict for each rank whose collective failed: a peer that raised, is gone or stopped (on
+        this host); else, for a rank that waited in a collective, a peer that published nothing within
+        1.5 intervals (silent), or, if it waited about the collective timeout, the ranks behind."""
+        records = self._records_now()
+        if not records:
+            return [(None, [])] * len(asks)
+        states = self._states(records)
+        raised = tuple(r.rank for r in records if r.phase.startswith(_RAISED))
+        stopped = tuple(r.rank for r, state in zip(records, states, strict=True) if state in ("gone", "stopped"))
+        found = Verdict(raised, "raised", 0) if raised else None
+        if found is None and stopped:
+            how = {states[r] for r in stopped}
+            found = Verdict(stopped, str(how.pop()) if len(how) == 1 else "stopped", 0)
+        if found is None and any(ask.waits for ask in asks):
+            found, records = self._afresh(records, asks)
+        results: list[tuple[Verdict | None, list[Record]]] = []
+        for ask in asks:
+            verdict = found
+            if verdict is not None and (ask.rank in verdict.ranks or not ask.waits and verdict.how in _LIVE):
+                verdict = None  # this rank's own error, or a peer only slow while this rank did not wait
+            if verdict is not None and verdict.how == "behind" and not ask.timed_out:
+                verdict = None  # the others publish and the wait was short: this rank's own error
+            results.append((verdict, records))
+        return results
+
+    def _afresh(self, before: list[Record], asks: list[Ask]) -> tuple[Verdict | None, list[Record]]:
+        """Judge records every rank published after the failure (within 1.5 intervals): who did not
         publish is silent; else the ranks behind the others."""
-        self._publish()
-        before = after = self._records_now()
-        deadline = time.monotonic() + 1.5 * self.interval_s
+        asking = {ask.rank for ask in asks}
+        after, deadline = before, time.monotonic() + 1.5 * self.interval_s
         while time.monotonic() < deadline:
             time.sleep(min(0.2, self.interval_s / 4))
             after = self._records_now()
-            if all(a.seq != b.seq for a, b in zip(after, before, strict=True) if a.rank != self.rank):
+            if all(a.seq != b.seq for a, b in zip(after, before, strict=True) if a.rank not in asking):
                 break
         now = time.monotonic()
-        seen = [now if a.seq != b.seq or a.rank == self.rank else _NEVER for a, b in zip(after, before, strict=True)]
+        fresh = zip(after, before, strict=True)
+        seen = [now if a.seq != b.seq or a.rank in asking or a.rank == self.rank else _NEVER for a, b in fresh]
         verdict = judge(after, seen, [_NEVER] * len(after), now, 0, self._states(after))
-        if verdict is not None and verdict.how == "behind" and not self._timed_out(now):
-            return None, after  # the others publish and the wait was short: this rank's own error
         return (verdict._replace(seconds=0) if verdict else None), after
 
     def _timed_out(self, now: float) -> bool:
@@ -334,8 +444,13 @@ class Liveness:
         records: list[Record] = []
         since = judged = 0.0  # when the stall named began; when the records were last judged
         failing: float | None = None  # since when every store call failed (not timed out)
+        asked = 0.0  # rank 0: when the failed collectives' questions were last read
         while not self._halt.is_set():
             now, throttle = time.monotonic(), self.interval_s / 5
+            if self.rank == 0 and (self._asks or now - asked >= self.interval_s):  # its own at once
+                asked = now
+                with contextlib.suppress(Exception):  # a store that fails: the judgement sees it
+                    self._answer_asks()
             if now - judged < self.interval_s:  # between two judgements: publish new marks, once per throttle
                 if self.marks != self._published_marks and now - self._published_at >= throttle:
                     with contextlib.suppress(Exception):  # the judgement sees a store that fails
@@ -350,11 +465,11 @@ class Liveness:
                 if verdict is None:
                     self._publish()
                     if self.rank == 0:
-                        records, verdict = self._observe(seen_at, progressed_at, last)
+                        records, verdict, ended = self._observe(seen_at, progressed_at, last)
                     else:
                         records, verdict, ended = self._follow(records, seen_at)
-                        if self._observer is None:  # rank 0 has not published yet: look again soon
-                            judged = now - self.interval_s + throttle
+                        if self._observer is None:  # rank 0 has not published yet (its room starts now too)
+                            judged = now - self.interval_s + min(throttle, 0.05)
             except TimeoutError:
                 verdict = Verdict((0,), "store", self.name_after_s)
             except Exception as error:  # noqa: BLE001 - retried: one failed call does not end the room
@@ -371,6 +486,8 @@ class Liveness:
             if ended:
                 with contextlib.suppress(Exception):  # rank 0 leaves the store last: no call fails here
                     self._store(lambda: self.store.add(_LEFT, 1))
+                if self.rank == 0:  # named, the store's host: the reporting rank still counts the others out
+                    time.sleep(3 * self.interval_s + 2)
                 self._exit(STALL_EXIT)
                 return
             if verdict is None:
@@ -408,7 +525,8 @@ class Liveness:
         self._published_at, self._published_marks = time.monotonic(), self.marks
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
-        record = Record(self.rank, self._seq, self.marks, self.phase, os.getpid(), self._host, stack, self._ns)
+        waits = self.waits or _in_collective(frame)
+        record = Record(self.rank, self._seq, self.marks, self.phase, os.getpid(), self._host, stack, self._ns, waits)
         self.store.set(f"{_KEY}{self.rank}", json.dumps(record._asdict()))
 
     def _records_now(self) -> list[Record]:
@@ -418,8 +536,11 @@ class Liveness:
             return []
         return [Record(**json.loads(value)) for value in self._store(lambda: self.store.multi_get(keys))]
 
-    def _observe(self, seen_at: list[float], progressed_at: list[float], last: dict) -> tuple[list[Record], Any]:
-        """Rank 0: every rank's record, the verdict on them, told to the other ranks when it changes."""
+    def _observe(
+        self, seen_at: list[float], progressed_at: list[float], last: dict
+    ) -> tuple[list[Record], Verdict | None, bool]:
+        """Rank 0: every rank's record, the verdict on them, told to the other ranks when it changes; and,
+        where the verdict names rank 0 itself, whether the rank that reports it ended the job."""
         records, now = self._records_now(), time.monotonic()
         for record in records:
             seq, marks = last.get(record.rank, (-1, -1))
@@ -433,7 +554,11 @@ class Liveness:
             self._store(lambda: self.store.set(_VERDICT, "null"))
         elif verdict is not None and (self.verdict is None or verdict.ranks != self.verdict.ranks):
             self._tell(verdict, end=False)
-        return records, verdict
+        elif verdict is not None and 0 in verdict.ranks:  # another rank reports it: has it ended the job?
+            told = json.loads(self._store(lambda: self.store.get(_VERDICT)))
+            if told is not None and told["end"]:
+                return records, None, True
+        return records, verdict, False
 
     def _tell(self, verdict: Verdict, end: bool) -> None:
         text = json.dumps({"ranks": list(verdict.ranks), "how": verdict.how, "end": end})
@@ -525,6 +650,27 @@ def _own_client(store: Any) -> Any:
         return store.clone()
     except (AttributeError, NotImplementedError, RuntimeError):
         return store
+
+
+@contextlib.contextmanager
+def waiting(what: str) -> Iterator[None]:
+    """The body waits in a collective every rank enters (``what``), marked in this process's room, if one
+    runs: for a wait torch's Python code does not show on the stack (an async work's ``wait()``).
+
+    Example::
+
+        >>> with waiting("the stop flag's all-reduce"):
+        ...     pass  # work.wait() here
+    """
+    room = _room
+    with room.waiting(what) if room is not None else contextlib.nullcontext():
+        yield
+
+
+def _in_collective(frame: Any) -> bool:
+    """The innermost frame is torch.distributed's (a collective, a barrier, a store wait): the thread waits."""
+    path = frame.f_code.co_filename.replace(os.sep, "/") if frame is not None else ""
+    return "/torch/distributed/" in path
 
 
 def _pid_namespace() -> str:

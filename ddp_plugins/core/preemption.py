@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_int
+from ddp_plugins.core.liveness import waiting
 from ddp_plugins.core.ranks import collective_device, is_distributed
 
 __all__ = [
@@ -244,7 +245,8 @@ class SignalAgreement:
         if self._pending is None:
             return 0
         (flag, work), self._pending = self._pending, None
-        work.wait()
+        with waiting("the stop flag's all-reduce"):  # a C++ wait: torch's Python code is not on the stack
+            work.wait()
         if self._started is not None:  # an "auto" exchange: the next one follows from the agreed pace
             self._next = self._started[0] + _steps_between_checks(int(flag[1].item()))
         return int(flag[0].item())

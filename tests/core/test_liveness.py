@@ -50,24 +50,15 @@ class CountingStore:
         self._request()
         return self.store.check(keys)
 
+    def append(self, key: str, value: str) -> None:
+        self._request()
+        self.store.append(key, value)
 
-def _rooms(store, world_size, exits, tmp_path=None, name=NAME, end=END, end_running=True, timeout=None):
+
+def _rooms(store, world_size, exits, tmp_path=None, name=NAME, end=END, end_running=True, timeout=None, every=EVERY):
     """Rooms that end any stall at ``end`` (``end_running``; the default ends only stopped or gone ranks)."""
-    return [
-        Liveness(
-            store,
-            rank,
-            world_size,
-            name,
-            end,
-            interval_s=EVERY,
-            folder=tmp_path,
-            exit=exits.append,
-            end_running=end_running,
-            collective_timeout_s=timeout,
-        )  # fmt: skip
-        for rank in range(world_size)
-    ]
+    options = {"folder": tmp_path, "exit": exits.append, "end_running": end_running, "collective_timeout_s": timeout}
+    return [Liveness(store, rank, world_size, name, end, interval_s=every, **options) for rank in range(world_size)]
 
 
 def _freeze(room):
@@ -297,7 +288,7 @@ def test_a_rank_own_error_soon_after_it_began_waiting_is_not_blamed_on_a_rank_st
         room.stop()
 
 
-def test_a_running_rank_is_named_but_not_ended_by_default_and_a_stopped_one_is_ended(capsys):
+def test_a_running_rank_is_named_but_not_ended_by_default_and_a_stopped_one_is_ended(capsys, stopped_child):
     """Legitimate work on one rank (a rank-zero-only callback, one rank's slow first step) is named once
     and the job goes on; a rank whose process is stopped is ended at the end limit."""
     store, exits = CountingStore(), []
@@ -315,25 +306,51 @@ def test_a_running_rank_is_named_but_not_ended_by_default_and_a_stopped_one_is_e
     for room in rooms:
         room.stop()
     assert _errors(capsys) == ["ddp_plugins: ranks [1] progress again"]
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 2, exits, end_running=False)
+    _stopped_rank_1(rooms, store, stopped_child)
+    rooms[0].start()
+    assert _wait(lambda: exits == [STALL_EXIT], 10 * END), "a stopped rank was not ended"
+    named = _errors(capsys)[0]
+    assert "its process is stopped" in named and _ends_in(named, END), named
+    rooms[0].stop()
+
+
+@pytest.fixture
+def stopped_child():
+    """The PID of a process stopped with SIGSTOP."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         child.send_signal(signal.SIGSTOP)
         assert _wait(lambda: process_state(child.pid) == "stopped", 5)
-        store, exits = CountingStore(), []
-        rooms = _rooms(store, 2, exits, end_running=False)
-        rooms[1]._write_record = lambda: store.set(  # rank 1 is the stopped child: its last record
-            "ddp_plugins/liveness/1",
-            json.dumps(Record(1, 1, 1, "a training step", child.pid, rooms[0]._host, "", rooms[0]._ns)._asdict()),
-        )  # fmt: skip
-        rooms[1]._publish()
-        rooms[0].start()
-        assert _wait(lambda: exits == [STALL_EXIT], 10 * END), "a stopped rank was not ended"
-        named = _errors(capsys)[0]
-        assert "its process is stopped" in named and _ends_in(named, END), named
-        rooms[0].stop()
+        yield child.pid
     finally:
         child.kill()
         child.wait()
+
+
+def _stopped_rank_1(rooms, store, pid):
+    """Rank 1 is the stopped process: its last record, published once."""
+    record = Record(1, 1, 1, "a training step (global step 4)", pid, rooms[0]._host, "", rooms[0]._ns)
+    rooms[1]._write_record = lambda: store.set("ddp_plugins/liveness/1", json.dumps(record._asdict()))
+    rooms[1]._publish()
+
+
+def test_a_collective_that_fails_while_a_peer_is_stopped_names_it_whatever_the_collective(capsys, stopped_child):
+    """A short `strategy.timeout` hits a collective the pack does not mark (DDP's buffer broadcast) while
+    rank 1 is stopped: the stopped rank is named in one line and the job ends (a1c30de: a traceback)."""
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 2, exits, name=30, end=None)
+    _stopped_rank_1(rooms, store, stopped_child)
+    rooms[0].start()
+    rooms[0].mark("a training step (global step 4)")  # not a marked wait: inside DDP's forward
+    rooms[0].failed(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out"))
+    assert exits == [STALL_EXIT]
+    named, ended = _errors(capsys)
+    assert named.startswith("error: rank 1 (PID ") and "its process is stopped" in named, named
+    assert "a collective failed waiting for it (RuntimeError: [../third_party/gloo" in named, named
+    assert ended.startswith("error: ending every rank"), ended
+    rooms[0].stop()
 
 
 def test_a_store_call_that_fails_once_does_not_end_the_room(capsys):
@@ -376,3 +393,34 @@ def test_a_rank_in_another_pid_namespace_is_never_judged_from_this_one(capsys):
     assert exits == [] and _errors(capsys) == [], "a rank of another PID namespace was judged from this /proc"
     assert rooms[0]._states([record]) == [None]
     rooms[0].stop()
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_the_failure_path_store_traffic_grows_with_the_ranks_not_their_square(world_size, capsys):
+    """Every rank but rank 1 waits in a collective that fails at once: each asks the observer (one
+    append, then one key polled) and rank 0 alone reads every record, so the keys read grow with N
+    (a1c30de: every failing rank read every record, repeatedly: about 6 N^2)."""
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, world_size, exits, name=30, end=None, timeout=EVERY, every=1.0)
+    for room in rooms:
+        room.mark("a training step (global step 3)")
+        room.start()
+    for room in rooms[:1] + rooms[2:]:
+        room.mark("a backward (global step 3)", waits=True)
+    time.sleep(1.5)  # every record published, rank 1's with one mark fewer
+    store.requests = store.keys_read = 0
+    failing = [
+        threading.Thread(target=room.failed, args=(RuntimeError("Timed out"),)) for room in rooms if room.rank != 1
+    ]
+    for thread in failing:
+        thread.start()
+    for thread in failing:
+        thread.join(timeout=20)
+    requests, keys = store.requests, store.keys_read
+    for room in rooms:
+        room.stop()
+    assert set(exits) == {STALL_EXIT} and len(exits) >= world_size - 1, "every failing rank ends the job"
+    named = _errors(capsys)[0]
+    assert named.startswith("error: rank 1 (PID ") and "it stopped progressing" in named, named
+    assert keys <= 20 * world_size, f"{keys} keys read on the failure path of {world_size} ranks"
+    assert requests <= 40 * world_size, f"{requests} store requests on the failure path of {world_size} ranks"

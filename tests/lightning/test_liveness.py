@@ -33,6 +33,8 @@ class _Net(pl.LightningModule):
         super().__init__()
         self.case, self.rank = case, rank
         self.layer = torch.nn.Linear(8, 2)
+        if case.endswith("syncbn"):  # the other ranks wait in SyncBN's all-reduce inside the forward
+            self.layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
         self.pair = None
 
     def prepare_data(self) -> None:  # a hook Lightning runs between barriers of its own at start-up
@@ -58,8 +60,8 @@ class _Net(pl.LightningModule):
         case = self.case
         if case in ("sigstop", "sigkill"):
             os.kill(os.getpid(), getattr(signal, case.upper()))
-        elif case in ("hang", "timeout"):
-            time.sleep(600)  # inside its step, neither raising nor dying
+        elif case in ("hang", "timeout", "hang syncbn"):
+            time.sleep(600)  # inside its step (before its forward), neither raising nor dying
         elif case == "collective":
             dist.barrier(group=self.pair)  # a collective that rank 0 never enters
         elif case in ("long", "pause"):
@@ -83,11 +85,12 @@ def _fit(out_dir: str, case: str, rank: int, world_size: int, timeout: float) ->
     name = NAME if timeout > NAME + END else 10 * timeout  # a short collective timeout fails first
     strategy = DDPPluginsStrategy(
         backend="gloo", timeout=timeout, stall_name_after=name, stall_end_after=max(END, name),
-        stall_end_running=case in ("hang", "collective"),  # the operator's key: a live, stuck rank ended too
+        stall_end_running=case in ("hang", "collective", "hang syncbn"),  # the operator's key: ended too
     )  # fmt: skip
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEP + 10, default_root_dir=out_dir,
         enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        sync_batchnorm=case.endswith("syncbn"),
     )  # fmt: skip
     trainer.fit(_Net(case, rank))
     return trainer.global_step
@@ -126,6 +129,7 @@ def _lines(logs):
     Python warnings ``file.py:N: message``): what the stall made the ranks print."""
     chatter = (
         r"Initializing distributed|^-+$|distributed_backend=|All distributed processes|GPU avail|TPU|Tip:|stopped: `max"
+        r"|^SyncBatchNorm: converted"
     )
     noise = re.compile(chatter + r"|^/\S+\.py:\d+: ")
     lines = [(r, line) for r, text in logs.items() for line in text.splitlines()]
@@ -140,6 +144,9 @@ def _lines(logs):
         ("sigstop", 2, 3, "its process is stopped (SIGSTOP or a debugger)", 0, {0: 1, 1: 1, 2: -9}),
         ("hang", 1, 2, "it stopped progressing while the other ranks wait for it", 0, {0: 1, 1: (1, -9)}),
         ("collective", 1, 3, "it stopped progressing while the other ranks wait for it", 0, {0: 1, 1: (1, -9), 2: 1}),
+        # before its forward, while the others wait in SyncBN's all-reduce at the same mark (a1c30de: never named)
+        ("hang syncbn", 1, 2, "it stopped progressing while the other ranks wait for it", 0, {0: 1, 1: (1, -9)}),
+        ("hang syncbn", 0, 3, "it stopped progressing while the other ranks wait for it", 1, {0: (1, -9), 1: 1, 2: 1}),
     ],
 )
 def test_a_stall_is_named_in_one_line_then_the_job_ends(case, rank, world_size, how, reporter, codes):
@@ -149,6 +156,7 @@ def test_a_stall_is_named_in_one_line_then_the_job_ends(case, rank, world_size, 
     assert len(lines) == 2, f"one line naming it, one ending the job, nothing else:\n{lines}"
     (said_by, named), (_, ended) = lines
     assert said_by == reporter and named.startswith(f"error: rank {rank} (PID "), lines
+    assert f"a training step (global step {STEP})" in named or case != "hang syncbn", named  # where it is
     assert how in named and re.search(r"the job ends in [\d.]+ s", named), named
     assert ended.startswith("error: ending every rank;"), ended
     if reporter == 0:  # rank 0 saw every rank's record and stack
