@@ -589,6 +589,9 @@ class Liveness:
 
     def _name(self, verdict: Verdict, records: list[Record]) -> None:
         folder = self.folder() if callable(self.folder) else self.folder
+        if folder is not None and self.rank != 0 and verdict.how != "store":  # rank 0 named: read every record
+            with contextlib.suppress(Exception):  # once, for stall.txt (a store that fails: what was read)
+                records = self._records_now() or records
         dump = _dump(verdict, records, folder) if folder is not None and records else None
         if verdict.how == "gone":
             ends = "the job ends now"
@@ -691,8 +694,18 @@ def _where(record: Record) -> str:
     return f"PID {record.pid} on {record.host}, {record.phase}"
 
 
-def _first_line(error: BaseException) -> str:
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)[:200]
+def _first_line(error: BaseException, limit: int = 240) -> str:
+    """The error's first non-blank line, cut at a word boundary past ``limit`` characters.
+
+    Example::
+
+        >>> _first_line(RuntimeError("\\n  Read error: Connection reset by peer\\nmore"))
+        'Read error: Connection reset by peer'
+        >>> _first_line(RuntimeError("word " * 100), limit=12)
+        'word word...'
+    """
+    line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + "..."
 
 
 def _by_rank(records: Sequence[Record], verdict: Verdict) -> list[Record]:

@@ -173,11 +173,12 @@ def test_one_long_step_on_every_rank_is_left_alone(capsys):
 
 
 @pytest.mark.parametrize("silent", [1, 0])
-def test_a_rank_that_stops_publishing_is_named_by_another(capsys, silent):
+def test_a_rank_that_stops_publishing_is_named_by_another(capsys, silent, tmp_path):
     """The room's thread of one rank stops (its process holds the GIL, or is stopped): rank 0 names it,
-    or rank 1 names rank 0. In one process /proc shows it running: 'busy'."""
+    or rank 1 names rank 0. In one process /proc shows it running: 'busy'. stall.txt holds every
+    rank's record, whichever rank reports (a1c30de: rank 0's only when rank 1 reported)."""
     store, exits = CountingStore(), []
-    rooms = _rooms(store, 3, exits)
+    rooms = _rooms(store, 3, exits, tmp_path)
     for room in rooms:
         room.start()
     time.sleep(3 * EVERY)
@@ -191,6 +192,8 @@ def test_a_rank_that_stops_publishing_is_named_by_another(capsys, silent):
     assert lines[0].startswith(f"error: rank {silent} (PID ") and "publishes nothing (a C call holding" in lines[0]
     reporter = rooms[1 if silent == 0 else 0]
     assert reporter.verdict == Verdict((silent,), "busy", reporter.verdict.seconds)
+    dump = (tmp_path / "stall.txt").read_text()
+    assert all(f"rank {r} (PID" in dump for r in range(3)), dump
 
 
 def test_a_store_that_stops_answering_names_its_host(capsys):
