@@ -447,7 +447,7 @@ class Liveness:
         asked = 0.0  # rank 0: when the failed collectives' questions were last read
         while not self._halt.is_set():
             now, throttle = time.monotonic(), self.interval_s / 5
-            if self.rank == 0 and (self._asks or now - asked >= self.interval_s):  # its own at once
+            if self.rank == 0 and (self._asks or now - asked >= throttle):  # a question waits one throttle at most
                 asked = now
                 with contextlib.suppress(Exception):  # a store that fails: the judgement sees it
                     self._answer_asks()
@@ -457,7 +457,8 @@ class Liveness:
                         self._publish()
                 self._wake.clear()
                 wait = judged + self.interval_s - time.monotonic()
-                self._wake.wait(max(0.0, min(wait, throttle) if self.marks != self._published_marks else wait))
+                soon = self.marks != self._published_marks or self.rank == 0  # rank 0 reads the questions too
+                self._wake.wait(max(0.0, min(wait, throttle) if soon else wait))
                 continue
             judged, ended = now, False
             try:
@@ -541,6 +542,10 @@ class Liveness:
     ) -> tuple[list[Record], Verdict | None, bool]:
         """Rank 0: every rank's record, the verdict on them, told to the other ranks when it changes; and,
         where the verdict names rank 0 itself, whether the rank that reports it ended the job."""
+        if self.verdict is not None and 0 in self.verdict.ranks:  # another rank reports: has it ended the job?
+            told = json.loads(self._store(lambda: self.store.get(_VERDICT)))
+            if told is not None and told["end"]:
+                return [], None, True
         records, now = self._records_now(), time.monotonic()
         for record in records:
             seq, marks = last.get(record.rank, (-1, -1))
@@ -554,10 +559,6 @@ class Liveness:
             self._store(lambda: self.store.set(_VERDICT, "null"))
         elif verdict is not None and (self.verdict is None or verdict.ranks != self.verdict.ranks):
             self._tell(verdict, end=False)
-        elif verdict is not None and 0 in verdict.ranks:  # another rank reports it: has it ended the job?
-            told = json.loads(self._store(lambda: self.store.get(_VERDICT)))
-            if told is not None and told["end"]:
-                return records, None, True
         return records, verdict, False
 
     def _tell(self, verdict: Verdict, end: bool) -> None:

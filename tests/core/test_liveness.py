@@ -113,7 +113,8 @@ def test_store_requests_grow_with_the_ranks_not_their_square(world_size):
         room.stop()
     intervals = 1.0 / EVERY
     print(f"N={world_size}: {requests / intervals:.1f} requests, {keys / intervals:.1f} keys per interval")
-    assert requests / intervals <= 8 * world_size, f"{requests / intervals:.1f} store requests per interval"
+    # + 5: rank 0 looks for the failed collectives' questions once per fifth of an interval (one check)
+    assert requests / intervals <= 8 * world_size + 5, f"{requests / intervals:.1f} store requests per interval"
     assert keys / intervals <= 3 * world_size, f"{keys / intervals:.1f} keys read per interval"
     assert exits == [], "no stall: nobody ends the job"
 
