@@ -51,7 +51,7 @@ def build_objects(cfg: DictConfig) -> dict[str, Any]:
             with as_config_error(key, raw):
                 check(objects["trainer"], objects["model"])
     _check_global_batch_rows(objects["strategy"], objects["datamodule"])
-    _check_reproducible(objects["strategy"], objects["datamodule"], objects["trainer"], raw)
+    _check_reproducible(objects["strategy"], objects["datamodule"], objects["trainer"], objects["model"], raw)
     return objects
 
 
@@ -67,17 +67,29 @@ def _check_global_batch_rows(strategy: Any, datamodule: Any) -> None:
         )
 
 
-def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, raw: Any) -> None:
+def _check_reproducible(strategy: Any, datamodule: Any, trainer: Any, model: Any, raw: Any) -> None:
     """The reproducible mode's limits that the strategy checks in the ranks, refused here first."""
     shards, rows = getattr(strategy, "virtual_shards", None), getattr(datamodule, "train_rows", None)
     if shards is None:
         return
     with as_config_error("trainer", raw):
         reproducible.check_trainer(trainer, trainer.world_size, shards)
+    try:
+        reproducible.check_deterministic(trainer)
+    except ValueError:
+        wanted = raw.get("deterministic") is True  # applied in each rank by callbacks.rank_aware_seed
+        raise ConfigError(
+            "deterministic",
+            ("got true, but callbacks.rank_aware_seed, which applies it in each rank, is off:" if wanted else
+             "got false, but") + " reproducible=true on CUDA needs deterministic kernels (others change the bits)",
+            "true with reproducible=true on CUDA, and callbacks.rank_aware_seed on",
+        ) from None  # fmt: skip
     if isinstance(rows, int):
         with as_config_error("global_batch_size", raw):
             drop_last = bool((raw.get("strategy") or {}).get("drop_last", False))
-            GlobalPlan(rows, strategy.global_batch_size, drop_last=drop_last, virtual_shards=shards)
+            plan = GlobalPlan(rows, strategy.global_batch_size, drop_last=drop_last, virtual_shards=shards)
+        with as_config_error("strategy", raw):
+            reproducible.check_shards(model, plan)
 
 
 def _build_logger(node: Any, raw: Any) -> Any:

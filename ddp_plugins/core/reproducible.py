@@ -30,7 +30,7 @@ from ddp_plugins._compat import BatchNormBase
 from ddp_plugins.core.ranks import collective_device, is_distributed
 from ddp_plugins.core.seeding import MAX_SEED, collect_rng_states, set_rng_states
 
-__all__ = ["ShardedStep", "exact_row_sum", "exact_sum", "fingerprint", "shard_seed"]
+__all__ = ["LayoutMismatch", "ShardedStep", "exact_row_sum", "exact_sum", "fingerprint", "shard_seed"]
 
 _BITS = 52  # |sum of all shards| < 2**53 (float64 holds every such integer): 2**k shards get 52 - k bits
 
@@ -165,6 +165,7 @@ def exact_row_sum(
     bits: Sequence[Tensor] = (),
     maxima: Tensor | None = None,
     workspace: dict[str, Tensor] | None = None,
+    layout: float | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """:func:`exact_sum` of ``weights[s] * rows[s]`` (``rows``: a flat row per local shard, its tensors end to end).
 
@@ -177,13 +178,22 @@ def exact_row_sum(
     ``bits`` (float64, on the rows' device) reduced. ``maxima``: each row's largest magnitude per
     tensor, where the caller kept them as it filled the rows (else they are computed here);
     ``workspace``: a dict that keeps the large buffers from call to call (the returned sums and
-    ``bits`` live in it until the next call).
+    ``bits`` live in it until the next call); ``layout``: a number (an integer below ``2**52``) that
+    says what the rows hold, the same on every rank: it rides in the first ``all_reduce``, and where
+    the ranks' differ every rank raises :class:`LayoutMismatch` before the second (whose sizes would differ).
 
     The three stages (:func:`_grid_top`, :func:`_grid_integers`, :func:`_grid_values`) are pure
     functions of one rank's rows; between them run one ``all_reduce`` (MAX) and one (SUM).
     """
     device = collective_device(group)  # the CPU without a process group
-    top = _all_reduce(_grid_top(rows, weights, sizes, present, maxima), device, group, dist.ReduceOp.MAX).cpu()
+    top = _grid_top(rows, weights, sizes, present, maxima)
+    if layout is not None:  # its maximum and minus its minimum: equal where every rank gave the same
+        top = torch.cat([top, top.new_tensor([layout, -layout])])
+    top = _all_reduce(top, device, group, dist.ReduceOp.MAX).cpu()
+    if layout is not None:
+        top, (most, least) = top[:-2], top[-2:].tolist()
+        if most != -least:
+            raise LayoutMismatch(f"the ranks' rows hold different tensors (layouts {-least:.0f} to {most:.0f})")
     total = sum(sizes)
     work = {} if workspace is None else workspace
     payload = _scratch(work, "payload", total + 1 + sum(b.numel() for b in bits), rows.device)
@@ -203,6 +213,10 @@ def exact_row_sum(
     pieces = payload[total + 1 :].split([b.numel() for b in bits])
     out_bits = [p.reshape(b.shape) for p, b in zip(pieces, bits, strict=True)]
     return _grid_values(payload[:total], sizes, top, total_shards), top[: len(sizes)] >= 0, out_bits
+
+
+class LayoutMismatch(ValueError):
+    """:func:`exact_row_sum`'s ranks gave different ``layout`` numbers (raised on every rank alike)."""
 
 
 def _scratch(workspace: dict[str, Tensor], name: str, size: int, device: torch.device) -> Tensor:
@@ -288,9 +302,9 @@ def _grid_integers(
     sums.zero_()
     for row, weight in zip(rows, weights, strict=True):
         scaled.copy_(row)  # widened to float64: exact
-        for t, e in zip(scaled.split(list(sizes)), exponents, strict=True):
-            # one rounding of x * w * 2**e (w * 2**e is exact): none for a float32 x and a row count w
-            t.mul_(float(weight) * 2.0**e)
+        for t, e, size in zip(scaled.split(list(sizes)), exponents, sizes, strict=True):
+            if size:  # one rounding of x * w * 2**e (w * 2**e is exact): none for a float32 x and a row count w
+                t.mul_(float(weight) * 2.0**e)
         if flags:
             scaled.nan_to_num_(0.0, 0.0, 0.0)
         sums += scaled.round_()  # integers below 2**53 in float64: exact, in any order and grouping
@@ -370,11 +384,16 @@ class ShardedStep:
     one process), applies the shards' BatchNorm updates in shard order, and returns the combined
     values; :meth:`apply` writes the gradients into ``.grad`` for the optimizer.
 
+    The parameters reduced are those that require a gradient when the step starts: a layer
+    unfrozen (or frozen) between steps, as ``BackboneFinetuning`` does, trains (or stops) from
+    that step on, as in one process. Every rank must change the same ones at the same step (a
+    rank that did not is refused in one line, on every rank); a change inside a step is refused.
+
     Works from raw torch: no ``DistributedDataParallel`` wrapper takes part (its reducer would sum
     in float); the ranks' parameters start equal (broadcast them, or seed alike).
 
     Args:
-        module: the model (its parameters that require a gradient are reduced).
+        module: the model.
         virtual_shards: ``V``, the shards of every step (the same on every run to compare).
         seed: the base of the shards' random streams.
         group: the process group (the default one).
@@ -395,28 +414,66 @@ class ShardedStep:
         self.virtual_shards = virtual_shards
         self.seed = seed
         self.group = group
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self._sizes = [p.numel() for p in self.params]
-        self._offsets = list(itertools.accumulate(self._sizes, initial=0))
-        # the shards' gradients, one flat row each, on the parameters' device; the logged values after them
-        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
-        self._block = torch.zeros(0, self._offsets[-1], dtype=dtype, device=_device_of(self.params))
-        self._present = [False] * len(self.params)
-        cuda = {p.device for p in self.params if p.device.type == "cuda"}
+        named = list(module.named_parameters())
+        self._names = [name for name, _ in named]
+        self._all = [p for _, p in named]  # every parameter; those that do not train this step take no room
+        self._trainable: tuple[bool, ...] = ()  # which of them require a gradient this step
+        self._layout = 0.0  # a number for that choice, agreed by the ranks in each step's first all_reduce
+        self.params: list[Tensor] = []  # the parameters this step trains (requires_grad when it started)
+        self.changed: tuple[list[str], list[str]] | None = None  # (started, stopped) training at the last step
+        self._sizes: list[int] = []  # per parameter, its values in a shard's row (0: not trained this step)
+        self._offsets: list[int] = [0]
+        self._block = torch.zeros(0, 0)  # the shards' gradients, one flat row each; the logged values after them
+        self._out: list[Tensor | None] = [None] * len(self._all)  # the reduced gradients, kept from step to step
+        self._lay_out(tuple(p.requires_grad for p in self._all))
+        self.changed = None
+        cuda = {p.device for p in self._all if p.device.type == "cuda"}
         self._generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in cuda)]
         self._rng: tuple[dict[str, Any], list[Tensor]] | None = None  # the streams before the step, given back
         self._buffers: list[tuple[str, Tensor, Tensor]] = []  # (name, buffer, its value at the step's start)
         self._rows: list[int] = []  # the rows of this rank's shards of the step, in order
         self._maxima: list[Tensor] = []  # per shard, each gradient's largest magnitude
         self._work: dict[str, Tensor] = {}  # the exact sum's large buffers, kept from step to step
-        self._out: list[Tensor] = []
         self._stats: _ShardStats | None = None
-        self.grads: list[Tensor | None] = []
+        self.grads: list[Tensor | None] = []  # per parameter of the module (None: none reduced)
+
+    def _lay_out(self, trainable: tuple[bool, ...]) -> None:
+        """Lay the shards' rows out for the parameters in ``trainable`` (at a step's start, on every rank alike)."""
+        before, self._trainable = self._trainable, trainable
+        if before:
+            self.changed = (
+                [n for n, now, was in zip(self._names, trainable, before, strict=True) if now and not was],
+                [n for n, now, was in zip(self._names, trainable, before, strict=True) if was and not now],
+            )
+        self.params = [p for p, t in zip(self._all, trainable, strict=True) if t]
+        self._sizes = [p.numel() if t else 0 for p, t in zip(self._all, trainable, strict=True)]
+        self._offsets = list(itertools.accumulate(self._sizes, initial=0))
+        self._present = [False] * len(self._all)
+        self._out = [out if t else None for out, t in zip(self._out, trainable, strict=True)]
+        digest = hashlib.blake2b(bytes(trainable), digest_size=8).digest()
+        self._layout = float(int.from_bytes(digest, "little") >> 12)  # 52 bits: exact in float64
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
+        if self._block.dtype != dtype or self._block.device != _device_of(self.params):
+            self._block = torch.zeros(0, self._offsets[-1], dtype=dtype, device=_device_of(self.params))
+
+    def _check_trainable(self, when: str) -> tuple[bool, ...]:
+        """Which parameters require a gradient now; refused where the module's parameters changed."""
+        named = list(self.module.named_parameters())
+        if len(named) != len(self._all) or any(p is not q for (_, p), q in zip(named, self._all, strict=False)):
+            raise ValueError(
+                f"reproducible mode: the model's parameters changed {when} (now {len(named)}, were"
+                f" {len(self._all)}); add or replace parameters before fit starts (configure_model), not during it."
+            )
+        return tuple(p.requires_grad for p in self._all)
 
     @contextmanager
     def shard(self, index: int, rows: int, epoch: int, step: int) -> Iterator[None]:
         """Run shard ``index`` (of ``rows`` rows) of ``step`` of ``epoch`` inside this block."""
         if self._stats is None:
+            trainable = tuple(p.requires_grad for p in self._all)
+            self.changed = None
+            if trainable != self._trainable:  # a layer unfrozen or frozen since the last step: from this one on
+                self._lay_out(self._check_trainable("between steps"))
             self._stats = _ShardStats(self.module, self.virtual_shards)
             # Python's, NumPy's and torch's CPU stream, and the model's CUDA ones: given back in finish()
             self._rng = (collect_rng_states(include_cuda=False), [g.get_state() for g in self._generators[1:]])
@@ -435,7 +492,9 @@ class ShardedStep:
         yield
         k, width = len(self._rows), self._offsets[-1]
         row = self._room(k + 1, width)[k, :width]
-        for i, p in enumerate(self.params):  # copied into the shard's row where they are: no host copy
+        for i, p in enumerate(self._all):  # copied into the shard's row where they are: no host copy
+            if not self._sizes[i]:
+                continue
             piece = row[self._offsets[i] : self._offsets[i + 1]]
             if p.grad is None:
                 piece.zero_()
@@ -470,6 +529,15 @@ class ShardedStep:
                     " shards only, so the bits would depend on the number of ranks. Make it a BatchNorm (combined"
                     " in shard order), a parameter, or update it outside training_step."
                 )
+        now = tuple(p.requires_grad for p in self._all)
+        if now != self._trainable:  # the rows of this step's shards hold the parameters it started with
+            moved = [n for n, a, b in zip(self._names, now, self._trainable, strict=True) if a != b]
+            raise ValueError(
+                f"reproducible mode: requires_grad of {', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}"
+                " changed inside a training step, whose shards were laid out for the parameters it started with."
+                " Freeze or unfreeze between steps (a callback's on_train_batch_start or on_train_epoch_start,"
+                " as BackboneFinetuning does)."
+            )
         if self._rng is not None:  # restored once a step (per shard it would cost about 0.1 ms more)
             host, cuda = self._rng
             set_rng_states(host)
@@ -485,21 +553,34 @@ class ShardedStep:
         maxima = torch.stack(self._maxima)
         if count:
             maxima = torch.cat([maxima, block[:, width:].abs().to(maxima)], dim=1)
-        sums, present, (updates,) = exact_row_sum(
-            block, self._rows, sizes, present, self.virtual_shards, self.group, [stats.updates], maxima, self._work
-        )
+        try:
+            sums, present, (updates,) = exact_row_sum(
+                block, self._rows, sizes, present, self.virtual_shards, self.group, [stats.updates], maxima,
+                self._work, layout=self._layout,
+            )  # fmt: skip
+        except LayoutMismatch:
+            trained = [n for n, t in zip(self._names, self._trainable, strict=True) if t]
+            raise ValueError(
+                f"reproducible mode: the ranks train different parameters in this step (this rank {len(trained)}:"
+                f" {', '.join(trained[:3])}{' ...' if len(trained) > 3 else ''}), so their gradients cannot be summed."
+                " Freeze and unfreeze alike on every rank, at the same step (a callback, not rank-dependent code)."
+            ) from None
         stats.apply(updates, local_shards=local)
         pieces = sums.div_(step_rows).split(sizes)
-        if not self._out:  # the reduced gradients' own tensors, kept from step to step
-            self._out = [torch.empty_like(p) for p in self.params]
-        self.grads = [
-            out.copy_(piece.view(p.shape)) if there else None
-            for piece, p, out, there in zip(pieces, self.params, self._out, present.tolist(), strict=False)
-        ]
-        self._rows, self._maxima, self._stats, self._present = [], [], None, [False] * len(self.params)
-        return [piece.reshape(()).clone() for piece in pieces[len(self.params) :]]
+        self.grads = []
+        for i, (piece, p, there) in enumerate(zip(pieces, self._all, present.tolist(), strict=False)):
+            if there and self._sizes[i]:
+                out = self._out[i]
+                if out is None:  # the reduced gradients' own tensors, kept from step to step
+                    out = self._out[i] = torch.empty_like(p)
+                self.grads.append(out.copy_(piece.view(p.shape)))
+            else:
+                self.grads.append(None)
+        self._rows, self._maxima, self._stats, self._present = [], [], None, [False] * len(self._all)
+        return [piece.reshape(()).clone() for piece in pieces[len(self._all) :]]
 
     def apply(self) -> None:
-        """Write the reduced gradients into the parameters' ``.grad``."""
-        for p, grad in zip(self.params, self.grads, strict=True):
-            p.grad = grad  # on the parameter's device already
+        """Write the reduced gradients into the ``.grad`` of the parameters this step trained."""
+        for p, grad, trained in zip(self._all, self.grads, self._trainable, strict=True):
+            if trained:
+                p.grad = grad  # on the parameter's device already

@@ -418,8 +418,8 @@ class PlannedSteps:
         """The ``LayerSync`` plugin to apply."""
         return plugin
 
-    def before_launch(self, trainer: Any, world_size: int) -> None:
-        """Refuse what the steps cannot run, before any rank starts."""
+    def before_launch(self, trainer: Any, world_size: int, loader: Any = None, drop_last: bool = False) -> None:
+        """Refuse what the steps cannot run, before any rank starts (``loader``: the training loader given to fit)."""
 
     def setup(self, trainer: Any) -> None:
         """Checks and settings for one fit (undone in ``teardown``)."""

@@ -5,6 +5,7 @@ Rationale in docs/design.md ("When a rank fails or stops")."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import subprocess
@@ -183,7 +184,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
     def __init__(
         self,
         *args: Any,
-        before_launch: Callable[[Any], None] | None = None,
+        before_launch: Callable[[Any, dict[str, Any]], None] | None = None,
         child_command: ChildCommand | None = None,
         watch_after_startup: bool = True,
         on_failure: Callable[[BaseException], None] | None = None,
@@ -201,7 +202,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if self.before_launch is not None and trainer is not None:
-            self.before_launch(trainer)
+            self.before_launch(trainer, _launch_arguments(function, args, kwargs))
         starts_children = not self.cluster_environment.creates_processes_externally and self.num_processes > 1
         if starts_children and self._reruns_command_line:
             self._check_can_spawn_children()  # Lightning's refusal of a child rank that would start ranks, first
@@ -402,14 +403,16 @@ class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
     children already leave with ``os._exit`` (and must not run the parent's ``atexit`` handlers).
     """
 
-    def __init__(self, *args: Any, before_launch: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, before_launch: Callable[[Any, dict[str, Any]], None] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if self.before_launch is not None and trainer is not None:
-            self.before_launch(trainer)
+            self.before_launch(trainer, _launch_arguments(function, args, kwargs))
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -434,6 +437,15 @@ class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
         for cb in of_kind(trainer.callbacks, CarriesSpawnResults):
             if cb.spawn_results_key in payload:
                 cb.import_results(payload[cb.spawn_results_key])
+
+
+def _launch_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The launched function's arguments by name (``Trainer.fit``'s ``train_dataloaders``), ``{}`` where they do
+    not bind: what the strategy's checks before launch may read."""
+    try:
+        return dict(inspect.signature(function).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return {}
 
 
 def _check_rerunnable(command: list[str], cwd: str | None) -> None:

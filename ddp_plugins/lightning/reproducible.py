@@ -23,6 +23,7 @@ from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.core.trees import tree_map
 from ddp_plugins.lightning.data_plan import PlannedSteps, is_mean, run_accumulation
+from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
 
 __all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
 
@@ -75,18 +76,46 @@ _BYPASSED: dict[str, Any] = {"comm_hook": "none", "ddp_comm_hook": None, "find_u
 
 def check_shards(module: nn.Module, plan: GlobalPlan) -> None:
     """Refuse a plan with a virtual shard of 1 row where the model has a ``BatchNorm1d`` (it needs 2)."""
-    if not any(isinstance(m, nn.BatchNorm1d) and m.training for m in module.modules()):
+    layer = next((n for n, m in module.named_modules() if isinstance(m, nn.BatchNorm1d) and m.training), None)
+    if layer is None:
         return
-    for step in sorted({0, plan.steps_per_epoch - 1}):  # every other step is as long as the first
-        sizes = plan.shard_sizes(step)
-        if any(size == 1 for size in sizes):
-            rows, most = sum(sizes), max(1, sum(sizes) // 2)
-            raise _refuse(
-                f"normalizes BatchNorm1d over each virtual shard, but step {step} has {rows} rows, which"
-                f" virtual_shards={plan.virtual_shards} cut into shards of 1 row (BatchNorm1d needs 2 or more)",
-                f"Use virtual_shards<={most} (the same for every run you compare), drop_last=True, or a"
-                f" global_batch_size whose every step has at least {2 * (plan.virtual_shards or 1)} rows.",
-            )
+    steps = sorted({0, plan.steps_per_epoch - 1})  # every other step is as long as the first
+    short = [step for step in steps if 1 in plan.shard_sizes(step)]
+    if short:
+        rows, most = plan.step_size(short[0]), max(1, min(plan.step_size(step) for step in steps) // 2)
+        raise ArgumentValueError(
+            "virtual_shards",
+            f"at most {most} with reproducible=True, as BatchNorm1d {layer!r} normalizes each virtual shard (2 rows"
+            " or more)",
+            problem=f"got {plan.virtual_shards}: step {short[0]} has {rows} rows, which virtual_shards="
+            f"{plan.virtual_shards} cut into shards of 1 row",
+            hint=f"Use virtual_shards<={most} (the same for every run you compare), drop_last=True, or a"
+            f" global_batch_size whose every step has at least {2 * (plan.virtual_shards or 1)} rows.",
+        )
+
+
+def check_deterministic(trainer: Any) -> None:
+    """Refuse nondeterministic CUDA kernels before any rank starts (checked again on the model in ``setup``).
+
+    On a Trainer whose devices are GPUs, the kernels must be deterministic now (``Trainer(deterministic=True)``
+    set them in this process), or a :class:`~ddp_plugins.lightning.rank_aware_seed.RankAwareSeed` with
+    ``deterministic=True`` sets them in each rank's ``setup``."""
+    devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
+    if not any(torch.device(d).type == "cuda" for d in devices):
+        return
+    if any(isinstance(cb, RankAwareSeed) and cb.deterministic for cb in trainer.callbacks):
+        return
+    _check_kernels()
+
+
+def _check_kernels() -> None:
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if not torch.are_deterministic_algorithms_enabled() or warn_only:
+        got = "warn-only deterministic kernels (deterministic='warn')" if warn_only else "nondeterministic kernels"
+        raise _refuse(
+            f"on CUDA needs deterministic kernels, got {got}",
+            "Use Trainer(deterministic=True): a kernel that only warns would change the bits.",
+        )
 
 
 def check_model(module: nn.Module) -> None:
@@ -99,14 +128,29 @@ def check_model(module: nn.Module) -> None:
             f"normalizes per virtual shard, but {synced[0]!r} is a SyncBatchNorm",
             "Use plain BatchNorm (SyncBatchNormCallback steps aside in this mode).",
         )
-    cuda = any(p.device.type == "cuda" for p in module.parameters())
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    if cuda and (not torch.are_deterministic_algorithms_enabled() or warn_only):
-        got = "warn-only deterministic kernels (deterministic='warn')" if warn_only else "nondeterministic kernels"
-        raise _refuse(
-            f"on CUDA needs deterministic kernels, got {got}",
-            "Use Trainer(deterministic=True): a kernel that only warns would change the bits.",
-        )
+    if any(p.device.type == "cuda" for p in module.parameters()):
+        _check_kernels()
+
+
+def _dataset_rows(loader: Any) -> int | None:
+    """The rows of a ``DataLoader``'s map-style dataset (``None`` for anything else: its length is known later)."""
+    dataset = getattr(loader, "dataset", None)
+    if type(loader) is not DataLoader or isinstance(dataset, IterableDataset):  # what plan_for plans
+        return None
+    try:
+        return len(dataset) or None  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _say_changed(started: list[str], stopped: list[str], step: int) -> None:
+    """One line where a step trains other parameters than the one before (a layer unfrozen or frozen)."""
+
+    def names(them: list[str]) -> str:
+        return ", ".join(them[:4]) + (f" and {len(them) - 4} more" if len(them) > 4 else "")
+
+    said = [f"{verb} {names(them)}" for verb, them in (("trains", started), ("no longer trains", stopped)) if them]
+    rank_zero_info(f"ddp_plugins: reproducible mode: from step {step} on, the model {'; '.join(said)}.")
 
 
 def _rows_of(a: int, b: int) -> Callable[[Any], Any]:
@@ -133,6 +177,7 @@ class ReproducibleSteps(PlannedSteps):
                 )  # fmt: skip
         super().__init__()
         self.virtual_shards: int = virtual_shards
+        self.global_batch_size: int = global_batch_size
         self._step: ShardedStep | None = None
         self._eval: list[tuple[int, dict[str, Tensor]]] = []  # (real rows, values) per evaluation batch
         self._local = False  # the user's step runs: a logged value is this shard's or batch's, combined after it
@@ -143,8 +188,16 @@ class ReproducibleSteps(PlannedSteps):
             rank_zero_info("ddp_plugins: the reproducible mode normalizes BatchNorm per virtual shard, not synced.")
         return None
 
-    def before_launch(self, trainer: Any, world_size: int) -> None:
+    def before_launch(self, trainer: Any, world_size: int, loader: Any = None, drop_last: bool = False) -> None:
+        """The Trainer's and the model's limits, and the shards' rows: of every step where ``loader`` (``fit``'s
+        ``train_dataloaders``) tells the dataset's length, else of a whole step of ``global_batch_size`` rows."""
         check_trainer(trainer, world_size, self.virtual_shards)
+        check_deterministic(trainer)
+        module, size = trainer.lightning_module, self.global_batch_size
+        if module is not None and trainer.state.fn == "fit":
+            rows = _dataset_rows(loader)
+            check_shards(module, GlobalPlan(rows or size, size, drop_last=bool(rows) and drop_last,
+                                            virtual_shards=self.virtual_shards))  # fmt: skip
 
     def setup(self, trainer: Any) -> None:
         check_model(trainer.lightning_module)
@@ -189,6 +242,8 @@ class ReproducibleSteps(PlannedSteps):
                 logged = _taken(results, "training_step")
                 values.append([loss.detach(), *(_compat.logged_value(entry) for entry in logged.values())])
             means = self._step.finish(step_rows=plan.step_size(index), values=values)
+            if self._step.changed is not None:
+                _say_changed(*self._step.changed, trainer.global_step)
             _put(results, kept, logged, means[1:], plan.step_size(index))
         finally:
             self._local, results.batch_size = False, batch_size

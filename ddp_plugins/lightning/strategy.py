@@ -254,12 +254,14 @@ class DDPPluginsStrategy(DDPStrategy):
             return "gloo"  # auto: nccl only when every rank has a GPU of its own; gloo takes CUDA tensors
         return backend
 
-    def _check_before_launch(self, trainer: Any) -> None:
-        """What needs the Trainer's callbacks, checked in the launching process before any rank starts."""
+    def _check_before_launch(self, trainer: Any, arguments: dict[str, Any] | None = None) -> None:
+        """What needs the Trainer's callbacks, checked in the launching process before any rank starts
+        (``arguments``: the launched function's, by name)."""
         if self.global_batch_size is not None:
             world_size = self.num_processes * self.num_nodes
             data_plan.check_global_batch(self.global_batch_size, world_size, data_plan.run_accumulation(trainer))
-            self._steps.before_launch(trainer, world_size)
+            loader = (arguments or {}).get("train_dataloaders")
+            self._steps.before_launch(trainer, world_size, loader, self._planned.drop_last)
 
     @override
     def setup_distributed(self) -> None:

@@ -248,3 +248,44 @@ def test_devices_auto_runs_on_any_machine(monkeypatch, gpus, env, expected):
     assert config.resolve_devices("auto", "cpu") == (
         expected if env.get("SLURM_STEP_ID") or "LOCAL_WORLD_SIZE" in env else 2
     )
+
+
+REPRODUCIBLE = ["data=synthetic", "data.num_samples=400", "reproducible=true", "global_batch_size=50", "backend=gloo"]
+
+
+def test_reproducible_on_cuda_without_deterministic_kernels_is_refused_up_front(monkeypatch):
+    """On 2 GPUs (CUDA mocked), before Hydra makes a folder or any rank starts: ``deterministic`` names itself."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)  # whatever other tests left
+    with pytest.raises(ConfigError) as refused:
+        precheck(REPRODUCIBLE)
+    assert str(refused.value) == (
+        "deterministic got false, but reproducible=true on CUDA needs deterministic kernels (others change the bits),"
+        " allowed: true with reproducible=true on CUDA, and callbacks.rank_aware_seed on"
+    )
+    with pytest.raises(ConfigError, match=r"^deterministic got true, but callbacks\.rank_aware_seed, which applies"):
+        precheck([*REPRODUCIBLE, "deterministic=true", "~callbacks.rank_aware_seed"])
+    precheck([*REPRODUCIBLE, "deterministic=true"])  # RankAwareSeed sets them in each rank's setup
+    precheck(REPRODUCIBLE[:-3])  # the default mode does not need them
+    precheck([*REPRODUCIBLE, "trainer.accelerator=cpu"])  # nor does the CPU
+
+
+def test_shards_too_small_for_a_batchnorm1d_are_refused_up_front():
+    """320 training rows in steps of 50: the last has 20, which 16 shards cut into shards of 1 row."""
+    run = [*REPRODUCIBLE, "model.channels=8", "model._target_=tests.helpers.models.BatchNorm1dHeadCNN"]
+    with pytest.raises(ConfigError) as refused:
+        precheck([*run, "strategy.virtual_shards=16"])
+    assert str(refused.value) == (
+        "strategy.virtual_shards got 16: step 6 has 20 rows, which virtual_shards=16 cut into shards of 1 row,"
+        " allowed: at most 10 with reproducible=True, as BatchNorm1d 'head.0' normalizes each virtual shard"
+        " (2 rows or more)"
+    )
+    precheck([*run, "strategy.virtual_shards=10"])
+    precheck([*run, "strategy.virtual_shards=16", "strategy.drop_last=true"])
+    precheck([*REPRODUCIBLE, "strategy.virtual_shards=16"])  # the demo's BatchNorm2d normalizes rows x pixels

@@ -86,3 +86,20 @@ def test_the_modes_limits_are_one_line_each(tmp_path):
     for name, (args, expected) in cases.items():
         line = _one_line_failure(run_warm([*common, *args], timeout=120), 2)
         assert expected in line, f"{name}: {line}"
+
+
+def test_shards_too_small_for_batchnorm1d_are_refused_before_any_rank_starts(tmp_path):
+    """320 training rows in steps of 50 leave a last step of 20, which 16 shards cut into shards of 1 row: a
+    BatchNorm1d cannot normalize one. At a1c30de the app started its ranks, ran the sanity validation and
+    failed at the first training step."""
+    folder = tmp_path / "run"
+    result = run_warm(
+        [*APP, "data=synthetic", "data.num_samples=400", "model.channels=8", "trainer.max_epochs=1",
+         "model._target_=tests.helpers.models.BatchNorm1dHeadCNN", "reproducible=true", "global_batch_size=50",
+         "strategy.virtual_shards=16", f"hydra.run.dir={folder}"],
+        timeout=120,
+    )  # fmt: skip
+    line = _one_line_failure(result, 2)  # the app's up-front refusal (a rank's failure exits 1)
+    assert line.startswith("error: strategy.virtual_shards got 16: step 6 has 20 rows"), line
+    assert "BatchNorm1d 'head.0'" in line, line
+    assert not folder.exists(), "a refused start makes no run folder"

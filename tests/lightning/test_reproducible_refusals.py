@@ -184,3 +184,90 @@ def test_switching_the_mode_on_a_resume_is_said_in_one_line(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="ddp_plugins"):
         fit(False, 3, tmp_path / "reproducible.ckpt")
     assert [r.getMessage() for r in caplog.records if "reproducible=True (virtual_shards=8) and this" in r.getMessage()]
+
+
+class _Started(pl.Callback):
+    """Records a rank's ``setup`` (none may run after a refusal before launch)."""
+
+    def __init__(self) -> None:
+        self.ranks: list[int] = []
+
+    def setup(self, trainer, pl_module, stage):
+        self.ranks.append(trainer.global_rank)
+
+
+def _fit_refused_before_launch(model, monkeypatch, gpus=False, fit_loader=None, **trainer_args):
+    """``Trainer.fit`` on 2 spawned ranks, where spawning or a rank's setup fails the test: the error raised."""
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", no_ranks)
+    started = _Started()
+    strategy = DDPPluginsStrategy(backend="gloo", global_batch_size=40, reproducible=True, start_method="spawn")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, callbacks=[started, *trainer_args.pop("callbacks", [])],
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, **trainer_args,
+    )  # fmt: skip
+    if gpus:  # what a Trainer on 2 GPUs holds (CUDA is mocked: this machine need not have one)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    with pytest.raises(ValueError) as error:
+        trainer.fit(model, train_dataloaders=fit_loader)
+    assert started.ranks == [], "a rank started before the refusal"
+    return error
+
+
+@pytest.fixture
+def kernels():
+    """Gives back torch's deterministic-algorithm flags (a Trainer's `deterministic` sets them process-wide)."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    cudnn = torch.backends.cudnn.deterministic
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.backends.cudnn.deterministic = cudnn
+
+
+@pytest.mark.usefixtures("clean_process_state", "kernels")
+@pytest.mark.parametrize(("deterministic", "got"), [(None, "nondeterministic"), ("warn", "warn-only deterministic")])
+def test_nondeterministic_kernels_on_cuda_are_refused_before_any_rank_starts(monkeypatch, deterministic, got):
+    torch.use_deterministic_algorithms(False)
+    error = _fit_refused_before_launch(_Model(nn.Identity()), monkeypatch, gpus=True, deterministic=deterministic)
+    message = _one_line(error)
+    assert message.startswith(f"reproducible=True on CUDA needs deterministic kernels, got {got} kernels"), message
+    assert "Use Trainer(deterministic=True)" in message
+
+
+@pytest.mark.usefixtures("clean_process_state", "kernels")
+def test_deterministic_kernels_on_cuda_pass_the_check_before_launch(monkeypatch):
+    from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
+    from ddp_plugins.lightning.reproducible import check_deterministic
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for args in ({"deterministic": True}, {"callbacks": [RankAwareSeed(0, deterministic=True)]}):
+        torch.use_deterministic_algorithms(False)
+        strategy = DDPPluginsStrategy(global_batch_size=40, reproducible=True)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, **args)
+        strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+        check_deterministic(trainer)  # Trainer(deterministic=True) set them; RankAwareSeed sets them in setup
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    trainer.callbacks.clear()
+    torch.use_deterministic_algorithms(False)
+    check_deterministic(trainer)  # the CPU's kernels are the same on any number of ranks
+
+
+@pytest.mark.usefixtures("clean_process_state")
+def test_shards_too_small_for_batchnorm1d_are_refused_before_any_rank_starts(monkeypatch):
+    # G = 40 of 8 shards of 5 rows: fine; the loader given to fit has 49 rows, a last step of 9 rows cut 2, 1, 1, ...
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(ROWS, 4, generator=g), torch.randint(0, 3, (ROWS,), generator=g)), 8)
+    message = _one_line(_fit_refused_before_launch(_Model(nn.BatchNorm1d(4)), monkeypatch, fit_loader=loader))
+    assert message.startswith("`virtual_shards` should be at most 4 with reproducible=True, as BatchNorm1d 'net.0'")
+    assert "got 8: step 1 has 9 rows" in message and "virtual_shards<=4" in message, message
+    # without a loader the launching process knows a whole step: 40 rows in 32 shards has shards of 1 row
+    strategy = DDPPluginsStrategy(global_batch_size=40, reproducible=True, virtual_shards=32, start_method="spawn")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)  # spawning fails the test
+    with pytest.raises(ValueError) as error:
+        trainer.fit(_Model(nn.BatchNorm1d(4)))
+    assert "got 32: step 0 has 40 rows" in _one_line(error), str(error.value)
