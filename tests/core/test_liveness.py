@@ -214,8 +214,18 @@ def test_a_store_that_stops_answering_names_its_host(capsys):
         room.stop()
 
 
-def test_a_failed_collective_names_the_rank_behind_or_lets_its_own_error_through(capsys):
-    store, exits = CountingStore(), []
+class NoAppendStore(CountingStore):
+    """A store of the user's without ``append``: a failing rank judges for itself."""
+
+    def __getattribute__(self, name: str):
+        if name == "append":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("make_store", [CountingStore, NoAppendStore])
+def test_a_failed_collective_names_the_rank_behind_or_lets_its_own_error_through(capsys, make_store):
+    store, exits = make_store(), []
     rooms = _rooms(store, 3, exits, name=30, end=None, timeout=EVERY)  # rank 0 waits 3 x EVERY: a timeout
     for room in rooms:
         room.mark("a training step (global step 2)")
