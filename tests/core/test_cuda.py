@@ -20,7 +20,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_plugins.core import (
+    ArgumentValueError,
     CountingCommHook,
+    build_comm_hook,
+    check_comm_hook,
     collective_device,
     convert_sync_batchnorm,
     distributed_concat,
@@ -28,7 +31,7 @@ from ddp_plugins.core import (
     seed_everything_rank_aware,
 )
 from ddp_plugins.testing import spawn
-from tests.core.test_comm_hooks import _test_hook_trains
+from tests.core.test_comm_hooks import _net as _hooks_net
 from tests.core.test_sync_batchnorm_dtypes import TOLERANCES, _global_batch, _layer
 
 pytestmark = pytest.mark.gpu
@@ -173,17 +176,23 @@ def test_each_rank_draws_its_own_cuda_stream_the_one_of_its_rank_seed():
 # ---------------------------------------------------------------- comm hooks on CPU tensors, CUDA present
 
 
-def _powersgd_rank(rank, world_size):
-    grads, losses = _test_hook_trains(rank, world_size, "powersgd")
-    return [_on_cpu(step) for step in grads], losses
+def _powersgd_on_cpu_tensors(rank, world_size):
+    model = DistributedDataParallel(_hooks_net())  # a CPU model; this machine has CUDA
+    model.register_comm_hook(*build_comm_hook("powersgd"))
+    with pytest.raises(ArgumentValueError) as err:  # at the hook's first call
+        model(torch.randn(2, 32)).sum().backward()
+    return str(err.value)
 
 
-def test_powersgd_on_cpu_tensors_runs_on_a_machine_with_cuda():
-    (grads0, losses0), (grads1, _) = spawn(_powersgd_rank, world_size=2, timeout=120)
-    for step0, step1 in zip(grads0, grads1, strict=True):
-        for g0, g1 in zip(_loaded(step0), _loaded(step1), strict=True):
-            assert torch.equal(g0, g1), "replicas got different gradients"
-    assert all(torch.isfinite(torch.tensor(losses0)))
+def test_powersgd_on_cpu_tensors_is_refused_in_one_line_on_a_machine_with_cuda():
+    """torch's PowerSGD hook synchronizes the bucket's device as a CUDA device wherever CUDA is: on a CPU
+    model it cannot run, so the pack refuses it in one line, before launch and at the hook's first call
+    (the CPU suite proves the same with CUDA mocked: tests/core/test_comm_hooks.py)."""
+    expected = "`comm_hook` should be 'none' or 'fp16' for a CPU model on a machine with CUDA, got 'powersgd'."
+    with pytest.raises(ArgumentValueError) as err:
+        check_comm_hook("powersgd", "gloo", torch.device("cpu"))
+    for message in (str(err.value), *spawn(_powersgd_on_cpu_tensors, world_size=2, timeout=120)):
+        assert message.startswith(expected) and "\n" not in message, message
 
 
 # ---------------------------------------------------------------- the device rule on nccl
