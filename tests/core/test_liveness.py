@@ -436,5 +436,6 @@ def test_the_failure_path_store_traffic_grows_with_the_ranks_not_their_square(wo
     assert set(exits) == {STALL_EXIT} and len(exits) >= world_size - 1, "every failing rank ends the job"
     named = _errors(capsys)[0]
     assert named.startswith("error: rank 1 (PID ") and "it stopped progressing" in named, named
-    assert keys <= 20 * world_size, f"{keys} keys read on the failure path of {world_size} ranks"
-    assert requests <= 40 * world_size, f"{requests} store requests on the failure path of {world_size} ranks"
+    # measured here: about 17 N keys and 24 N requests over the 2.4 s window, periodic traffic included
+    assert keys <= 24 * world_size, f"{keys} keys read on the failure path of {world_size} ranks"
+    assert requests <= 48 * world_size, f"{requests} store requests on the failure path of {world_size} ranks"

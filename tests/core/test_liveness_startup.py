@@ -51,6 +51,6 @@ def test_a_rendezvous_is_never_held_up_by_the_room_and_a_rank_waiting_in_one_is_
     results = spawn(_startup_rank, case, world_size=2, timeout=60, pg_timeout=20)
     for rank, (took, printed, ended) in enumerate(results):
         slow = max(took[2:] if case == "slow setup" else took)  # the first two wait for rank 0 on purpose
-        assert slow < 2.0, f"rank {rank}: a rendezvous took {slow:.1f} s: it waited for the room's store call"
+        assert slow < 5.0, f"rank {rank}: a rendezvous took {slow:.1f} s: it waited for the room's store call"
         assert printed == "", f"rank {rank}'s room named a healthy rank:\n{printed}"
         assert not ended, f"rank {rank}'s room ended a healthy job"
