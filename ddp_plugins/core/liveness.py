@@ -217,6 +217,9 @@ class Liveness:
         collective_timeout_s: the group's collective timeout; a collective that failed sooner was not
             timed out by a rank behind the others (``None``: not known, any failure may be).
         exit: how a rank ends the job (``os._exit``; a test passes its own).
+        defers: ``defers(verdict, records)`` is true where another watcher ends the job for this verdict
+            with more to say (the launcher's, while the ranks start: a child rank's exit code and last
+            stderr line); this room then neither names nor ends it, so the job gets one line.
 
     Example::
 
@@ -240,6 +243,7 @@ class Liveness:
         exit: Callable[[int], Any] = os._exit,
         end_running: bool = False,
         collective_timeout_s: float | None = None,
+        defers: Callable[[Verdict, Sequence[Record]], bool] | None = None,
     ) -> None:
         self.name_after_s = check_number("name_after_s", name_after_s, 0, exclusive_minimum=True)
         check_number("end_after_s", end_after_s, 0, allow_none=True)
@@ -248,7 +252,7 @@ class Liveness:
         self.end_after_s, self.interval_s = end_after_s, interval_s or min(5.0, name_after_s / 6)
         self.store, self.rank, self.world_size = _own_client(store), rank, world_size
         self.folder, self.rescue, self._exit = folder, rescue, exit
-        self.end_running, self.collective_timeout_s = end_running, collective_timeout_s
+        self.end_running, self.collective_timeout_s, self._defers = end_running, collective_timeout_s, defers
         self.marks, self.phase, self.waits = 0, "starting", False
         self.verdict: Verdict | None = None
         self._main, self._host, self._ns = threading.main_thread().ident, socket.gethostname(), _pid_namespace()
@@ -493,6 +497,8 @@ class Liveness:
                     time.sleep(3 * self.interval_s + 2)
                 self._exit(STALL_EXIT)
                 return
+            if verdict is not None and self._defers is not None and self._defers(verdict, records):
+                continue  # another watcher speaks for it (and ends the job)
             if verdict is None:
                 if self.verdict is not None and self._reports(self.verdict):
                     print(f"ddp_plugins: ranks {list(self.verdict.ranks)} progress again", file=sys.stderr, flush=True)
@@ -626,8 +632,9 @@ class Liveness:
                 if store_answers:
                     self._store(lambda: self.store.add(_LEFT, 1))
             return
-        # the training thread passed no mark for an interval: it waits for the stalled rank, the state is a step's
-        idle = time.monotonic() - self._marked_at > self.interval_s
+        # the training thread passed no mark for an interval: it waits for the stalled rank, the state is a step's;
+        # one that passed none yet is still starting: it has computed nothing worth a checkpoint
+        idle = self.marks > 0 and time.monotonic() - self._marked_at > self.interval_s
         try:
             saved = self.rescue() if self.rescue is not None and idle else None
         except Exception as error:  # noqa: BLE001 - the job ends all the same; say why nothing was saved

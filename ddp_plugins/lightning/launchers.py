@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from typing_extensions import override
@@ -258,6 +258,16 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(int(stderr), 2)
                 os.close(int(stderr))
+
+    def speaks_for(self, pids: Iterable[int]) -> bool:
+        """Whether this launcher's rank watcher ends the job for these processes' exit: each is one of its
+        child ranks and the ranks are still starting (its line then names the exit code and the child
+        rank's last stderr line, which a liveness room cannot see)."""
+        if self._ranks_met is None or self._ranks_met.is_set():
+            return False
+        children = {proc.pid for proc in self.procs}
+        pids = list(pids)
+        return bool(pids) and all(pid in children for pid in pids)
 
     def _stop_startup(self, signum: int) -> None:
         """SIGTERM or SIGINT while the ranks start: forward it to the child ranks, kill those left after

@@ -9,7 +9,7 @@ import logging
 import math
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from ddp_plugins import _compat
 from ddp_plugins.core.checkpoints import gather_per_rank
 from ddp_plugins.core.checks import ArgumentValueError, check_bool, check_choice, check_int, check_number
 from ddp_plugins.core.comm_hooks import build_comm_hook, check_comm_hook
-from ddp_plugins.core.liveness import Liveness, rendezvous_error
+from ddp_plugins.core.liveness import Liveness, Record, Verdict, rendezvous_error
 from ddp_plugins.core.preemption import restart_scoped_store
 from ddp_plugins.core.process import start_forkserver
 from ddp_plugins.core.ranks import for_collective
@@ -288,9 +288,17 @@ class DDPPluginsStrategy(DDPStrategy):
             self._room = Liveness(
                 _compat.default_store(), self.global_rank, self.world_size, name_after, end_after,
                 rescue=self._save_last_completed_step, end_running=self._stall_end_running,
-                collective_timeout_s=self._timeout_s,
+                collective_timeout_s=self._timeout_s, defers=self._launcher_ends,
                 folder=lambda: getattr(self._trainer(), "default_root_dir", None),  # the run's folder
             ).start()  # fmt: skip
+
+    def _launcher_ends(self, verdict: Verdict, records: Sequence[Record]) -> bool:
+        """The launcher's rank watcher ends the job for a child rank gone while the ranks start, with
+        its exit code and last stderr line: the liveness room then says nothing (one line per failure)."""
+        if verdict.how != "gone" or not isinstance(self._launcher, JobSubprocessLauncher):
+            return False
+        pids = [record.pid for record in records if record.rank in verdict.ranks]
+        return len(pids) == len(verdict.ranks) and self._launcher.speaks_for(pids)
 
     def _save_last_completed_step(self) -> str | None:
         """The liveness room's rescue, on the rank that ends a stalled job while its training thread waits

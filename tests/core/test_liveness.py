@@ -439,3 +439,33 @@ def test_the_failure_path_store_traffic_grows_with_the_ranks_not_their_square(wo
     # measured here: about 17 N keys and 24 N requests over the 2.4 s window, periodic traffic included
     assert keys <= 24 * world_size, f"{keys} keys read on the failure path of {world_size} ranks"
     assert requests <= 48 * world_size, f"{requests} store requests on the failure path of {world_size} ranks"
+
+
+def test_a_gone_rank_another_watcher_speaks_for_is_left_to_it_then_ended_once_it_does_not(capsys):
+    """While the ranks start, the launcher's rank watcher ends the job for a child rank that died, with its
+    exit code and last stderr line: the room says nothing then (CI, 6581d93: the room spoke first and the
+    launcher's line never came). Once no one else speaks for it, the gone rank ends the job at once."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its PID is not in /proc
+    store, exits, asked = CountingStore(), [], []
+    speaks = threading.Event()
+    speaks.set()
+
+    def defers(verdict, records):
+        asked.append((verdict.ranks, verdict.how, [r.pid for r in records if r.rank in verdict.ranks]))
+        return speaks.is_set()
+
+    options = {"exit": exits.append, "interval_s": EVERY, "defers": defers}
+    rooms = [Liveness(store, rank, 2, NAME, END, **options) for rank in range(2)]
+    record = Record(1, 1, 1, "starting", child.pid, rooms[0]._host, "", rooms[0]._ns)
+    rooms[1]._write_record = lambda: store.set("ddp_plugins/liveness/1", json.dumps(record._asdict()))
+    rooms[1]._publish()
+    rooms[0].start()
+    assert _wait(lambda: len(asked) >= 3, 5), "the room never judged the gone rank"
+    assert asked[0] == ((1,), "gone", [child.pid]), asked[0]
+    assert exits == [] and _errors(capsys) == [], "the room spoke for a rank another watcher speaks for"
+    speaks.clear()
+    assert _wait(lambda: exits == [STALL_EXIT], 5), "a gone rank no one else speaks for did not end the job"
+    named = _errors(capsys)[0]
+    assert named.startswith(f"error: rank 1 (PID {child.pid} ") and "its process is gone" in named, named
+    rooms[0].stop()
