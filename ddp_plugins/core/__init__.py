@@ -45,7 +45,7 @@ from ddp_plugins.core.ranks import (
     setup_rank_logging,
 )
 from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint, shard_seed
-from ddp_plugins.core.samplers import ResumableSampler, SequentialDistributedSampler
+from ddp_plugins.core.samplers import PaddingApartSampler, ResumableSampler, SequentialDistributedSampler
 from ddp_plugins.core.seeding import (
     collect_rng_states,
     decode_rng_states,
@@ -109,6 +109,7 @@ __all__ = [
     "save_atomic",
     "seed_everything_rank_aware",
     "seed_worker",
+    "PaddingApartSampler",
     "SequentialDistributedSampler",
     "set_rng_states",
     "setup_rank_logging",

@@ -15,7 +15,7 @@ from typing_extensions import override
 from ddp_plugins.core.checks import ArgumentTypeError
 from ddp_plugins.core.seeding import isolated_rng, rank_seed
 
-__all__ = ["ResumableSampler", "SequentialDistributedSampler"]
+__all__ = ["PaddingApartSampler", "ResumableSampler", "SequentialDistributedSampler"]
 
 
 class SequentialDistributedSampler(DistributedSampler):
@@ -65,6 +65,51 @@ class SequentialDistributedSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         padding = [self.dataset_length - 1] * (self.num_samples - self.num_real_samples)
         return iter(list(range(self.start, self.start + self.num_real_samples)) + padding)
+
+
+class PaddingApartSampler(SequentialDistributedSampler):
+    """Contiguous shards of whole batches, where a padding row never shares a batch with a real one.
+
+    :class:`SequentialDistributedSampler` and ``DistributedSampler`` pad a shard inside its last batch,
+    so a mean over that batch counts the padding rows. Here the dataset's batches of ``batch_size``
+    rows (the last one may be short) go to the ranks in order, ``B = ceil(batches / num_replicas)`` to
+    a rank, and the rank that holds the last one holds ``B`` of them: every other rank holds whole
+    batches, so its padding (to ``B`` batches, the dataset's last index) fills whole batches too, which
+    :meth:`is_padding` names and a strategy can count for nothing. Every rank runs ``B`` batches, so a
+    value logged with ``sync_dist`` at every step never waits for a rank that has none left.
+
+    Example::
+
+        >>> [list(PaddingApartSampler(range(7), num_replicas=4, rank=r, batch_size=2)) for r in range(4)]
+        [[0, 1], [2, 3], [4, 5], [6]]
+        >>> [list(PaddingApartSampler(range(9), num_replicas=4, rank=r, batch_size=2)) for r in range(4)]
+        [[0, 1, 2, 3], [4, 5, 8, 8], [6, 7, 8], [8, 8, 8, 8]]
+        >>> PaddingApartSampler(range(21), num_replicas=4, rank=1, batch_size=5).is_padding(1)
+        True
+    """
+
+    def __init__(
+        self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None, batch_size: int = 1
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank)
+        self.batch_size = int(batch_size)
+        batches = math.ceil(self.dataset_length / self.batch_size)
+        per_rank = max(1, math.ceil(batches / self.num_replicas))
+        last = max(0, math.ceil(batches / per_rank) - 1)  # the rank that holds the dataset's last batch
+        counts = [per_rank] * last + [per_rank] + [0] * (self.num_replicas - last - 1)
+        if last:
+            counts[last - 1] = batches - per_rank * last  # between 1 and per_rank: the others keep per_rank
+        counts[last] = min(per_rank, batches)
+        first = sum(counts[: self.rank])
+        self.start = first * self.batch_size
+        self.num_real_samples = max(0, min(counts[self.rank] * self.batch_size, self.dataset_length - self.start))
+        self.real_batches = counts[self.rank]
+        self.num_samples = self.num_real_samples if self.rank == last else per_rank * self.batch_size
+        self.total_size = per_rank * self.batch_size * self.num_replicas
+
+    def is_padding(self, batch_index: int) -> bool:
+        """Whether batch ``batch_index`` of this rank holds padding rows only (it counts for nothing)."""
+        return batch_index >= self.real_batches
 
 
 _LOADER_SEED_TAG = 0xD47A  # spawn-key tags: the loader streams never equal a rank's own stream

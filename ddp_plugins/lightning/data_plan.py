@@ -21,13 +21,14 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
+from torchmetrics import Metric
 
 from ddp_plugins import _compat
 from ddp_plugins._compat import update_dataloader
 from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler
 from ddp_plugins.core.ranks import collective_device
-from ddp_plugins.core.samplers import ResumableSampler
+from ddp_plugins.core.samplers import PaddingApartSampler, ResumableSampler
 from ddp_plugins.core.timeline import collective_kind
 from ddp_plugins.lightning.accumulation import current_accumulation
 from ddp_plugins.lightning.contracts import AccumulationSchedule, of_kind
@@ -46,6 +47,8 @@ __all__ = [
     "data_record",
     "expected_record",
     "is_mean",
+    "metrics_unchanged",
+    "padding_apart_loader",
     "plan_for",
     "resume_start",
     "run_accumulation",
@@ -129,6 +132,65 @@ def _plan_loader(
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     collate = EmptyShareCollate(dataloader.collate_fn, dataloader.dataset[0])
     return DataLoader(dataloader.dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
+
+
+def padding_apart_loader(dataloader: Any, world_size: int, rank: int) -> Any:
+    """``dataloader`` on this rank's :class:`PaddingApartSampler` (whole batches, padding rows in batches of
+    their own), or ``None`` where its batches cannot be so: a dataset without a length, no ``batch_size``
+    (a batch sampler), or ``drop_last``."""
+    dataset = getattr(dataloader, "dataset", None)
+    if (
+        not isinstance(dataloader, DataLoader)
+        or isinstance(dataset, IterableDataset)
+        or not hasattr(dataset, "__len__")
+    ):
+        return None
+    if not dataloader.batch_size or dataloader.drop_last or type(dataloader.batch_sampler) is not BatchSampler:
+        return None
+    batch_size = dataloader.batch_size
+    sampler = PaddingApartSampler(dataloader.dataset, num_replicas=world_size, rank=rank, batch_size=batch_size)
+    return update_dataloader(dataloader, sampler)
+
+
+def padding_batch(trainer: Any, args: tuple) -> bool:
+    """Whether the evaluation step of ``args`` (batch, batch index, loader index) runs a padding batch of a
+    :class:`PaddingApartSampler`."""
+    if len(args) < 2 or trainer is None:
+        return False
+    loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[args[2]] if len(args) > 2 and len(loaders) > args[2] else None
+    sampler = getattr(loaders, "sampler", None)
+    return isinstance(sampler, PaddingApartSampler) and sampler.is_padding(int(args[1]))
+
+
+@contextlib.contextmanager
+def metrics_unchanged(module: Any) -> Any:
+    """Every torchmetrics state of ``module`` gets its value from before the body back (torchmetrics has no
+    public way to take an update back; the states are the ones ``Metric.metric_state`` lists)."""
+    metrics = [m for m in (module.modules() if module is not None else ()) if isinstance(m, Metric)]
+    states = [{k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in m.metric_state.items()}
+              for m in metrics]  # fmt: skip
+    try:
+        yield
+    finally:
+        for metric, state in zip(metrics, states, strict=True):
+            for name, value in state.items():
+                setattr(metric, name, value)
+
+
+@contextlib.contextmanager
+def counts_for_nothing(trainer: Any, hook: str, module: Any) -> Any:
+    """What ``hook``'s step logs and updates in the body counts for nothing (an empty micro-batch's NaN
+    mean, a padding batch's rows): every epoch sum of ``self.log`` and every torchmetrics state of
+    ``module`` get their values from before. Lightning has no public way to take a logged value back."""
+    results = _compat.running_results(trainer, hook)
+    sums = _compat.epoch_sums(results)
+    try:
+        with metrics_unchanged(module):
+            yield
+    finally:
+        _compat.restore_epoch_sums(results, sums)
 
 
 def check_global_batch(global_batch_size: int, world_size: int, accumulate: int) -> None:
@@ -431,16 +493,13 @@ class PlannedSteps:
         self, trainer: Any, rows: BatchRows | None, plan: Any, context: Any, step: Callable[[], Any], args: tuple
     ) -> Any:
         """Run ``step`` (Lightning's); an empty micro-batch's NaN mean loss goes into no epoch sum."""
-        self.rows, sums = rows, None
-        if rows is not None and rows.rank_rows == 0:
-            results = _compat.running_results(trainer, "training_step")
-            sums = _compat.epoch_sums(results)
+        self.rows = rows
+        empty = rows is not None and rows.rank_rows == 0
         try:
-            return step()
+            with counts_for_nothing(trainer, "training_step", None) if empty else contextlib.nullcontext():
+                return step()
         finally:
             self.rows = None
-            if sums is not None:
-                _compat.restore_epoch_sums(results, sums)
 
     def backward(self, loss: Any, module: Any, rows: BatchRows | None, precision: Any, backward: Callable) -> Any:
         """DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan, each
@@ -458,10 +517,22 @@ class PlannedSteps:
         return reduce(local, group, "sum") / rows.micro_rows
 
     def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
-        return dataloader
+        """Lightning's unshuffled ``DistributedSampler`` (it pads a shard with rows from the start, inside a
+        batch) gives way to contiguous shards whose padding rows are batches of their own, which
+        :meth:`evaluation_step` counts for nothing: a mean logged with ``sync_dist`` and a torchmetrics
+        metric are then over the dataset's rows, and every rank still runs the same number of batches.
+        ``SequentialEvaluation`` makes its loaders so itself; a loader that cannot be rebuilt is kept."""
+        sampler = getattr(dataloader, "sampler", None)
+        if world_size < 2 or type(sampler) is not DistributedSampler or getattr(sampler, "shuffle", True):
+            return dataloader  # not Lightning's (a shuffled one too: left as the user asked)
+        return padding_apart_loader(dataloader, world_size, rank) or dataloader
 
     def evaluation_step(self, trainer: Any, hook: str, args: tuple, step: Callable[[], Any]) -> Any:
-        return step()
+        """A padding batch (:meth:`evaluation_loader`) runs the user's step, which counts for nothing."""
+        if not padding_batch(trainer, args):
+            return step()
+        with counts_for_nothing(trainer, hook, trainer.lightning_module):
+            return step()
 
 
 def is_mean(reduce_op: Any) -> bool:

@@ -4,6 +4,7 @@ Design and limits in docs/design.md ("The reproducible mode")."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from ddp_plugins.core.ranks import is_distributed
 from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.core.trees import tree_map
-from ddp_plugins.lightning.data_plan import PlannedSteps, is_mean, run_accumulation
+from ddp_plugins.lightning.data_plan import PlannedSteps, is_mean, metrics_unchanged, run_accumulation
 from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
 
 __all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
@@ -293,23 +294,24 @@ class ReproducibleSteps(PlannedSteps):
         Lightning's per-rank sums; at the loader's last batch, log their exact combination over all ranks."""
         if len(args) < 2:
             return step()
-        results = _compat.running_results(trainer, hook)
-        kept, self._local = _compat.set_aside(results, hook, synced_only=True), True
-        try:
-            output = step()
-        finally:
-            self._local = False
-        logged = _taken(results, hook, synced_only=True)
-        values = {key: _compat.logged_value(entry) for key, entry in logged.items()}
-        _put(results, kept, logged)
         loader = args[2] if len(args) > 2 else 0
         dataloaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
         if isinstance(dataloaders, (list, tuple)):
             dataloaders = dataloaders[loader]
         sampler = getattr(dataloaders, "sampler", None)
-        rows = max(first_tensor_rows(args[0]), 0)
-        if isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples:
-            rows = 0  # the padding batch of a rank past the dataset's end counts for nothing
+        # the padding batch of a rank past the dataset's end counts for nothing: in a mean, in a metric's state
+        padding = isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples
+        results = _compat.running_results(trainer, hook)
+        kept, self._local = _compat.set_aside(results, hook, synced_only=True), True
+        try:
+            with metrics_unchanged(trainer.lightning_module) if padding else contextlib.nullcontext():
+                output = step()
+        finally:
+            self._local = False
+        logged = _taken(results, hook, synced_only=True)
+        values = {key: _compat.logged_value(entry) for key, entry in logged.items()}
+        _put(results, kept, logged)
+        rows = 0 if padding else max(first_tensor_rows(args[0]), 0)
         if values:
             self._eval.append((rows, values))
         counts = (

@@ -28,6 +28,7 @@ from ddp_plugins.core.collectives import concat_batches, distributed_concat, num
 from ddp_plugins.core.files import save_atomic
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.lightning.contracts import virtual_shards
+from ddp_plugins.lightning.data_plan import padding_apart_loader
 
 __all__ = ["SequentialEvaluation"]
 
@@ -171,6 +172,12 @@ class SequentialEvaluation(Callback):
             sampler = SequentialDistributedSampler(
                 _check_replaceable(dl, hook), num_replicas=trainer.world_size, rank=trainer.global_rank, align=align
             )
+            # else padding rows in batches of their own, which DDPPluginsStrategy counts for nothing in a mean
+            apart = padding_apart_loader(dl, trainer.world_size, trainer.global_rank) if align == 1 else None
+            if apart is not None and trainer.world_size > 1 and stage != "predict":
+                self._samplers[stage].append((apart.sampler, dl.batch_size))
+                swapped.append(apart)
+                continue
             self._samplers[stage].append((sampler, dl.batch_size))
             swapped.append(_compat.update_dataloader(dl, sampler))
         combined.flattened = swapped
@@ -216,16 +223,16 @@ class SequentialEvaluation(Callback):
             return None
         local = concat_batches(batches, self.pad_value, _STEP[stage])
         rows = num_rows(local, _STEP[stage])
-        expected = min(len(sampler), len(batches) * batch_size)
+        expected = min(sampler.num_samples, len(batches) * batch_size)  # the rows it yields
         if rows != expected:
             raise ValueError(
                 f"`{_STEP[stage]}` returned {rows} rows for the {expected} samples of this rank; SequentialEvaluation"
                 " needs one row per sample (dim 0 is the batch), e.g. `{'preds': logits, 'target': y}`."
             )
-        if expected < len(sampler):
+        if expected < sampler.num_samples:
             rank_zero_warn(
-                f"SequentialEvaluation: `limit_{_PREFIX[stage]}_batches` evaluates {expected} of {len(sampler)} samples"
-                " per rank, so the gathered results are a subset of the dataset and not in dataset order."
+                f"SequentialEvaluation: `limit_{_PREFIX[stage]}_batches` evaluates {expected} of {sampler.num_samples}"
+                " samples per rank, so the gathered results are a subset of the dataset and not in dataset order."
             )
         return truncate_rows(local, min(rows, sampler.num_real_samples))
 

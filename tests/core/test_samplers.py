@@ -34,3 +34,26 @@ def test_sampler_rejects_an_iterable_dataset():
 
 def test_docstring_examples_run():
     assert doctest.testmod(ddp_plugins.core.samplers).failed == 0
+
+
+def test_padding_apart_sampler_keeps_padding_out_of_real_batches_and_gives_every_rank_as_many_batches():
+    from ddp_plugins.core.samplers import PaddingApartSampler
+
+    for length in range(1, 40):
+        for ranks in range(1, 6):
+            for batch in range(1, 8):
+                samplers = [PaddingApartSampler(range(length), ranks, rank, batch) for rank in range(ranks)]
+                real = [i for s in samplers for i in list(s)[: s.num_real_samples]]
+                assert real == list(range(length)), f"{length} rows, {ranks} ranks, batch {batch}: not in order once"
+                counts = {-(-len(list(s)) // batch) for s in samplers}
+                assert len(counts) == 1, f"{length} rows, {ranks} ranks, batch {batch}: batches per rank {counts}"
+                for s in samplers:
+                    indices = list(s)
+                    assert len(indices) == s.num_samples
+                    for k, first in enumerate(range(0, len(indices), batch)):
+                        rows = indices[first : first + batch]
+                        mine = range(s.start, s.start + s.num_real_samples)
+                        if s.is_padding(k):
+                            assert rows == [length - 1] * len(rows), f"a padding batch holds {rows}"
+                        else:
+                            assert all(i in mine for i in rows), f"rank {s.rank} batch {k} mixes padding: {rows}"
