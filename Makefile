@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train lint test test-e2e gpu-check gpu-tests matrix bench clean
+.PHONY: train lint test test-e2e test-matrix gpu-check gpu-tests matrix bench clean
 
 # pip compiles the bytecode of what it installs one file at a time (about a third of the set-up): it
 # is skipped there and done once on every core (`compileall -j 0`, the same .pyc files). compileall
@@ -49,6 +49,16 @@ test: $(STAMP)
 
 test-e2e: $(STAMP)
 	$(PY) -m pytest $(XDIST) -m e2e $(PYTEST_ARGS)
+
+# The promise matrix (tests/matrix/table.py): `make test` runs its pairwise cells, this every cell (over an
+# hour on this 2-core machine; 2 workers, as a cell's ranks fill the cores), then writes docs/promise_matrix.md
+# with each cell's result and seconds.
+MATRIX_RESULTS := .matrix-results.jsonl
+test-matrix: $(STAMP)
+	rm -f $(MATRIX_RESULTS)
+	DDP_PLUGINS_MATRIX=full DDP_PLUGINS_MATRIX_RESULTS=$(CURDIR)/$(MATRIX_RESULTS) $(PY) -m pytest -n 2 --dist worksteal \
+		tests/matrix $(PYTEST_ARGS); status=$$?; \
+		$(PY) -m tests.matrix.report $(MATRIX_RESULTS) docs/promise_matrix.md full; exit $$status
 
 # The GPU proofs, on a machine with at least one CUDA GPU, in an existing environment (no install,
 # no network: `make gpu-check PY=python3`), in about 5 minutes: the tests marked `gpu` (CUDA shown,

@@ -20,3 +20,21 @@ class BatchNorm1dHeadCNN(DigitsCNN):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.head = torch.nn.Sequential(torch.nn.BatchNorm1d(self.head.in_features), self.head)
+
+
+class SmoothCNN(SGDMomentumCNN):
+    """The demo CNN made smooth (tanh, average pooling), with or without BatchNorm: float32 runs that add
+    their sums in another order stay within float32 noise of each other (a ReLU input within rounding
+    of 0 takes either side, and so does a max-pooling tie)."""
+
+    def __init__(self, batchnorm: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.features = torch.nn.Sequential(
+            *(
+                torch.nn.Tanh() if isinstance(layer, torch.nn.ReLU)
+                else torch.nn.AvgPool2d(2) if isinstance(layer, torch.nn.MaxPool2d)
+                else layer if batchnorm or not isinstance(layer, torch.nn.BatchNorm2d)
+                else torch.nn.Identity()
+                for layer in self.features
+            )
+        )  # fmt: skip

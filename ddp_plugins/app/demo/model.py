@@ -48,7 +48,7 @@ class DigitsCNN(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the step's mean over every rank's rows
         return loss
 
     def validation_step(self, batch, batch_idx):

@@ -1,0 +1,1 @@
+"""The promise matrix (tests/matrix/table.py) and its jobs."""

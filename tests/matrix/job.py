@@ -1,0 +1,243 @@
+"""One cell of the promise matrix (tests/matrix/table.py): the job on its ranks, and the one-process reference.
+
+The library entry: a plain ``Trainer`` with ``DDPPluginsStrategy`` on the cell's ranks (forked from the
+warm rank server by ``run_lightning``), the cell's global batch, accumulation, precision, loader and
+mode. The model is an MLP (tanh: smooth, so float32 noise stays float32 noise) with a BatchNorm1d
+converted to SyncBN, or without BatchNorm. Every rank records the row ids of every micro-batch and the
+global step it belongs to; rank 0's logger records every logged value.
+
+The reference replays those global micro-batches (the union over the ranks of micro-batch ``m`` of
+each step) in one process, in plain torch: each step's gradient is the sum of its rows' losses over
+its rows, BatchNorm normalizes each global micro-batch, validation runs over the real rows. So the
+cell checks what the ranks did against one process on the same global batches; a plan cell checks
+too that those batches are the plan's, the same on any N (:func:`planned_rows`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
+from torch.nn.functional import cross_entropy
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from ddp_plugins.core.plan import GlobalPlan
+from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
+from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
+from ddp_plugins.lightning.strategy import DDPPluginsStrategy
+from tests.matrix.table import VIRTUAL_SHARDS
+
+SEED, EPOCHS, VAL_ROWS, PER_RANK = 7, 2, 21, 4
+DTYPES = {"32-true": torch.float32, "64-true": torch.float64, "bf16-mixed": torch.float32}
+
+
+def sizes(cell: dict) -> tuple[int, int | None]:
+    """The cell's training rows and global batch (``None``: the default mode, ``PER_RANK`` rows a rank)."""
+    n, k = cell["ranks"], cell["accumulation"]
+    return {
+        "per-rank": (n * PER_RANK * k * 3, None),  # 3 whole steps an epoch, on every N
+        "divisible": (48, 12),  # 4 steps of 12 rows
+        "not-divisible": (52, 13),  # 4 steps of 13 rows: shares differ by a row
+        "short-last": (36 + n - 1, 12),  # 3 steps of 12 and one of N - 1 rows: a rank gets none
+    }[cell["batch"]]
+
+
+def data(rows: int, seed: int) -> TensorDataset:
+    """Rows of 8 features, 3 classes, and each row's id."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return TensorDataset(x, y, torch.arange(rows))
+
+
+def net(syncbn: str) -> nn.Module:
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(16) if syncbn == "on" else nn.Identity()
+    return nn.Sequential(nn.Linear(8, 16), norm, nn.Tanh(), nn.Linear(16, 3))
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+class _OwnSampler(Sampler):
+    """A sampler of the user's own: the rows in a fixed shuffled order (its own generator)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(torch.randperm(self.rows, generator=torch.Generator().manual_seed(11)).tolist())
+
+    def __len__(self) -> int:
+        return self.rows
+
+
+class _Model(pl.LightningModule):
+    def __init__(self, cell: dict) -> None:
+        super().__init__()
+        self.cell = cell
+        self.net = net(cell["syncbn"])
+        self.acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.seen: list[tuple[int, int, list[int]]] = []  # (epoch, global step, row ids) per micro-batch
+        self.step_values: list[float] = []  # train/loss as logged on step, after each micro-batch
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        self.seen.append((self.current_epoch, self.trainer.global_step, ids.tolist()))
+        loss = cross_entropy(self.net(x), y)
+        self.log("train/loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.step_values.append(float(self.trainer.callback_metrics["train/loss_step"]))
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        logits = self.net(x)
+        self.log("val/loss", cross_entropy(logits, y), sync_dist=True)
+        self.acc(logits, y)
+        self.log("val/acc", self.acc)
+        return {"preds": logits.float(), "target": y}
+
+    def configure_optimizers(self):
+        return optimizer(self.parameters())
+
+    def train_dataloader(self):
+        rows, planned = sizes(self.cell)
+        dataset, batch = data(rows, 1), PER_RANK if planned is None else 4  # a plan replaces batch_size
+        if self.cell["loader"] == "sampler":
+            return DataLoader(dataset, batch_size=batch, sampler=_OwnSampler(rows))
+        return DataLoader(dataset, batch_size=batch, shuffle=self.cell["loader"] == "shuffle")
+
+    def val_dataloader(self):
+        return DataLoader(data(VAL_ROWS, 2), batch_size=5)
+
+
+class _Memory(Logger):
+    """Every value logged, with its step (rank 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    name, version = "memory", 0
+
+    @property
+    def experiment(self) -> None:
+        return None
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((int(step or 0), {k: float(v) for k, v in metrics.items()}))
+
+
+def trainer(cell: dict, logger: Logger, callbacks: list, ckpt_dir: str | None = None) -> pl.Trainer:
+    _, planned = sizes(cell)
+    strategy = DDPPluginsStrategy(
+        backend="gloo", global_batch_size=planned, reproducible=cell["reproducible"] == "on",
+        virtual_shards=VIRTUAL_SHARDS,
+    )  # fmt: skip
+    if ckpt_dir is not None:
+        callbacks = [*callbacks, ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2,
+                                                 save_top_k=-1)]  # fmt: skip
+    return pl.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE_HINT"]), strategy=strategy,
+        sync_batchnorm=cell["syncbn"] == "on", accumulate_grad_batches=cell["accumulation"],
+        precision=cell["precision"], max_epochs=EPOCHS, callbacks=callbacks, logger=logger, log_every_n_steps=1,
+        enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+
+
+def run(out_dir: str, cell: dict) -> dict[str, Any]:
+    """The cell's job on this rank: what it trained, logged and counted (a refusal's one line instead)."""
+    pl.seed_everything(SEED)
+    model, memory = _Model(cell), _Memory()
+    counter = AllReduceCounter(log=False)
+    exact = SequentialEvaluation(metrics={"exact_acc": MulticlassAccuracy(num_classes=3, average="micro")})
+    try:
+        trainer(cell, memory, [counter, exact]).fit(model)
+    except (ValueError, TypeError) as refused:
+        return {"refused": str(refused).splitlines()[0]}
+    state = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+    momentum = [model.trainer.optimizers[0].state[p]["momentum_buffer"].clone() for p in model.net.parameters()]
+    return {"state": state, "momentum": momentum, "seen": model.seen, "step_values": model.step_values,
+            "logged": memory.rows, "rounds": counter.history}  # fmt: skip
+
+
+def global_steps(ranks: list[dict]) -> list[list[list[int]]]:
+    """The global micro-batches of every optimizer step: the union over the ranks of micro-batch ``m``."""
+    steps: dict[int, list[list[int]]] = {}
+    for rank in ranks:
+        index: dict[int, int] = {}
+        for _, step, ids in rank["seen"]:
+            m = index[step] = index.get(step, -1) + 1
+            micro = steps.setdefault(step, [])
+            micro += [[] for _ in range(m + 1 - len(micro))]
+            micro[m] += ids
+    return [steps[s] for s in sorted(steps)]
+
+
+def planned_rows(cell: dict, epoch: int) -> list[list[int]]:
+    """The rows of each step of ``epoch`` on one process of the plan (any N gives the same)."""
+    rows, planned = sizes(cell)
+    plan = GlobalPlan(rows, planned, seed=SEED, shuffle=True)  # Lightning shuffles every training loader under DDP
+    order = plan.order(epoch)
+    return [
+        sorted(i for ids in plan.micro_batches(epoch, step, 0, 1, cell["accumulation"], order) for i in ids)
+        for step in range(plan.steps_per_epoch)
+    ]
+
+
+def reference(cell: dict, steps: list[list[list[int]]], steps_per_epoch: int) -> dict[str, Any]:
+    """One process on the same global micro-batches: state, momentum and every value the job logs."""
+    dtype = DTYPES[cell["precision"]]
+    model = net(cell["syncbn"]).to(dtype)
+    opt = optimizer(model.parameters())
+    rows, _ = sizes(cell)
+    x, y, _ = data(rows, 1).tensors
+    vx, vy, _ = data(VAL_ROWS, 2).tensors
+    x, vx = x.to(dtype), vx.to(dtype)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cell["precision"] == "bf16-mixed")
+    micro_losses: dict[tuple[int, int], float] = {}  # by (global step, micro-batch)
+    epoch_losses, val = [], []
+    epoch_sum = epoch_rows = 0.0
+    for index, micro_batches in enumerate(steps):
+        model.train()
+        step_rows = sum(len(ids) for ids in micro_batches)
+        for m, ids in enumerate(micro_batches):
+            if not ids:
+                continue
+            with autocast:
+                loss = cross_entropy(model(x[ids]), y[ids], reduction="sum")
+            (loss / step_rows).backward()
+            micro_losses[index, m] = float(loss.detach()) / len(ids)
+            epoch_sum, epoch_rows = epoch_sum + float(loss.detach()), epoch_rows + len(ids)
+        opt.step()
+        opt.zero_grad()
+        if (index + 1) % steps_per_epoch == 0:
+            epoch_losses.append(epoch_sum / epoch_rows)
+            epoch_sum = epoch_rows = 0.0
+            model.eval()
+            with torch.no_grad(), autocast:
+                logits = model(vx)
+                loss = cross_entropy(logits, vy)
+            val.append((float(loss), float((logits.argmax(1) == vy).float().mean())))  # accuracy: torchmetrics' float32
+    momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    return {"state": model.state_dict(), "momentum": momentum, "micro_losses": micro_losses,
+            "epoch_losses": epoch_losses, "val": val}  # fmt: skip
+
+
+def logged(rows: list[tuple[int, dict[str, float]]], key: str) -> list[float]:
+    return [metrics[key] for _, metrics in rows if key in metrics]

@@ -1,0 +1,137 @@
+"""The promise matrix: each promise of the pack, the axes it must hold over, and which cells run.
+
+A cell is one value per axis. Each cell runs a short job on real gloo ranks and compares it with
+the one-process reference (``tests/matrix/job.py``) at the tolerance of its precision. ``make test``
+runs :func:`pairwise` (every pair of values of two axes in at least one cell), ``make test-matrix``
+runs :func:`product` (every cell) and writes ``docs/promise_matrix.md``.
+
+Not every combination is a cell (:func:`not_a_cell` says why, and the table lists those reasons), and
+some cells are refused by the pack in one line before training (:func:`refusal`): such a cell proves
+the refusal (the job fails with exactly that line) instead of the promises. None is skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+# What each cell compares with the one-process reference (each a check of tests/matrix/job.py).
+PROMISES = {
+    "parameters": "parameters, buffers and the optimizer's state equal one process on the global batch",
+    "rows": "each row trained once per epoch; on a plan, the same rows at every global step on any N",
+    "logged": "every logged value equals one process: `self.log(sync_dist=True)` on step and on epoch"
+    " (training and validation), a torchmetrics metric object, SequentialEvaluation's exact metric",
+    "syncbn": "SyncBN's running statistics equal one process's BatchNorm on the global micro-batch",
+    "allreduce": "one gradient all-reduce round per optimizer step (none inside an accumulation);"
+    " the reproducible mode sums outside DDP's reducer (its bits are compared instead)",
+}
+
+# Promises proven outside the matrix, at points (each names its tests); not yet an axis of the matrix.
+OUTSIDE = {
+    "resume": "a stop and resume (same N, another N where the plan allows) equals the uninterrupted run:"
+    " tests/app/test_preemption.py, tests/app/test_exact_epochs.py, tests/app/test_reproducible.py,"
+    " tests/lightning/test_global_plan.py, tests/lightning/test_epoch_partials.py",
+    "flows": "nothing logged is lost by fit then test(ckpt_path='best') with PreemptionCheckpoint and a CSVLogger:"
+    " tests/lightning/test_preemption_evaluation.py; fit then test with the app's configs:"
+    " tests/lightning/test_weights_only.py",
+}
+
+AXES: dict[str, tuple] = {
+    "entry": ("library", "app"),  # a plain Trainer with the strategy; or python -m ddp_plugins.train
+    "ranks": (1, 2, 3, 4),
+    # per-rank: the default mode (no global_batch_size, b rows per rank); a global batch G divisible by
+    # the ranks, not divisible, or with a last step shorter than the number of ranks
+    "batch": ("per-rank", "divisible", "not-divisible", "short-last"),
+    "accumulation": (1, 2, 3),
+    "syncbn": ("on", "off"),  # off: a model without BatchNorm (with BatchNorm per rank there is no one process)
+    "precision": ("32-true", "64-true", "bf16-mixed"),
+    # plan: the app's datamodule, or a DataLoader(shuffle=False) (Lightning shuffles any training loader
+    # under DDP, and the plan does as Lightning); shuffle: a user's DataLoader(shuffle=True) with no
+    # generator; sampler: a DataLoader with a sampler of the user's own
+    "loader": ("plan", "shuffle", "sampler"),
+    "reproducible": ("off", "on"),
+}
+
+# The comparison's tolerance per precision (relative and absolute, torch.testing.assert_close):
+# float64: the sums of N ranks are added in another order, rounding at 1e-16 per operation;
+# float32: 2 epochs of SGD with momentum on a smooth (tanh) net keep the ~1e-7 rounding of a
+# reduction in another order below 1e-5; bf16-mixed: the matmuls round to 8 bits (4e-3) per rank's
+# share, and a share's sum rounds before the all-reduce adds the ranks in float32.
+# The reproducible mode is compared bit for bit with the same cell on another number of ranks.
+VIRTUAL_SHARDS = 4  # the reproducible mode's, in every cell: up to 4 ranks
+TOLERANCE = {"64-true": 1e-10, "32-true": 1e-5, "bf16-mixed": 3e-2}
+
+
+def not_a_cell(cell: dict) -> str | None:
+    """Why a combination of values is not a cell (``None``: it is one)."""
+    planned = cell["batch"] != "per-rank"
+    if cell["entry"] == "app" and cell["loader"] != "plan":
+        return "the app's loader is its datamodule's, on the plan: a user's loader is a library cell"
+    if cell["entry"] == "app" and not planned:
+        return "the app's default-mode rows depend on N (Lightning's DistributedSampler): a library cell replays them"
+    if cell["loader"] == "plan" and not planned:
+        return "a plan needs a global batch"
+    if cell["reproducible"] == "on" and not planned:
+        return "the reproducible mode needs a global batch"
+    if cell["ranks"] == 1 and cell["batch"] in ("not-divisible", "short-last"):
+        return "every global batch is divisible by 1 rank, and no step is shorter than 1 rank"
+    short = cell["batch"] == "short-last" and cell["ranks"] - 1 < 2 * cell["accumulation"]
+    if cell["entry"] == "library" and cell["syncbn"] == "on" and short:
+        return "a last step of N - 1 rows in K micro-batches has one of 1 row: no BatchNorm1d trains on it"
+    return None
+
+
+def refusal(cell: dict) -> str | None:
+    """The start of the one line with which the pack refuses the cell before training (``None``: it runs)."""
+    if cell["loader"] == "sampler" and cell["batch"] != "per-rank":
+        return "`global_batch_size` should be used with a DataLoader whose sampler is Lightning's DistributedSampler"
+    if cell["reproducible"] == "on" and cell["accumulation"] != 1:
+        return "`accumulate_grad_batches` should be 1 with reproducible=True"  # the mode cuts steps into shards itself
+    if cell["reproducible"] == "on" and cell["batch"] == "short-last":  # a last step of N - 1 <= 3 rows
+        return f"`global_batch_size` should be one that leaves every step at least virtual_shards={VIRTUAL_SHARDS} rows"
+    return None
+
+
+def cells() -> Iterator[dict]:
+    """Every cell, in the order of the axes."""
+    for values in itertools.product(*AXES.values()):
+        cell = dict(zip(AXES, values, strict=True))
+        if not_a_cell(cell) is None:
+            yield cell
+
+
+def product() -> list[dict]:
+    """``make test-matrix``: every cell."""
+    return list(cells())
+
+
+def pairwise() -> list[dict]:
+    """``make test``: cells that run and cover every pair of values of two axes that a running cell has,
+    then the first cell of each refusal (a refused cell proves the refusal, not the promises).
+
+    Greedy (as in AETG): repeatedly take the cell that covers the most pairs not yet covered, the
+    first in :func:`cells`'s order on a tie, so the subset is the same on every run.
+    """
+    running = [cell for cell in cells() if refusal(cell) is None]
+    names = list(AXES)
+
+    def pairs(cell: dict) -> set[tuple]:
+        return {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(names, 2)}
+
+    left = set().union(*(pairs(cell) for cell in running))
+    chosen: list[dict] = []
+    while left:
+        best = max(running, key=lambda cell: len(pairs(cell) & left))
+        chosen.append(best)
+        left -= pairs(best)
+    refusals: dict[str, dict] = {}
+    for cell in cells():
+        reason = refusal(cell)
+        if reason is not None:
+            refusals.setdefault(reason, cell)
+    return chosen + list(refusals.values())
+
+
+def cell_id(cell: dict) -> str:
+    """A cell's name in test ids and the table: its values in the order of the axes."""
+    return "-".join(str(cell[axis]) for axis in AXES)
