@@ -326,3 +326,19 @@ def test_a_stopped_rank_is_named_within_a_minute_with_the_default_settings(tmp_p
     resumed = check_ok(run_warm(cmd, timeout=240))  # the freeze fires once per run folder
     assert RESUMING.search(resumed.stdout).group(1) == str(rescue), resumed.stdout[-2000:]
     assert final_state(folder)["global_step"] == 24, "3 epochs of 8 steps"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_raises_shows_its_traceback_once_and_no_peer_is_blamed(rank, tmp_path):
+    """Issue 53: a failure printed its traceback 2 to 3 times. Rank ``rank`` raises in a callback at step 3:
+    the job's stderr (the launcher's and the child rank's) holds that traceback once; the only other
+    line about it names the rank that raised (never a peer), and every process exits 1."""
+    raising = ["+callbacks.boom._target_=tests.helpers.interrupt.RaiseAt", "+callbacks.boom.step=3",
+               f"+callbacks.boom.rank={rank}"]  # fmt: skip
+    done = run_warm([*APP, *SMALL, *raising, f"hydra.run.dir={tmp_path / 'run'}"], timeout=180)
+    assert done.returncode == 1, f"exit code {done.returncode}:\n{done.stderr[-3000:]}"
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr[-6000:]
+    assert done.stderr.count(f"ValueError: boom on rank {rank}") >= 1, done.stderr[-3000:]
+    blamed = re.findall(r"error: rank (\d+) \(PID", done.stderr)
+    assert set(blamed) <= {str(rank)}, f"a peer was blamed for rank {rank}'s error: {blamed}"

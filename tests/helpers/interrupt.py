@@ -107,3 +107,14 @@ class AwaitSignal(Callback):
         while not preemption.signal_received:
             assert time.monotonic() < deadline, f"no signal within {self.timeout} s of {marker}"
             time.sleep(0.05)
+
+
+class RaiseAt(Callback):
+    """Raise ``ValueError("boom on rank R")`` at ``on_train_batch_end`` once ``global_step >= step``, on ``rank``."""
+
+    def __init__(self, step: int = 0, rank: int = 0) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step and trainer.global_rank == self.rank:
+            raise ValueError(f"boom on rank {trainer.global_rank}")
