@@ -80,7 +80,12 @@ INTERRUPTIONS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", list(INTERRUPTIONS))
+@pytest.mark.parametrize(
+    "scenario",
+    [  # the chain of three runs 115 s here: make test-e2e
+        pytest.param(name, marks=pytest.mark.e2e) if len(INTERRUPTIONS[name]) > 1 else name for name in INTERRUPTIONS
+    ],
+)
 def test_interrupted_runs_resume_and_end_bit_identical(scenario, reference, tmp_path):
     stops = INTERRUPTIONS[scenario]
     folder = tmp_path / "run"
@@ -217,6 +222,7 @@ def test_an_unverified_checkpoint_that_does_not_fit_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # 70 s here: make test-e2e; make test keeps torchrun's elastic restart (test_exact_epochs.py)
 def test_torchrun_restarts_the_group_after_a_worker_is_killed_and_it_resumes(reference, tmp_path):
     """SIGKILL of rank 1 mid-epoch: torchrun restarts both workers, which find the run folder
     (named from the rendezvous id) and continue from its newest checkpoint."""

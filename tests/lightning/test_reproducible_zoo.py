@@ -149,6 +149,7 @@ def _tensors(value, prefix=""):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # 140 s here: make test-e2e; make test proves the bits on 1 to 4 ranks in the promise matrix
 @pytest.mark.timeout(900)
 def test_a_zoo_of_models_gives_the_same_bits_on_1_to_8_ranks():
     reference = run_lightning(_zoo, world_size=1, timeout=300)[0]

@@ -265,6 +265,7 @@ def _run_launched(out_file, n, output_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # 90 s here (two launchers, each starting its ranks): make test-e2e
 def test_results_reach_the_calling_process_under_our_notebook_and_spawn_strategies(tmp_path):
     n, out_file = 4001, tmp_path / "report.pt"  # results of ~1 MB: more than a pipe buffer holds
     code = (
