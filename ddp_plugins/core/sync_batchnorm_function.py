@@ -68,6 +68,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
         payload = payload.to(input.device)
         total = payload[-1]  # the group's count stays a tensor: no host synchronization
         if local <= 1:  # only then can the group hold fewer than 2 values per channel: read it to say so
+            if int(total) == 0:  # an empty batch on every rank (a plan's empty micro-batch): as torch's
+                # batch norm on an empty batch, an empty output and no statistics, and zero gradients
+                ctx.save_for_backward(input, weight, payload.new_zeros(5, channels).to(stat_dtype), total)
+                ctx.eps, ctx.process_group = eps, process_group
+                return torch.empty_like(input)
             _check_count(int(total))
         moments = payload[:-1].view(2, channels) / total
         mean = moments[0]
@@ -185,6 +190,7 @@ def sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
 
 
 def _check_count(total: int) -> None:
-    """Refuse a group with fewer than 2 values per channel (a variance needs two), on every rank alike."""
+    """Refuse a group with one value per channel (a variance needs two), on every rank alike (none at all
+    is an empty batch, which torch's batch norm takes)."""
     if total <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got {total} over the process group")

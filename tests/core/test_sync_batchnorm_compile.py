@@ -123,8 +123,10 @@ def _test_too_few_values(rank, world_size, sizes):
     return None
 
 
-@pytest.mark.parametrize(("sizes", "total"), [((1, 0), 1), ((0, 0), 0), ((1, 1), None)])
+@pytest.mark.parametrize(("sizes", "total"), [((1, 0), 1), ((0, 0), None), ((1, 1), None)])
 def test_fewer_than_two_values_over_the_group_fail_on_every_rank(dist_pool, sizes, total):
+    """One value per channel over the group fails on every rank alike; none at all is an empty batch,
+    which torch's BatchNorm takes (below)."""
     want = (
         None
         if total is None
@@ -145,3 +147,29 @@ def test_running_var_update_by_a_tensor_factor_rounds_as_by_a_number(dtype):
         by_number = running_var.clone().mul_(0.9).add_(var, alpha=0.1 * total / (total - 1))
         by_tensor = running_var.clone().mul_(0.9).addcmul_(var, 0.1 * count / (count - 1))
         assert torch.equal(by_tensor, by_number), f"running_var differs for a count of {total} in {dtype}"
+
+
+def _test_empty_everywhere(rank, world_size):
+    layer = convert_sync_batchnorm(nn.BatchNorm2d(3))
+    layer.weight.data.fill_(1.5)
+    x = torch.zeros(0, 3, 4, 4, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    return y.shape, x.grad.shape, layer.weight.grad, layer.bias.grad, dict(layer.named_buffers())
+
+
+def test_an_empty_batch_on_every_rank_is_torch_s_batchnorm_on_an_empty_batch(dist_pool):
+    """A plan's empty micro-batch (a last step shorter than its accumulation) on every rank: an empty
+    output, unchanged statistics and zero gradients, as one process's BatchNorm (the promise matrix's
+    app cells on 2 and 3 ranks; 6581d93 raised "got 0 over the process group")."""
+    plain = nn.BatchNorm2d(3)
+    plain.weight.data.fill_(1.5)
+    x = torch.zeros(0, 3, 4, 4, requires_grad=True)
+    y = plain(x)
+    y.sum().backward()
+    for shape, grad_shape, weight_grad, bias_grad, buffers in dist_pool.run(_test_empty_everywhere):
+        assert shape == y.shape and grad_shape == x.grad.shape
+        torch.testing.assert_close(weight_grad, plain.weight.grad)
+        torch.testing.assert_close(bias_grad, plain.bias.grad)
+        for name, want in plain.named_buffers():
+            torch.testing.assert_close(buffers[name], want, msg=name)

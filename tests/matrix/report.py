@@ -62,7 +62,7 @@ def render(results: list[dict], which: str) -> str:
         "",
         "## Cells the pack refuses in one line (the cell checks that line)",
         "",
-        "| cells | the line starts |",
+        "| cells | the one line (its start; for the app, a part of it) |",
         "| --- | --- |",
         *(f"| {count} | {reason} |" for reason, count in Counter(filter(None, map(refusal, product()))).items()),
         "",

@@ -83,11 +83,18 @@ def not_a_cell(cell: dict) -> str | None:
 
 def refusal(cell: dict) -> str | None:
     """The start of the one line with which the pack refuses the cell before training (``None``: it runs)."""
+    # in the pack's order: the Trainer's settings first, then the training loader. The app refuses before
+    # any rank starts, in its `error: <key> got <value>, allowed: ...` form (a part of it here)
+    app = cell["entry"] == "app"
+    if cell["reproducible"] == "on" and cell["accumulation"] != 1:  # the mode cuts each step into shards itself
+        if app:
+            return "error: trainer.accumulate_grad_batches got"
+        return "`accumulate_grad_batches` should be 1 with reproducible=True"
     if cell["loader"] == "sampler" and cell["batch"] != "per-rank":
         return "`global_batch_size` should be used with a DataLoader whose sampler is Lightning's DistributedSampler"
-    if cell["reproducible"] == "on" and cell["accumulation"] != 1:
-        return "`accumulate_grad_batches` should be 1 with reproducible=True"  # the mode cuts steps into shards itself
     if cell["reproducible"] == "on" and cell["batch"] == "short-last":  # a last step of N - 1 <= 3 rows
+        if app:
+            return f"allowed: one that leaves every step at least virtual_shards={VIRTUAL_SHARDS} rows"
         return f"`global_batch_size` should be one that leaves every step at least virtual_shards={VIRTUAL_SHARDS} rows"
     return None
 
