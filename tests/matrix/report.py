@@ -1,4 +1,4 @@
-"""Write docs/promise_matrix.md from a matrix run's results (``python -m tests.matrix.report RESULTS OUT WHICH``).
+"""Write docs/promise_matrix.md from a matrix run's results: ``python -m tests.matrix.report RESULTS OUT WHICH [NOTE]``.
 
 RESULTS: the JSON lines the cells appended (``DDP_PLUGINS_MATRIX_RESULTS``); WHICH: ``pairwise`` or
 ``full``, the set that ran (``make test`` or ``make test-matrix``).
@@ -15,7 +15,7 @@ from pathlib import Path
 from tests.matrix.table import AXES, OUTSIDE, PROMISES, TOLERANCE, cell_id, not_a_cell, pairwise, product, refusal
 
 
-def render(results: list[dict], which: str) -> str:
+def render(results: list[dict], which: str, note: str = "") -> str:
     cells = product() if which == "full" else pairwise()
     by_id = {r["cell"]: r for r in results}
     ran = [by_id.get(cell_id(cell)) for cell in cells]
@@ -68,6 +68,7 @@ def render(results: list[dict], which: str) -> str:
         "",
         f"## This run: the {which} set, {len(cells)} cells",
         "",
+        *([note, ""] if note else []),
         f"{passed} passed, {len(cells) - passed} not ({sum(1 for r in ran if r is None)} not run);"
         f" {seconds:.0f} s of cells in all.",
         "",
@@ -84,8 +85,9 @@ def render(results: list[dict], which: str) -> str:
 
 def main() -> None:
     results_path, out, which = sys.argv[1:4]
+    note = sys.argv[4] if len(sys.argv) > 4 else ""  # how the run went (commit, reruns), in a sentence
     results = [json.loads(line) for line in Path(results_path).read_text().splitlines() if line.strip()]
-    text = render(results, which)
+    text = render(results, which, note)  # a cell run twice: its last result
     temporary = Path(out).with_suffix(".tmp")
     temporary.write_text(text)
     temporary.replace(out)
