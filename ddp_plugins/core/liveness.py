@@ -609,11 +609,12 @@ class Liveness:
         else:
             ends = "the job goes on (a rank whose process runs is not ended)"
         where = f"; every rank's last record and stack: {dump}" if dump else ""
-        print(
-            f"error: {verdict.line(_by_rank(records, verdict))}; {ends}{where}",
-            file=sys.stderr,
-            flush=True,
+        named = _by_rank(records, verdict)
+        # a stopped or stalled rank's record is as old as its last publication: say where this rank is
+        here = (
+            "" if {named[r].phase for r in verdict.ranks} == {self.phase} else f" (rank {self.rank} is in {self.phase})"
         )
+        print(f"error: {verdict.line(named)}{here}; {ends}{where}", file=sys.stderr, flush=True)
 
     def _end(self, verdict: Verdict, records: list[Record]) -> None:
         """Once per rank (the room's thread and the training thread may both come here), then exit."""

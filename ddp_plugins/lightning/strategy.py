@@ -420,17 +420,21 @@ class DDPPluginsStrategy(DDPStrategy):
             self._room.mark(f"{phase} (global step {trainer.global_step if trainer is not None else 0})", waits)
 
     def _waiting(self, phase: str, call: Callable[[], Any], then: str | None = None) -> Any:
-        """``call()``, a collective every rank must enter, marked for the liveness room; then the phase
-        before it, or ``then`` (after the backward: the optimizer step and the next batch's agreement
-        round, where every rank waits for the others too)."""
+        """``call()``, a collective every rank must enter, marked for the liveness room as ``phase`` in the
+        phase it was called from (``Liveness.waiting``); or, with ``then`` (the backward), marked as
+        ``phase`` and then as ``then``: the optimizer step, the callbacks, the next batch, not a wait. A
+        collective there (the next batch's agreement round, a checkpoint's barrier, the epoch end's
+        reductions) shows in the training thread's stack, and a rank held up there by its own work (a
+        checkpoint save, a rank-zero-only callback) is behind the ranks that wait."""
         room = self._room
-        before = (room.phase, room.waits) if room is not None else ("", False)
+        if room is None:
+            return call()
+        if then is None:
+            with room.waiting(phase):
+                return call()
         self._mark(phase, waits=True)
         result = call()
-        if then is not None:
-            self._mark(then, waits=True)
-        elif room is not None:
-            room.mark(*before)
+        self._mark(then)
         return result
 
     @override
