@@ -96,10 +96,9 @@ class PaddingApartSampler(SequentialDistributedSampler):
         batches = math.ceil(self.dataset_length / self.batch_size)
         per_rank = max(1, math.ceil(batches / self.num_replicas))
         last = max(0, math.ceil(batches / per_rank) - 1)  # the rank that holds the dataset's last batch
-        counts = [per_rank] * last + [per_rank] + [0] * (self.num_replicas - last - 1)
+        counts = [per_rank] * last + [min(per_rank, batches)] + [0] * (self.num_replicas - last - 1)
         if last:
             counts[last - 1] = batches - per_rank * last  # between 1 and per_rank: the others keep per_rank
-        counts[last] = min(per_rank, batches)
         first = sum(counts[: self.rank])
         self.start = first * self.batch_size
         self.num_real_samples = max(0, min(counts[self.rank] * self.batch_size, self.dataset_length - self.start))

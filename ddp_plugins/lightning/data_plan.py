@@ -45,6 +45,7 @@ __all__ = [
     "check_global_batch",
     "check_resume",
     "data_record",
+    "evaluation_sampler",
     "expected_record",
     "is_mean",
     "metrics_unchanged",
@@ -152,15 +153,21 @@ def padding_apart_loader(dataloader: Any, world_size: int, rank: int) -> Any:
     return update_dataloader(dataloader, sampler)
 
 
+def evaluation_sampler(trainer: Any, args: tuple) -> Any:
+    """The sampler of the loader the evaluation step of ``args`` (batch, batch index[, loader index]) runs on."""
+    loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+    if isinstance(loaders, (list, tuple)):
+        index = args[2] if len(args) > 2 else 0
+        loaders = loaders[index] if len(loaders) > index else None
+    return getattr(loaders, "sampler", None)
+
+
 def padding_batch(trainer: Any, args: tuple) -> bool:
     """Whether the evaluation step of ``args`` (batch, batch index, loader index) runs a padding batch of a
     :class:`PaddingApartSampler`."""
     if len(args) < 2 or trainer is None:
         return False
-    loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
-    if isinstance(loaders, (list, tuple)):
-        loaders = loaders[args[2]] if len(args) > 2 and len(loaders) > args[2] else None
-    sampler = getattr(loaders, "sampler", None)
+    sampler = evaluation_sampler(trainer, args)
     return isinstance(sampler, PaddingApartSampler) and sampler.is_padding(int(args[1]))
 
 

@@ -23,7 +23,13 @@ from ddp_plugins.core.ranks import is_distributed
 from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.core.trees import tree_map
-from ddp_plugins.lightning.data_plan import PlannedSteps, is_mean, metrics_unchanged, run_accumulation
+from ddp_plugins.lightning.data_plan import (
+    PlannedSteps,
+    evaluation_sampler,
+    is_mean,
+    metrics_unchanged,
+    run_accumulation,
+)
 from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
 
 __all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
@@ -295,10 +301,7 @@ class ReproducibleSteps(PlannedSteps):
         if len(args) < 2:
             return step()
         loader = args[2] if len(args) > 2 else 0
-        dataloaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
-        if isinstance(dataloaders, (list, tuple)):
-            dataloaders = dataloaders[loader]
-        sampler = getattr(dataloaders, "sampler", None)
+        sampler = evaluation_sampler(trainer, args)
         # the padding batch of a rank past the dataset's end counts for nothing: in a mean, in a metric's state
         padding = isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples
         results = _compat.running_results(trainer, hook)

@@ -173,8 +173,9 @@ class SequentialEvaluation(Callback):
                 _check_replaceable(dl, hook), num_replicas=trainer.world_size, rank=trainer.global_rank, align=align
             )
             # else padding rows in batches of their own, which DDPPluginsStrategy counts for nothing in a mean
-            apart = padding_apart_loader(dl, trainer.world_size, trainer.global_rank) if align == 1 else None
-            if apart is not None and trainer.world_size > 1 and stage != "predict":
+            apart_wanted = align == 1 and trainer.world_size > 1 and stage != "predict"
+            apart = padding_apart_loader(dl, trainer.world_size, trainer.global_rank) if apart_wanted else None
+            if apart is not None:
                 self._samplers[stage].append((apart.sampler, dl.batch_size))
                 swapped.append(apart)
                 continue
