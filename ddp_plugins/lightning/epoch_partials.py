@@ -17,6 +17,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from ddp_plugins import _compat
+from ddp_plugins.lightning.contracts import virtual_shards
 
 __all__ = ["EpochPartials"]
 
@@ -32,15 +33,18 @@ class EpochPartials:
     same number of ranks each rank gets its own part. On another number, a value logged with
     ``sync_dist`` goes to rank 0 with every old rank's sums (Lightning sums over the ranks before it
     divides, so the epoch's mean is the same); one logged without it, which each rank keeps for itself
-    (rank 0's is the one logged), continues on every rank from old rank 0's (the reproducible mode's
-    values are the same on every rank).
+    (rank 0's is the one logged), continues on every rank from old rank 0's. So does a value the
+    reproducible mode logs in ``training_step``: each rank holds the step's whole combination, a copy
+    of the same sums, so one copy goes to every rank (rank 0 taking every old rank's copy weighed the
+    steps before the resume by the old number of ranks: issue 51).
 
     Example (two ranks resumed on three)::
 
         >>> import torch
-        >>> def entry(rank, synced):
-        ...     return {"value": torch.tensor(rank + 1.0), "count": None, "synced": synced}
-        >>> parts = [{"epoch": 0, "entries": {"summed": entry(r, True), "own": entry(r, False)}} for r in range(2)]
+        >>> def entry(rank, synced, copies=False):
+        ...     return {"value": torch.tensor(rank + 1.0), "count": None, "synced": synced, "copies": copies}
+        >>> kinds = {"summed": (True, False), "own": (False, False), "copy": (True, True)}
+        >>> parts = [{"epoch": 0, "entries": {k: entry(r, *v) for k, v in kinds.items()}} for r in range(2)]
         >>> class Rank:
         ...     current_epoch, world_size = 0, 3
         ...     def __init__(self, rank): self.global_rank = rank
@@ -48,9 +52,9 @@ class EpochPartials:
         ...     partials = EpochPartials()
         ...     partials.load(parts, Rank(rank))
         ...     print(rank, {k: [float(e["value"]) for e in v] for k, v in sorted(partials._pending.items())})
-        0 {'own': [1.0], 'summed': [1.0, 2.0]}
-        1 {'own': [1.0]}
-        2 {'own': [1.0]}
+        0 {'copy': [1.0], 'own': [1.0], 'summed': [1.0, 2.0]}
+        1 {'copy': [1.0], 'own': [1.0]}
+        2 {'copy': [1.0], 'own': [1.0]}
     """
 
     def __init__(self) -> None:
@@ -68,7 +72,9 @@ class EpochPartials:
             if entry.is_tensor and (meta.is_mean_reduction or meta.is_sum_reduction):
                 count = entry.cumulated_batch_size.detach().clone() if meta.is_mean_reduction else None
                 synced = bool(meta.sync.should)  # sync_dist: summed over the ranks at the epoch's end
-                entries[key] = {"value": entry.value.detach().clone(), "count": count, "synced": synced}
+                copies = meta.fx.split(".")[0] == "training_step" and virtual_shards(trainer.strategy) is not None
+                value = entry.value.detach().clone()
+                entries[key] = {"value": value, "count": count, "synced": synced, "copies": copies}
             elif not entry.is_tensor and isinstance(entry.value, Metric) and meta.metric_attribute:
                 states = {k: _detached(v) for k, v in entry.value.metric_state.items()}
                 entries[key] = {"attribute": meta.metric_attribute, "states": states}
@@ -88,12 +94,10 @@ class EpochPartials:
             for key, entry in part["entries"].items():
                 if len(parts) == world:
                     take = old_rank == rank  # the same ranks: each its own sums
-                elif entry.get("synced", True):
+                elif entry.get("synced", True) and not entry.get("copies", False):
                     take = rank == 0  # summed over the ranks: rank 0 carries every old rank's
-                else:
-                    take = (
-                        old_rank == 0
-                    )  # each rank's own value (rank 0's is the one logged): every rank takes rank 0's
+                else:  # each rank's own value (rank 0's is the one logged), or a copy of the same: rank 0's
+                    take = old_rank == 0
                 if take:
                     self._pending.setdefault(key, []).append(entry)
         skipped = sorted({k for k, entries in self._pending.items() for e in entries if "skipped" in e})

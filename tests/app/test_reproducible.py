@@ -49,15 +49,11 @@ def test_stopped_on_two_ranks_resumed_on_three_equals_one_rank(tmp_path):
     assert_equal_states(final_state(tmp_path / "moved"), final_state(tmp_path / "one"))
     last = torch.load(tmp_path / "one" / "checkpoints" / "last.ckpt", weights_only=True)
     assert last[FINGERPRINT_KEY] == _fingerprint(one)  # a checkpoint names the state it holds
-    logged = [
-        {k: v for k, v in row.items() if k in ("epoch", "val/loss", "val/exact_acc")}
-        for row in metrics_rows(tmp_path / "one")
-    ]
-    resumed_rows = [
-        {k: v for k, v in row.items() if k in ("epoch", "val/loss", "val/exact_acc")}
-        for row in metrics_rows(tmp_path / "moved")
-    ]
-    assert [r for r in logged if "val/loss" in r] == [r for r in resumed_rows if "val/loss" in r]
+    names = ("epoch", "step", "val/loss", "val/exact_acc", "train/loss")
+    logged = [{k: v for k, v in row.items() if k in names} for row in metrics_rows(tmp_path / "one")]
+    resumed_rows = [{k: v for k, v in row.items() if k in names} for row in metrics_rows(tmp_path / "moved")]
+    for name in ("val/loss", "train/loss"):  # every step's training loss, bit for bit, across the move
+        assert [r for r in logged if name in r] == [r for r in resumed_rows if name in r], name
 
 
 def test_the_modes_limits_are_one_line_each(tmp_path):

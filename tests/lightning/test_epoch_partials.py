@@ -4,7 +4,8 @@ Lightning keeps the running sums of ``self.log(..., on_epoch=True)`` in memory o
 mid-epoch resume the interrupted epoch's mean covered only the steps after it. With
 ``PreemptionCheckpoint`` the checkpoint carries each rank's sums (a tensor mean, a sum, and a
 torchmetrics object's states), and the resumed run's epoch rows of metrics.csv and its
-``callback_metrics`` equal the uninterrupted run's, bitwise: on one process and on 2 gloo ranks.
+``callback_metrics`` equal the uninterrupted run's, bitwise: on one process and on 2 gloo ranks; and
+in the reproducible mode, stopped on 2 ranks and resumed on 3, equal to one process's (issue 51).
 """
 
 from __future__ import annotations
@@ -67,7 +68,20 @@ class _StopAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _fit(folder, devices, stop_at=None):
+class _Exact(_Logged):
+    """What the reproducible mode combines exactly: tensor means (an accuracy among them), on step and on epoch."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        self.log("train/acc", (logits.argmax(dim=1) == y).float().mean(), on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+
+def _fit(folder, devices, stop_at=None, module=_Logged, strategy=None, ckpt_path=None, resume=True):
+    """Fit 2 epochs; stopped at ``stop_at``: resumed in these processes, or (``resume=False``) the checkpoint."""
     epochs = {}
 
     class Record(pl.Callback):  # an epoch's values, once Lightning has computed them (at the next epoch's start)
@@ -77,17 +91,20 @@ def _fit(folder, devices, stop_at=None):
 
     def run(ckpt_path=None):
         trainer = pl.Trainer(
-            accelerator="cpu", devices=devices, strategy=DDPPluginsStrategy(backend="gloo"), max_epochs=2,
+            accelerator="cpu", devices=devices, strategy=DDPPluginsStrategy(backend="gloo", **(strategy or {})),
+            max_epochs=2,
             default_root_dir=folder, logger=ResumableCSVLogger(folder, name="metrics", version=""),
             callbacks=[PreemptionCheckpoint(check_every_n_steps=1), Record(), *([_StopAt(stop_at)] if stop_at else [])],
             log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         )  # fmt: skip
-        trainer.fit(_Logged(), ckpt_path=ckpt_path)
+        trainer.fit(module(), ckpt_path=ckpt_path)
         return trainer
 
     try:
-        trainer = run()
+        trainer = run(ckpt_path)
     except Preempted as stop:
+        if not resume:
+            return {"checkpoint": stop.checkpoint}
         trainer = run(stop.checkpoint)
     epochs[trainer.current_epoch - 1] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
     return {"epochs": epochs, "rows": metrics_rows(folder) if trainer.is_global_zero else None}
@@ -97,10 +114,16 @@ def _two_ranks(out_dir, stop_at):
     return _fit(os.path.join(out_dir, "run"), 2, stop_at)
 
 
-def _assert_same(resumed, reference):
+def _reproducible(out_dir, folder, stop_at=None, ckpt_path=None):
+    options = {"global_batch_size": 12, "reproducible": True}  # 8 steps an epoch on any number of ranks
+    devices = int(os.environ["WORLD_SIZE_HINT"])
+    return _fit(folder, devices, stop_at, _Exact, options, ckpt_path, resume=False)
+
+
+def _assert_same(resumed, reference, names=("train/loss_epoch", "train/rows", "train/acc", "train/top")):
     assert resumed["epochs"].keys() == reference["epochs"].keys() == {0, 1}
     for epoch, values in reference["epochs"].items():
-        for name in ("train/loss_epoch", "train/rows", "train/acc", "train/top"):
+        for name in names:
             got, expected = resumed["epochs"][epoch][name], values[name]
             assert torch.equal(got, expected), f"epoch {epoch} {name}: {float(got)} after the resume, {float(expected)}"
     assert resumed["rows"] == reference["rows"], "metrics.csv differs"
@@ -118,3 +141,14 @@ def test_two_ranks_resumed_mid_epoch_log_the_uninterrupted_epoch_means():
     reference = run_lightning(_two_ranks, None, world_size=2, timeout=180)[0]
     resumed = run_lightning(_two_ranks, 3, world_size=2, timeout=180)[0]  # epoch 0 of 8 steps
     _assert_same(resumed, reference)
+
+
+@pytest.mark.slow
+def test_the_reproducible_mode_stopped_on_two_ranks_resumed_on_three_logs_one_process_epoch_means(tmp_path):
+    """Each rank logs the step's whole combination: one copy of its sums goes to every new rank (99ecbf5: new
+    rank 0 took both old ranks' copies, and the epoch's means weighed the steps before the stop twice)."""
+    reference = run_lightning(_reproducible, tmp_path / "one", world_size=1, timeout=180)[0]
+    stopped = run_lightning(_reproducible, tmp_path / "moved", 3, world_size=2, timeout=180)[0]
+    assert "checkpoint" in stopped, "the run on 2 ranks was not stopped"
+    resumed = run_lightning(_reproducible, tmp_path / "moved", None, stopped["checkpoint"], world_size=3, timeout=180)
+    _assert_same(resumed[0], reference, names=("train/loss_epoch", "train/acc"))
