@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from ddp_plugins import _compat
-from ddp_plugins._compat import update_dataloader
 from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.plan import GlobalPlan, first_tensor_rows
 from ddp_plugins.core.ranks import is_distributed
@@ -28,6 +27,8 @@ from ddp_plugins.lightning.data_plan import (
     evaluation_sampler,
     is_mean,
     metrics_unchanged,
+    padding_apart_loader,
+    padding_batch,
     run_accumulation,
 )
 from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
@@ -281,19 +282,25 @@ class ReproducibleSteps(PlannedSteps):
         return reduce(tensor, group, reduce_op)
 
     def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
-        """``dataloader`` cut into the same batches on any number of ranks, each rank whole batches in order
-        (``DistributedSampler`` deals rows out one by one and pads: its batches depend on the world size)."""
+        """``dataloader`` cut into the dataset's batches of ``batch_size`` rows, the same on any number of ranks:
+        each rank whole batches in order, and the same number of them (a rank past the rows runs padding
+        batches, which count for nothing), so a collective in the user's step meets on every rank (issue 51:
+        aligned shards gave 20 rows in batches of 8 as 2 batches on rank 0 and 1 on rank 1).
+        ``DistributedSampler`` deals rows out one by one and pads inside a batch: its batches depend on the
+        world size."""
         if isinstance(getattr(dataloader, "sampler", None), SequentialDistributedSampler):
-            return dataloader  # SequentialEvaluation's, aligned the same way
-        dataset, batch_size = getattr(dataloader, "dataset", None), getattr(dataloader, "batch_size", None)
-        if not isinstance(dataloader, DataLoader) or not batch_size or isinstance(dataset, IterableDataset):
+            return dataloader  # SequentialEvaluation's, cut the same way
+        apart = padding_apart_loader(dataloader, world_size, rank)
+        if apart is None:
+            dataset = getattr(dataloader, "dataset", None)
+            batch_size, drop_last = getattr(dataloader, "batch_size", None), getattr(dataloader, "drop_last", None)
             raise _refuse(
-                "evaluates the same batches on any number of ranks, which needs a map-style dataset batched by"
-                f" `batch_size=`, got {type(dataset).__name__} in a loader with batch_size={batch_size}",
-                "Give the evaluation loader a dataset with a length and a batch_size.",
+                "evaluates the same batches on any number of ranks, which needs a map-style dataset in a loader"
+                f" batched by `batch_size=` without drop_last, got {type(dataset).__name__} in a loader with"
+                f" batch_size={batch_size}, drop_last={drop_last}",
+                "Give the evaluation loader a dataset with a length, a batch_size and drop_last=False.",
             )
-        sampler = SequentialDistributedSampler(dataloader.dataset, num_replicas=world_size, rank=rank, align=batch_size)
-        return update_dataloader(dataloader, sampler)
+        return apart
 
     def evaluation_step(self, trainer: Any, hook: str, args: tuple, step: Callable[[], Any]) -> Any:
         """Keep the means the step logs with ``sync_dist`` (weighted by the batch's real rows) out of
@@ -302,8 +309,11 @@ class ReproducibleSteps(PlannedSteps):
             return step()
         loader = args[2] if len(args) > 2 else 0
         sampler = evaluation_sampler(trainer, args)
-        # the padding batch of a rank past the dataset's end counts for nothing: in a mean, in a metric's state
-        padding = isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples
+        # a padding batch counts for nothing: in a mean, in a metric's state (SequentialEvaluation's aligned
+        # shards, where it cannot cut whole batches: the one padding row of a rank past the dataset's end)
+        padding = padding_batch(trainer, args) or (
+            isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples
+        )
         results = _compat.running_results(trainer, hook)
         kept, self._local = _compat.set_aside(results, hook, synced_only=True), True
         try:

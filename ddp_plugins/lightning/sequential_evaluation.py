@@ -172,8 +172,9 @@ class SequentialEvaluation(Callback):
             sampler = SequentialDistributedSampler(
                 _check_replaceable(dl, hook), num_replicas=trainer.world_size, rank=trainer.global_rank, align=align
             )
-            # else padding rows in batches of their own, which DDPPluginsStrategy counts for nothing in a mean
-            apart_wanted = align == 1 and trainer.world_size > 1 and stage != "predict"
+            # where it can: the dataset's batches in order, the same on any number of ranks, and padding rows in
+            # batches of their own, which DDPPluginsStrategy counts for nothing (every rank runs as many batches)
+            apart_wanted = trainer.world_size > 1 and stage != "predict"
             apart = padding_apart_loader(dl, trainer.world_size, trainer.global_rank) if apart_wanted else None
             if apart is not None:
                 self._samplers[stage].append((apart.sampler, dl.batch_size))
