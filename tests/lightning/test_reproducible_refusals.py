@@ -271,3 +271,22 @@ def test_shards_too_small_for_batchnorm1d_are_refused_before_any_rank_starts(mon
     with pytest.raises(ValueError) as error:
         trainer.fit(_Model(nn.BatchNorm1d(4)))
     assert "got 32: step 0 has 40 rows" in _one_line(error), str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("loader", "named"),
+    [
+        (DataLoader(TensorDataset(torch.zeros(20, 2)), batch_size=8, drop_last=True), "drop_last=True"),
+        (DataLoader(TensorDataset(torch.zeros(20, 2)), batch_size=None), "batch_size=None"),
+    ],
+    ids=["drop_last", "no batch_size"],
+)
+def test_an_evaluation_loader_it_cannot_cut_into_the_same_batches_is_refused_by_its_setting(loader, named):
+    """Equal batch counts on every rank need the dataset's batches of ``batch_size`` rows, all of them."""
+    steps = DDPPluginsStrategy(global_batch_size=8, reproducible=True)._steps
+    with pytest.raises(ValueError, match="evaluates the same batches on any number of ranks") as error:
+        steps.evaluation_loader(loader, 2, 0)
+    assert named in _one_line(error)
+    kept = DataLoader(TensorDataset(torch.zeros(20, 2)), batch_size=8)
+    cut = [[len(b[0]) for b in steps.evaluation_loader(kept, 2, rank)] for rank in (0, 1)]
+    assert cut == [[8, 8], [8, 4]], "rank 0: a real batch and a padding one; rank 1: the last two batches"
