@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import enum
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from ddp_plugins.core.files import write_text_atomic
 __all__ = [
     "STALL_EXIT",
     "Liveness",
+    "RankState",
     "Record",
     "RendezvousError",
     "Verdict",
@@ -38,7 +40,6 @@ _KEY = "ddp_plugins/liveness/"
 _VERDICT, _LEFT = f"{_KEY}verdict", f"{_KEY}left"
 _ASKS, _ANSWER = f"{_KEY}asks", f"{_KEY}answer/"  # failed collectives asked about; the observer's answers
 _NEVER = float("-inf")
-_LEFT_PHASE, _RAISED = "left", "raised "
 _LIVE = frozenset({"behind", "silent", "busy"})  # verdicts on a rank whose process may be running
 # what a room ends at its end limit by default: a process provably stopped or gone, or a store that does
 # not answer (its host is stopped: a store served by a C++ thread answers while Python is busy)
@@ -52,6 +53,14 @@ _HOW = {
     "store": "the job's store (hosted there) does not answer",
     "raised": "it raised an error (its own traceback says where)",
 }
+
+
+class RankState(str, enum.Enum):
+    """Where a rank is in its life, as its record says: judged while running, no more once it left or raised."""
+
+    RUNNING = "running"
+    LEFT = "left"  # its fit ended
+    RAISED = "raised"  # it raised an error: its own traceback says where
 
 
 class Record(NamedTuple):
@@ -72,6 +81,7 @@ class Record(NamedTuple):
     stack: str = ""  # the training thread's stack when published, innermost last
     pid_ns: str = ""  # its PID namespace: a PID is seen in this host's /proc only from the same one
     waits: bool = False  # the training thread waits in a collective (marked so, or torch.distributed's code)
+    state: str = RankState.RUNNING.value  # a RankState's value (the record travels as JSON)
 
 
 class Ask(NamedTuple):
@@ -253,7 +263,7 @@ class Liveness:
         self.store, self.rank, self.world_size = _own_client(store), rank, world_size
         self.folder, self.rescue, self._exit = folder, rescue, exit
         self.end_running, self.collective_timeout_s, self._defers = end_running, collective_timeout_s, defers
-        self.marks, self.phase, self.waits = 0, "starting", False
+        self.marks, self.phase, self.waits, self.state = 0, "starting", False, RankState.RUNNING
         self.verdict: Verdict | None = None
         self._main, self._host, self._ns = threading.main_thread().ident, socket.gethostname(), _pid_namespace()
         self._halt, self._wake, self._ending = threading.Event(), threading.Event(), threading.Lock()
@@ -297,7 +307,8 @@ class Liveness:
     def stop(self, error: BaseException | None = None) -> None:
         """This rank leaves: its fit ended, or it raised ``error`` (said in a last record), then the thread ends."""
         if self._thread is not None and not self._halt.is_set():
-            self.phase = _LEFT_PHASE if error is None else f"{_RAISED}{type(error).__name__}: {_first_line(error)}"
+            self.state = RankState.LEFT if error is None else RankState.RAISED
+            self.phase = "left" if error is None else f"raised {type(error).__name__}: {_first_line(error)}"
             with contextlib.suppress(Exception):
                 self._publish()
         global _room
@@ -362,8 +373,8 @@ class Liveness:
             return None, []
         observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
         state = self._states([observer])[0]
-        if observer.phase.startswith(_RAISED) or state in ("gone", "stopped"):
-            return Verdict((0,), "raised" if observer.phase.startswith(_RAISED) else str(state), 0), [observer]
+        if observer.state == RankState.RAISED or state in ("gone", "stopped"):
+            return Verdict((0,), "raised" if observer.state == RankState.RAISED else str(state), 0), [observer]
         return None, []
 
     def _answer_asks(self) -> None:
@@ -392,7 +403,7 @@ class Liveness:
         if not records:
             return [(None, [])] * len(asks)
         states = self._states(records)
-        raised = tuple(r.rank for r in records if r.phase.startswith(_RAISED))
+        raised = tuple(r.rank for r in records if r.state == RankState.RAISED)
         stopped = tuple(r.rank for r, state in zip(records, states, strict=True) if state in ("gone", "stopped"))
         found = Verdict(raised, "raised", 0) if raised else None
         if found is None and stopped:
@@ -535,7 +546,8 @@ class Liveness:
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
         waits = self.waits or _in_collective(frame)
-        record = Record(self.rank, self._seq, self.marks, self.phase, os.getpid(), self._host, stack, self._ns, waits)
+        where = (self.marks, self.phase, os.getpid(), self._host, stack, self._ns, waits, self.state.value)
+        record = Record(self.rank, self._seq, *where)
         self.store.set(f"{_KEY}{self.rank}", json.dumps(record._asdict()))
 
     def _records_now(self) -> list[Record]:
@@ -696,7 +708,8 @@ def _pid_namespace() -> str:
 
 
 def _left(record: Record) -> bool:
-    return record.phase == _LEFT_PHASE or record.phase.startswith(_RAISED)
+    """The rank left (its fit ended, or it raised): judged no more."""
+    return record.state != RankState.RUNNING
 
 
 def _where(record: Record) -> str:

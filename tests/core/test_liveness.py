@@ -14,7 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ddp_plugins.core.liveness import STALL_EXIT, Liveness, Record, Verdict, process_state
+from ddp_plugins.core.liveness import STALL_EXIT, Liveness, RankState, Record, Verdict, judge, process_state
 
 NAME, END, EVERY = 0.4, 1.2, 0.05
 
@@ -471,3 +471,16 @@ def test_a_gone_rank_another_watcher_speaks_for_is_left_to_it_then_ended_once_it
     named = _errors(capsys)[0]
     assert named.startswith(f"error: rank 1 (PID {child.pid} ") and "its process is gone" in named, named
     rooms[0].stop()
+
+
+def test_a_rank_is_judged_by_its_state_not_by_the_words_of_its_phase():
+    """A record's state says whether its rank left or raised (6581d93 read it from the phase's words, so a
+    phase named "left", or one beginning "raised ", made a gone rank unjudgeable)."""
+    for phase in ("left", "raised the learning rate"):
+        records = [Record(0, 5, 9, "a backward", 10, "h"), Record(1, 5, 8, phase, 11, "h")]
+        verdict = judge(records, [99, 99], [99, 99], now=100, after_s=30, states=[None, "gone"])
+        assert verdict == Verdict((1,), "gone", 1), phase
+    left = Record(1, 5, 8, "left", 11, "h", state=RankState.LEFT.value)
+    assert judge([Record(0, 5, 9, "a backward", 10, "h"), left], [99, 99], [99, 99], 100, 30, [None, "gone"]) is None
+    raised = json.loads(json.dumps(left._replace(state=RankState.RAISED.value)._asdict()))  # as it travels
+    assert Record(**raised).state == RankState.RAISED
