@@ -1,6 +1,7 @@
 """Every private Lightning, torch and Hydra name the pack uses, checked with torch 2.13.0, hydra-core 1.3.8
-and Lightning 2.6.6 (``make test``) or 2.6.1 (``make matrix``), the only versions these install: ``CHECKED``
-and ``CHECKED_ATTRIBUTES`` are what ``tests/test_compat.py`` checks. Why each is needed: ``docs/design.md``.
+and Lightning 2.6.6 (``make test``) or 2.6.1 (``make matrix``), the only versions these install: ``CHECKED``,
+``CHECKED_ATTRIBUTES`` and ``RESULT_MEMBERS``/``RESULT_CALLS`` are what ``tests/test_compat.py`` checks. Why each
+is needed: ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKED",
     "CHECKED_ATTRIBUTES",
+    "RESULT_CALLS",
+    "RESULT_MEMBERS",
     "DDP_BUFFER_BROADCAST",
     "epoch_sums",
     "restore_epoch_sums",
@@ -70,6 +73,7 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._register_ddp_hooks"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend"),
     ("lightning.pytorch.trainer.connectors.data_connector", "_DataLoaderSource.dataloader"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.logger_connector", "_LoggerConnector.should_reset_tensors"),
     ("lightning.pytorch.loggers.csv_logs", "ExperimentWriter._check_log_dir_exists"),
     ("lightning.pytorch.loggers.csv_logs", "ExperimentWriter._rewrite_with_new_header"),
     ("hydra._internal.core_plugins.basic_sweeper", "BasicSweeper.split_arguments"),
@@ -98,6 +102,25 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lightning.pytorch.trainer.trainer", "Trainer", ("_checkpoint_connector", "_logger_connector", "_results")),
     ("lightning.pytorch.core.module", "LightningModule", ("_compiler_ctx",)),
 )
+
+# Lightning's result collection (``lightning.pytorch.trainer.connectors.logger_connector.result``), where
+# ``self.log``'s values live, reached through ``Trainer._results`` and the training epoch loop's ``_results``:
+# each member the pack reads, calls or sets, by class (the accessors below, and lightning/epoch_partials.py
+# and lightning/reproducible.py on the entries they return), and the parameters of the calls it makes.
+# tests/test_compat.py checks them on a collection built as Lightning builds it.
+RESULT_MEMBERS: dict[str, tuple[str, ...]] = {
+    "_ResultCollection": ("batch_size", "items", "pop", "update", "reset", "update_metrics"),
+    "_ResultMetric": ("is_tensor", "value", "cumulated_batch_size", "meta", "reset"),
+    "_Metadata": (
+        *"fx name on_epoch reduce_fx sync metric_attribute".split(),
+        *"is_mean_reduction is_sum_reduction is_max_reduction is_min_reduction".split(),
+    ),
+    "_Sync": ("should",),
+}
+RESULT_CALLS: dict[str, tuple[str, ...]] = {
+    "_ResultCollection.update_metrics": ("key", "value", "batch_size"),
+    "_ResultCollection.reset": ("metrics", "fx"),
+}
 
 #: The ``torch.distributed`` function DDP broadcasts its buffers with before each forward (and its
 #: parameters at construction); a timeline times it by this name.

@@ -5,6 +5,7 @@ checked in ``tests/test_claims.py``, with the package's other claims.
 """
 
 import importlib
+import inspect
 
 import hydra
 import lightning
@@ -80,3 +81,46 @@ def test_compat_accessors_work_on_a_strategy():
     strategy = DDPStrategy(ddp_comm_hook=hook, ddp_comm_state="state")
     assert _compat.strategy_comm_hook(strategy) is hook
     assert _compat.strategy_comm_state_and_wrapper(strategy) == ("state", None)
+
+
+def _result_objects():
+    """A result collection as Lightning's training loop builds it, holding one value logged with sync_dist."""
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    collection = result._ResultCollection(training=True)
+    collection.log("training_step", "loss", torch.tensor(2.0), on_epoch=True, sync_dist=True, batch_size=4)
+    entry = collection["training_step.loss"]
+    return {"_ResultCollection": collection, "_ResultMetric": entry, "_Metadata": entry.meta, "_Sync": entry.meta.sync}
+
+
+def missing_result_members(objects):
+    """The members and call parameters of ``_compat.RESULT_MEMBERS``/``RESULT_CALLS`` ``objects`` lack."""
+    missing = [f"{cls}.{m}" for cls, members in _compat.RESULT_MEMBERS.items() for m in members
+               if not hasattr(objects[cls], m)]  # fmt: skip
+    for call, parameters in _compat.RESULT_CALLS.items():
+        cls, _, method = call.partition(".")
+        found = inspect.signature(getattr(objects[cls], method)).parameters if hasattr(objects[cls], method) else {}
+        missing += [f"{call}({p}=)" for p in parameters if p not in found]
+    return missing
+
+
+def test_every_member_of_the_result_collection_the_pack_uses_is_there():
+    missing = missing_result_members(_result_objects())
+    assert missing == [], f"Lightning's result collection lacks {', '.join(missing)} in {_VERSIONS}; {_UPDATE}"
+
+
+def test_a_renamed_member_of_the_result_collection_is_caught(monkeypatch):
+    """Lightning renaming one member (here in this process only) fails the check above, by name."""
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    objects = _result_objects()
+    monkeypatch.setattr(result._Metadata, "is_averaged", result._Metadata.is_mean_reduction, raising=False)
+    monkeypatch.delattr(result._Metadata, "is_mean_reduction")
+    update = result._ResultCollection.update_metrics
+    monkeypatch.setattr(
+        result._ResultCollection, "update_metrics", lambda self, key, value, size: update(self, key, value, size)
+    )
+    assert missing_result_members(objects) == [
+        "_Metadata.is_mean_reduction",
+        "_ResultCollection.update_metrics(batch_size=)",
+    ]
