@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import logging
 import os
 import re
@@ -19,7 +18,6 @@ from typing import Any, NamedTuple, cast
 
 import hydra
 import lightning.pytorch as pl
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -32,9 +30,10 @@ from ddp_plugins.core import checkpoints
 from ddp_plugins.core.liveness import RendezvousError
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
-from ddp_plugins.core.ranks import get_rank, is_distributed, setup_rank_logging
+from ddp_plugins.core.ranks import get_rank, setup_rank_logging
 from ddp_plugins.lightning.data_plan import CHECKPOINT_KEY as DATA_RECORD
 from ddp_plugins.lightning.data_plan import ResumeMismatch, expected_record, resume_start
+from ddp_plugins.lightning.launchers import end_launched_job
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 from ddp_plugins.lightning.reproducible import state_fingerprint
 
@@ -408,11 +407,7 @@ def run_folder_lock(folder: str | os.PathLike) -> Iterator[None]:
 def _reset_job_state(env_before: dict[str, str]) -> None:
     """Leave the process as the next job of a sweep expects it: no process group, the environment
     as it was before the job (launcher variables, network presets and ports must not leak)."""
-    if is_distributed():
-        # Free the job's DDP reducer first, while the process group is still registered: a
-        # reducer that held the last reference would join the gloo threads with the GIL held.
-        gc.collect()
-        dist.destroy_process_group()
+    end_launched_job()
     restore_env(env_before)
 
 

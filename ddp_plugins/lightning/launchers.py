@@ -5,6 +5,7 @@ Rationale in docs/design.md ("When a rank fails or stops")."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import os
 import signal
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
+import torch.distributed as dist
 from typing_extensions import override
 
 from ddp_plugins import _compat
@@ -24,7 +26,14 @@ from ddp_plugins.core.process import exit_process, parent_death_signal
 from ddp_plugins.lightning.contracts import CarriesSpawnResults, of_kind
 from ddp_plugins.lightning.data_plan import ResumeMismatch
 
-__all__ = ["REFUSAL_EXIT", "ChildCommand", "CleanExitMultiprocessingLauncher", "JobSubprocessLauncher"]
+__all__ = [
+    "REFUSAL_EXIT",
+    "ChildCommand",
+    "CleanExitMultiprocessingLauncher",
+    "JobSubprocessLauncher",
+    "end_launched_job",
+    "leave_ended_job",
+]
 
 _CHILD_GRACE_S = 2.0  # seconds a child rank gets to exit on its own once rank 0 failed, before it is killed
 _PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
@@ -41,6 +50,11 @@ _DIES_WITH_LAUNCHER = "DDP_PLUGINS_DIES_WITH_LAUNCHER"
 _STDERR_FD = "DDP_PLUGINS_STDERR_FD"
 _SPAWN_RESULTS_KEY = "ddp_plugins.spawn_results"  # callbacks' results, from spawned rank 0
 ChildCommand = Callable[[int], tuple[list[str], str | None]]  # local rank -> (command, working folder)
+# What the launcher sets in its own environment for the job it starts child ranks for (Lightning's keys)
+_JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+# The Hydra job this process started child ranks for: {"job": its identity, "before": the variables before,
+# "set": as set}; None when it started none (or the job was ended)
+_launched: dict[str, Any] | None = None
 
 REFUSAL_EXIT = 2
 """The exit code of a rank that refused its job with one line (a config or a resume it cannot run):
@@ -315,13 +329,18 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         rendezvous it would wait out the whole timeout (docs/design.md); and its stderr is a pipe
         that :class:`_StderrTee` passes on, with the launcher's own stderr at hand to take back.
         """
+        global _launched
         self._check_can_spawn_children()
         self.procs, self._tees = [], []  # reset in case it is called twice, as Lightning's does
+        before = {key: os.environ.get(key) for key in _JOB_VARIABLES}
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
         os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
         os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        job = _hydra_job()
+        if job is not None:  # the next Hydra job of this process ends this one's group (leave_ended_job)
+            _launched = {"job": job, "before": before, "set": {key: os.environ[key] for key in _JOB_VARIABLES}}
         dies_with_launcher = parent_death_signal(signal.SIGKILL)
         for local_rank in range(1, self.num_processes):
             env_copy = os.environ.copy()
@@ -346,6 +365,45 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 raise
             self.procs.append(proc)
             self._tees.append(_StderrTee(proc.stderr, stderr) if proc.stderr is not None else None)
+
+
+def _hydra_job() -> tuple[str, int] | None:
+    """The Hydra job this process runs (its output folder and number in a sweep), ``None`` outside Hydra
+    (Hydra is not imported for it)."""
+    module = sys.modules.get("hydra.core.hydra_config")
+    if module is None or not module.HydraConfig.initialized():
+        return None
+    config = module.HydraConfig.get()
+    return str(config.runtime.output_dir), int(config.job.get("num") or 0)
+
+
+def end_launched_job() -> None:
+    """Leave this process as the next job of a sweep expects it: no process group (freed after the job's
+    DDP reducer, which would otherwise join gloo's threads with the GIL held), and the variables the
+    launcher set for the job it started child ranks for given their values from before, where nothing
+    changed them since."""
+    global _launched
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+    if _launched is not None:
+        for key, value in _launched["before"].items():
+            if os.environ.get(key) != _launched["set"][key]:
+                continue  # changed since the launch: not the launcher's to restore
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+    _launched = None
+
+
+def leave_ended_job() -> None:
+    """A new Hydra job in a process that started child ranks for an earlier one (a ``-m`` sweep in a user's
+    own app): that job's process group and launch variables are ended (:func:`end_launched_job`), so this
+    job starts its own ranks and group. Lightning keeps both after ``fit`` (the next job reused the group,
+    whose child rank had exited: gloo's "Connection closed by peer"); within one job they are kept, for a
+    ``test`` after ``fit``."""
+    if _launched is not None and _hydra_job() != _launched["job"]:
+        end_launched_job()
 
 
 class _StartupSignals:

@@ -36,7 +36,7 @@ from ddp_plugins.core.samplers import loader_seed
 from ddp_plugins.core.workers import WorkerInit
 from ddp_plugins.lightning import comm_hook_chain, data_plan, traps
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
-from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher
+from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher, leave_ended_job
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
 from ddp_plugins.lightning.network import is_loopback, pin_gloo_to_loopback
 from ddp_plugins.lightning.reproducible import FINGERPRINT_KEY, ReproducibleSteps, state_fingerprint
@@ -178,6 +178,7 @@ class DDPPluginsStrategy(DDPStrategy):
             )  # fmt: skip
         if bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        leave_ended_job()  # an earlier Hydra job's group and launch variables (a sweep in the user's own app)
         super().__init__(
             process_group_backend=None if backend == "auto" else backend, timeout=timedelta(seconds=timeout_s),
             start_method=start_method, **ddp_kwargs, **kwargs,  # type: ignore[arg-type]  # checked above
