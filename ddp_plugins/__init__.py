@@ -2,7 +2,10 @@
 
 The most used names of :mod:`ddp_plugins.core` (plain torch) and :mod:`ddp_plugins.lightning` (the
 Lightning adapters); ``import ddp_plugins`` does not import Lightning: an adapter name loads it on
-first use. ``docs/design.md`` maps the modules and follows a command line to the DDP call.
+first use, and the strategy names (``strategy="ddp_plugins"``, ``"ddp_plugins_spawn"``,
+``"ddp_plugins_notebook"``, as a Hydra trainer config writes them) are registered with Lightning as
+soon as Lightning is imported, before or after. ``docs/design.md`` maps the modules and follows a
+command line to the DDP call.
 
 Example::
 
@@ -15,7 +18,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.abc
+import sys
+import warnings
 from typing import Any
 
 from ddp_plugins.core import (
@@ -84,3 +91,48 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_ADAPTERS))
+
+
+_LIGHTNING = "lightning.pytorch"  # its import ends with Lightning's StrategyRegistry filled
+
+
+def _register_strategy_names() -> None:
+    """The strategy's module registers its names in Lightning's ``StrategyRegistry`` when imported."""
+    try:
+        importlib.import_module("ddp_plugins.lightning.strategy")
+    except Exception as error:  # noqa: BLE001 - a user's `import lightning` must not fail for our names
+        warnings.warn(f"ddp_plugins: the strategy names are not registered with Lightning ({error!r})", stacklevel=2)
+
+
+class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
+    """Registers the strategy names once ``lightning.pytorch`` has been imported, whoever imports it.
+
+    Written by hand: Lightning resolves strategy names from a registry its own modules fill and reads no
+    entry points for them, and the torch-only core must not import Lightning to register them early.
+    It finds nothing itself: it asks the other finders, and changes only how that one module is executed.
+    """
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _LIGHTNING:
+            return None
+        finders = [finder for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec")]
+        spec = next(filter(None, (finder.find_spec(fullname, path, target) for finder in finders)), None)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module: Any) -> None:  # this spec's loader only (a loader is made per spec)
+            execute(module)
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
+            _register_strategy_names()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+if _LIGHTNING in sys.modules:
+    _register_strategy_names()
+elif not any(isinstance(finder, _RegisterAfterLightning) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterLightning())
