@@ -126,7 +126,8 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
             execute(module)
             with contextlib.suppress(ValueError):
                 sys.meta_path.remove(self)
-            _register_strategy_names()
+            if "ddp_plugins.lightning" not in sys.modules:  # else the layer's own import registers them
+                _register_strategy_names()
 
         loader.exec_module = exec_module
         return spec

@@ -33,6 +33,7 @@ ORDERS = {
     ),
     "lightning first": "import lightning.pytorch\nimport ddp_plugins\n",
     "the lightning package": "import ddp_plugins\nimport lightning as L\n",
+    "an adapter's module": "import ddp_plugins.lightning.accumulation\n",  # its import imports Lightning
 }
 
 
@@ -43,3 +44,4 @@ def test_the_strategy_names_resolve_after_import_ddp_plugins(order):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resolved DDPPluginsStrategy" in done.stdout
+    assert "not registered" not in done.stderr, done.stderr[-3000:]

@@ -18,7 +18,10 @@ from lightning.pytorch.callbacks import Callback
 
 from ddp_plugins.lightning import PreemptionCheckpoint
 
-HOOKS = ("train_batch_end", "train_batch_start", "validation_batch_start", "save_checkpoint")
+HOOKS = (
+    "train_batch_end", "train_batch_start", "validation_batch_start", "save_checkpoint",
+    "after_backward", "before_optimizer_step", "train_epoch_end", "validation_epoch_end",
+)  # fmt: skip
 
 
 class SignalAt(Callback):
@@ -43,7 +46,7 @@ class SignalAt(Callback):
     def _maybe_fire(self, trainer: Any, hook: str) -> None:
         if hook != self.hook or trainer.global_rank != self.rank or trainer.global_step < self.step:
             return
-        if hook == "validation_batch_start" and trainer.sanity_checking:
+        if hook.startswith("validation") and trainer.sanity_checking:
             return
         marker = Path(trainer.default_root_dir) / (self.marker or "interrupted")
         if marker.exists():
@@ -68,6 +71,18 @@ class SignalAt(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self._maybe_fire(trainer, "save_checkpoint")
+
+    def on_after_backward(self, trainer, pl_module):
+        self._maybe_fire(trainer, "after_backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._maybe_fire(trainer, "before_optimizer_step")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._maybe_fire(trainer, "train_epoch_end")
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self._maybe_fire(trainer, "validation_epoch_end")
 
 
 class SlowStop(Callback):
