@@ -555,6 +555,7 @@ class ResumeRecord:
         self._resumed: dict[str, Any] | None = None  # the record of the checkpoint loaded last
         self._restored = False  # a checkpoint was loaded and the training loader not made since
         self.resumed = False  # the current training loader is the first one after a checkpoint was loaded
+        self._quiet: tuple[Any, ...] | None = None  # our entry in warnings.filters while a resumed fit runs
 
     def checkpoint_loaded(self, record: dict[str, Any] | None) -> None:
         """A checkpoint was loaded (``record``: its data record, if any): the next training loader starts there."""
@@ -578,11 +579,22 @@ class ResumeRecord:
             in_batch_end=progress.current.completed < done,
         )  # fmt: skip
         # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the loaders
-        # built here (a plan, shards in step, a resumable sampler) resume exactly.
-        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+        # built here (a plan, shards in step, a resumable sampler) resume exactly. Silenced for this fit:
+        # teardown takes the filter out again (a later fit without the strategy warns as Lightning does).
+        if self._quiet is None:
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+            self._quiet = warnings.filters[0]
         if (switched := mode_switch(self._resumed, record)) and trainer.is_global_zero:
             log.warning(switched)
         return epoch, start
+
+    def teardown(self) -> None:
+        """The fit ended: Lightning's resume warning is no longer silenced (an "ignore" filter records
+        nothing in the warning registries, so taking it out is all there is to undo)."""
+        if self._quiet is not None:
+            with contextlib.suppress(ValueError):  # the user reset the filters meanwhile
+                cast("list[Any]", warnings.filters).remove(self._quiet)  # typed a Sequence; a list at run time
+            self._quiet = None
 
     def checkpoint_record(self, module: Any, planned: PlannedLoader) -> dict[str, Any] | None:
         """What a checkpoint stores: the layout with its micro-batches per epoch, and on a plan its epoch and

@@ -518,6 +518,7 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._steps.teardown()
+        self._resume.teardown()
         if self._room is not None:
             self._room.stop()
             self._room = None
