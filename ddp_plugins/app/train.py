@@ -31,11 +31,11 @@ from ddp_plugins.core.liveness import RendezvousError
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_at_interpreter_exit, owns_exit, run_main, system_exit_code
 from ddp_plugins.core.ranks import get_rank, setup_rank_logging
-from ddp_plugins.lightning.data_plan import CHECKPOINT_KEY as DATA_RECORD
-from ddp_plugins.lightning.data_plan import ResumeMismatch, expected_record, resume_start
 from ddp_plugins.lightning.launchers import end_launched_job
 from ddp_plugins.lightning.network import apply_network_env, restore_env
 from ddp_plugins.lightning.reproducible import state_fingerprint
+from ddp_plugins.lightning.resume import CHECKPOINT_KEY as DATA_RECORD
+from ddp_plugins.lightning.resume import ResumeMismatch, expected_record, resume_start
 
 __all__ = ["build_trainer", "hold_run_folder", "main", "resume_path", "run_folder_lock", "train"]
 

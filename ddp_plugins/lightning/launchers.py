@@ -24,7 +24,7 @@ from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.core.process import exit_process, parent_death_signal
 from ddp_plugins.lightning.contracts import CarriesSpawnResults, of_kind
-from ddp_plugins.lightning.data_plan import ResumeMismatch
+from ddp_plugins.lightning.resume import ResumeMismatch
 
 __all__ = [
     "REFUSAL_EXIT",

@@ -22,16 +22,16 @@ from ddp_plugins.core.ranks import is_distributed
 from ddp_plugins.core.reproducible import ShardedStep, exact_sum, fingerprint
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.core.trees import tree_map
-from ddp_plugins.lightning.data_plan import (
+from ddp_plugins.lightning.data_plan import run_accumulation
+from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
+from ddp_plugins.lightning.steps import (
     PlannedSteps,
     evaluation_sampler,
     is_mean,
     metrics_unchanged,
     padding_apart_loader,
     padding_batch,
-    run_accumulation,
 )
-from ddp_plugins.lightning.rank_aware_seed import RankAwareSeed
 
 __all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
 

@@ -28,7 +28,7 @@ from ddp_plugins.core.collectives import concat_batches, distributed_concat, num
 from ddp_plugins.core.files import save_atomic
 from ddp_plugins.core.samplers import SequentialDistributedSampler
 from ddp_plugins.lightning.contracts import virtual_shards
-from ddp_plugins.lightning.data_plan import padding_apart_loader
+from ddp_plugins.lightning.steps import padding_apart_loader
 
 __all__ = ["SequentialEvaluation"]
 

@@ -34,7 +34,7 @@ from ddp_plugins.core.process import start_forkserver
 from ddp_plugins.core.ranks import for_collective
 from ddp_plugins.core.samplers import loader_seed
 from ddp_plugins.core.workers import WorkerInit
-from ddp_plugins.lightning import comm_hook_chain, data_plan, traps
+from ddp_plugins.lightning import comm_hook_chain, data_plan, resume, steps, traps
 from ddp_plugins.lightning.checkpoint_io import AtomicCheckpointIO
 from ddp_plugins.lightning.launchers import CleanExitMultiprocessingLauncher, JobSubprocessLauncher, leave_ended_job
 from ddp_plugins.lightning.layer_sync import SyncBatchNormPlugin
@@ -169,7 +169,7 @@ class DDPPluginsStrategy(DDPStrategy):
         check_int("virtual_shards", virtual_shards, 1)
         ddp_kwargs["find_unused_parameters"] = find_unused_parameters
         bypassed = {"comm_hook": comm_hook, "ddp_comm_hook": kwargs.get("ddp_comm_hook"), **ddp_kwargs}
-        planned = data_plan.PlannedSteps()
+        planned = steps.PlannedSteps()
         self._steps = ReproducibleSteps(virtual_shards, global_batch_size, **bypassed) if reproducible else planned
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ArgumentValueError(
@@ -196,7 +196,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self.virtual_shards = self._steps.virtual_shards  # the reproducible mode's (contracts.ShardsEachStep)
         self._planned = data_plan.PlannedLoader(global_batch_size, drop_last, self._steps.virtual_shards)
         self._uneven = data_plan.UnevenShards(uneven_data)  # shards in step; the stop flags ride in their round
-        self._resume = data_plan.ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
+        self._resume = resume.ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
         # the current micro-batch's rows on a global plan or uneven shards (None on neither); under manual
         # optimization, weight a mean loss by `batch_rows.loss_weight / accumulate_grad_batches`
         self.batch_rows: data_plan.BatchRows | None = None
@@ -404,7 +404,7 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resume.checkpoint_loaded(checkpoint.get(data_plan.CHECKPOINT_KEY))
+        self._resume.checkpoint_loaded(checkpoint.get(resume.CHECKPOINT_KEY))
         return checkpoint
 
     @override
@@ -474,7 +474,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if data_plan.is_mean(reduce_op) and not tensor.is_floating_point():
+        if steps.is_mean(reduce_op) and not tensor.is_floating_point():
             tensor = tensor.double()  # Lightning's mean divides an integer tensor in place, truncating
         # reduced on the group's device (a CPU metric on nccl), back where it was
         device, tensor = tensor.device, for_collective(tensor, group)
@@ -494,7 +494,7 @@ class DDPPluginsStrategy(DDPStrategy):
         state, optimizers = checkpoint.get("state_dict"), checkpoint.get("optimizer_states")
         checkpoint[FINGERPRINT_KEY] = state_fingerprint(state, optimizers)
         if (record := self._resume.checkpoint_record(self.lightning_module, self._planned)) is not None:
-            checkpoint[data_plan.CHECKPOINT_KEY] = record
+            checkpoint[resume.CHECKPOINT_KEY] = record
 
     def gather_per_rank_state(self, checkpoint: dict[str, Any]) -> None:
         """Replace every callback's per-rank part with all ranks' (contracts.GathersPerRankState)."""
@@ -513,7 +513,7 @@ class DDPPluginsStrategy(DDPStrategy):
             if room.marks and isinstance(error, RuntimeError):  # after start-up
                 room.failed(error)  # another rank caused it: named in one line, and the job ends here
             # this rank leaves: the others see it left (an agreed stop, a refusal every rank makes) or raised
-            room.stop(None if isinstance(error, (SystemExit, KeyboardInterrupt, data_plan.ResumeMismatch)) else error)
+            room.stop(None if isinstance(error, (SystemExit, KeyboardInterrupt, resume.ResumeMismatch)) else error)
 
     @override
     def teardown(self) -> None:

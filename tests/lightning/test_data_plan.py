@@ -22,16 +22,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_plugins.core.plan import GlobalPlan
-from ddp_plugins.lightning.data_plan import (
-    PlannedLoader,
-    ResumeMismatch,
-    ResumeRecord,
-    UnevenShards,
-    data_record,
-    expected_record,
-    resume_start,
-    train_loader,
-)
+from ddp_plugins.lightning.data_plan import PlannedLoader, UnevenShards, train_loader
+from ddp_plugins.lightning.resume import ResumeMismatch, ResumeRecord, data_record, expected_record, resume_start
 
 ROWS, EPOCH = 53, 1  # epoch 1: the epoch a resume starts in is not 0 by chance
 

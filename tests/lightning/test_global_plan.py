@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddp_plugins.core.plan import GlobalPlan, PlanBatchSampler
 from ddp_plugins.core.preemption import Preempted
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
-from ddp_plugins.lightning.data_plan import ResumeMismatch
 from ddp_plugins.lightning.preemption import PreemptionCheckpoint
+from ddp_plugins.lightning.resume import ResumeMismatch
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from ddp_plugins.testing import run_lightning
 

@@ -1,0 +1,169 @@
+"""The default mode's step object, and evaluation batches of padding that count for nothing.
+
+:class:`PlannedSteps` is what the strategy calls around Lightning's training, backward, reduce and
+evaluation steps (the reproducible mode's subclass: lightning/reproducible.py). Rationale in
+docs/design.md ("One global plan per epoch, and uneven data", "What a sync_dist evaluation mean counts")."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data.distributed import DistributedSampler
+from torchmetrics import Metric
+
+from ddp_plugins import _compat
+from ddp_plugins._compat import update_dataloader
+from ddp_plugins.core.samplers import PaddingApartSampler
+from ddp_plugins.lightning.data_plan import BatchRows
+
+__all__ = [
+    "PlannedSteps",
+    "counts_for_nothing",
+    "evaluation_sampler",
+    "is_mean",
+    "metrics_unchanged",
+    "padding_apart_loader",
+    "padding_batch",
+]
+
+
+def padding_apart_loader(dataloader: Any, world_size: int, rank: int) -> Any:
+    """``dataloader`` on this rank's :class:`PaddingApartSampler` (whole batches, padding rows in batches of
+    their own), or ``None`` where its batches cannot be so: a dataset without a length, no ``batch_size``
+    (a batch sampler), or ``drop_last``."""
+    dataset = getattr(dataloader, "dataset", None)
+    if (
+        not isinstance(dataloader, DataLoader)
+        or isinstance(dataset, IterableDataset)
+        or not hasattr(dataset, "__len__")
+    ):
+        return None
+    if not dataloader.batch_size or dataloader.drop_last or type(dataloader.batch_sampler) is not BatchSampler:
+        return None
+    batch_size = dataloader.batch_size
+    sampler = PaddingApartSampler(dataloader.dataset, num_replicas=world_size, rank=rank, batch_size=batch_size)
+    return update_dataloader(dataloader, sampler)
+
+
+def evaluation_sampler(trainer: Any, args: tuple) -> Any:
+    """The sampler of the loader the evaluation step of ``args`` (batch, batch index[, loader index]) runs on."""
+    loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+    if isinstance(loaders, (list, tuple)):
+        index = args[2] if len(args) > 2 else 0
+        loaders = loaders[index] if len(loaders) > index else None
+    return getattr(loaders, "sampler", None)
+
+
+def padding_batch(trainer: Any, args: tuple) -> bool:
+    """Whether the evaluation step of ``args`` (batch, batch index, loader index) runs a padding batch of a
+    :class:`PaddingApartSampler`."""
+    if len(args) < 2 or trainer is None:
+        return False
+    sampler = evaluation_sampler(trainer, args)
+    return isinstance(sampler, PaddingApartSampler) and sampler.is_padding(int(args[1]))
+
+
+@contextlib.contextmanager
+def metrics_unchanged(module: Any) -> Any:
+    """Every torchmetrics state of ``module`` gets its value from before the body back (torchmetrics has no
+    public way to take an update back; the states are the ones ``Metric.metric_state`` lists)."""
+    metrics = [m for m in (module.modules() if module is not None else ()) if isinstance(m, Metric)]
+    states = [{k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in m.metric_state.items()}
+              for m in metrics]  # fmt: skip
+    try:
+        yield
+    finally:
+        for metric, state in zip(metrics, states, strict=True):
+            for name, value in state.items():
+                setattr(metric, name, value)
+
+
+@contextlib.contextmanager
+def counts_for_nothing(trainer: Any, hook: str, module: Any) -> Any:
+    """What ``hook``'s step logs and updates in the body counts for nothing (an empty micro-batch's NaN
+    mean, a padding batch's rows): every epoch sum of ``self.log`` and every torchmetrics state of
+    ``module`` get their values from before. Lightning has no public way to take a logged value back."""
+    results = _compat.running_results(trainer, hook)
+    sums = _compat.epoch_sums(results)
+    try:
+        with metrics_unchanged(module):
+            yield
+    finally:
+        _compat.restore_epoch_sums(results, sums)
+
+
+class PlannedSteps:
+    """The default mode's steps: Lightning's, with the rows of a plan or of uneven shards weighting the
+    loss and the means logged with ``sync_dist`` (the reproducible mode's: lightning/reproducible.py)."""
+
+    virtual_shards: int | None = None
+
+    def __init__(self) -> None:
+        self.rows: BatchRows | None = None  # the micro-batch's, while training_step runs
+
+    def layer_sync(self, plugin: Any) -> Any:
+        """The ``LayerSync`` plugin to apply."""
+        return plugin
+
+    def before_launch(self, trainer: Any, world_size: int, loader: Any = None, drop_last: bool = False) -> None:
+        """Refuse what the steps cannot run, before any rank starts (``loader``: the training loader given to fit)."""
+
+    def setup(self, trainer: Any) -> None:
+        """Checks and settings for one fit (undone in ``teardown``)."""
+
+    def teardown(self) -> None:
+        """Undo ``setup``."""
+
+    def training_step(
+        self, trainer: Any, rows: BatchRows | None, plan: Any, context: Any, step: Callable[[], Any], args: tuple
+    ) -> Any:
+        """Run ``step`` (Lightning's); an empty micro-batch's NaN mean loss goes into no epoch sum."""
+        self.rows = rows
+        empty = rows is not None and rows.rank_rows == 0
+        try:
+            with counts_for_nothing(trainer, "training_step", None) if empty else contextlib.nullcontext():
+                return step()
+        finally:
+            self.rows = None
+
+    def backward(self, loss: Any, module: Any, rows: BatchRows | None, precision: Any, backward: Callable) -> Any:
+        """DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan, each
+        micro-batch's mean loss is weighted by its rows instead (0 for an empty one)."""
+        if rows is not None and module.automatic_optimization:
+            loss = loss * rows.loss_weight
+        return backward(loss)
+
+    def reduce(self, tensor: Any, group: Any, reduce_op: Any, reduce: Callable[..., Any]) -> Any:
+        """``self.log(..., sync_dist=True)`` of a mean in training_step: the mean over the micro-batch's rows."""
+        rows = self.rows
+        if rows is None or not is_mean(reduce_op):
+            return reduce(tensor, group, reduce_op)
+        local = tensor * rows.rank_rows if rows.rank_rows else torch.zeros_like(tensor)  # an empty batch's NaN
+        return reduce(local, group, "sum") / rows.micro_rows
+
+    def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
+        """Lightning's unshuffled ``DistributedSampler`` (it pads a shard with rows from the start, inside a
+        batch) gives way to contiguous shards whose padding rows are batches of their own, which
+        :meth:`evaluation_step` counts for nothing: a mean logged with ``sync_dist`` and a torchmetrics
+        metric are then over the dataset's rows, and every rank still runs the same number of batches.
+        ``SequentialEvaluation`` makes its loaders so itself; a loader that cannot be rebuilt is kept."""
+        sampler = getattr(dataloader, "sampler", None)
+        if world_size < 2 or type(sampler) is not DistributedSampler or getattr(sampler, "shuffle", True):
+            return dataloader  # not Lightning's (a shuffled one too: left as the user asked)
+        return padding_apart_loader(dataloader, world_size, rank) or dataloader
+
+    def evaluation_step(self, trainer: Any, hook: str, args: tuple, step: Callable[[], Any]) -> Any:
+        """A padding batch (:meth:`evaluation_loader`) runs the user's step, which counts for nothing."""
+        if not padding_batch(trainer, args):
+            return step()
+        with counts_for_nothing(trainer, hook, trainer.lightning_module):
+            return step()
+
+
+def is_mean(reduce_op: Any) -> bool:
+    """Whether ``reduce_op`` (``strategy.reduce``'s) names a mean."""
+    return isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
