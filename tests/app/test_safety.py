@@ -328,6 +328,24 @@ def test_a_stopped_rank_is_named_within_a_minute_with_the_default_settings(tmp_p
     assert final_state(folder)["global_step"] == 24, "3 epochs of 8 steps"
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_one_rank_working_past_the_default_end_limit_is_named_once_and_the_job_finishes(tmp_path):
+    """Issue 50, with the app's defaults (named at 30 s, a stopped rank ended at 300 s): rank 0 alone works
+    330 s at the end of the first epoch, as a rank-zero-only callback does, while rank 1 waits for it.
+    a1c30de ended such a job at 300 s; a rank whose process runs is named once and never ended by default."""
+    work = ["+callbacks.work._target_=tests.helpers.interrupt.WorkAt", "+callbacks.work.seconds=330",
+            "+callbacks.work.rank=0"]  # fmt: skip
+    folder = tmp_path / "run"
+    done = check_ok(run_warm([*APP, *SMALL, "trainer.max_epochs=2", f"hydra.run.dir={folder}", *work], timeout=660))
+    named = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(named) == 1 and named[0].startswith("error: rank 0 (PID "), done.stderr[-3000:]
+    assert "; the job goes on (a rank whose process runs is not ended)" in named[0], named[0]
+    assert "ddp_plugins: ranks [0] progress again" in done.stderr, done.stderr[-3000:]
+    assert (folder / "worked").exists() and final_state(folder)["global_step"] == 16, "2 epochs of 8 steps"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_that_raises_shows_its_traceback_once_and_no_peer_is_blamed(rank, tmp_path):

@@ -133,3 +133,19 @@ class RaiseAt(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step >= self.step and trainer.global_rank == self.rank:
             raise ValueError(f"boom on rank {trainer.global_rank}")
+
+
+class WorkAt(Callback):
+    """Rank ``rank`` works ``seconds`` (a sleep: sample generation, a metric over a large set) at the end of
+    training epoch ``epoch``, as a rank-zero-only callback does, once per run folder; the other ranks go on
+    to the next collective and wait there."""
+
+    def __init__(self, seconds: float = 330.0, rank: int = 0, epoch: int = 0) -> None:
+        self.seconds, self.rank, self.epoch = seconds, rank, epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        marker = Path(trainer.default_root_dir) / "worked"
+        if trainer.current_epoch != self.epoch or trainer.global_rank != self.rank or marker.exists():
+            return
+        marker.write_text(f"{self.seconds} s at the end of epoch {self.epoch}\n")
+        time.sleep(self.seconds)
