@@ -32,7 +32,6 @@ ORDERS = {
         "import lightning.pytorch\n"
     ),
     "lightning first": "import lightning.pytorch\nimport ddp_plugins\n",
-    "the lightning package": "import ddp_plugins\nimport lightning as L\n",
     "an adapter's module": "import ddp_plugins.lightning.accumulation\n",  # its import imports Lightning
 }
 
