@@ -4,12 +4,13 @@ Rationale in docs/design.md ("When a rank fails or stops", "Which interfaces lis
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import multiprocessing
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -169,8 +170,9 @@ class DDPPluginsStrategy(DDPStrategy):
         check_int("virtual_shards", virtual_shards, 1)
         ddp_kwargs["find_unused_parameters"] = find_unused_parameters
         bypassed = {"comm_hook": comm_hook, "ddp_comm_hook": kwargs.get("ddp_comm_hook"), **ddp_kwargs}
-        planned = steps.PlannedSteps()
-        self._steps = ReproducibleSteps(virtual_shards, global_batch_size, **bypassed) if reproducible else planned
+        self._steps = (
+            ReproducibleSteps(virtual_shards, global_batch_size, **bypassed) if reproducible else steps.PlannedSteps()
+        )
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ArgumentValueError(
                 "comm_hook", "'none' when `ddp_comm_hook` is given", comm_hook,
@@ -420,8 +422,9 @@ class DDPPluginsStrategy(DDPStrategy):
             trainer = self._trainer()
             self._room.mark(f"{phase} (global step {trainer.global_step if trainer is not None else 0})", waits)
 
-    def _waiting(self, phase: str, call: Callable[[], Any], then: str | None = None) -> Any:
-        """``call()``, a collective every rank must enter, marked for the liveness room as ``phase`` in the
+    @contextlib.contextmanager
+    def _waiting(self, phase: str, then: str | None = None) -> Iterator[None]:
+        """The body, a collective every rank must enter, marked for the liveness room as ``phase`` in the
         phase it was called from (``Liveness.waiting``); or, with ``then`` (the backward), marked as
         ``phase`` and then as ``then``: the optimizer step, the callbacks, the next batch, not a wait. A
         collective there (the next batch's agreement round, a checkpoint's barrier, the epoch end's
@@ -429,14 +432,14 @@ class DDPPluginsStrategy(DDPStrategy):
         checkpoint save, a rank-zero-only callback) is behind the ranks that wait."""
         room = self._room
         if room is None:
-            return call()
-        if then is None:
+            yield
+        elif then is None:
             with room.waiting(phase):
-                return call()
-        self._mark(phase, waits=True)
-        result = call()
-        self._mark(then)
-        return result
+                yield
+        else:
+            self._mark(phase, waits=True)
+            yield
+            self._mark(then)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -465,10 +468,11 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         parent = super().backward
-        return self._waiting("a backward", lambda: self._steps.backward(  # DDP's all-reduce waits for every rank
-            closure_loss, self.lightning_module, self.batch_rows, self.precision_plugin,
-            lambda loss: parent(loss, optimizer, *args, **kwargs),
-        ), then="after a backward")  # fmt: skip
+        with self._waiting("a backward", then="after a backward"):  # DDP's all-reduce waits for every rank
+            return self._steps.backward(
+                closure_loss, self.lightning_module, self.batch_rows, self.precision_plugin,
+                lambda loss: parent(loss, optimizer, *args, **kwargs),
+            )  # fmt: skip
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -478,8 +482,8 @@ class DDPPluginsStrategy(DDPStrategy):
             tensor = tensor.double()  # Lightning's mean divides an integer tensor in place, truncating
         # reduced on the group's device (a CPU metric on nccl), back where it was
         device, tensor = tensor.device, for_collective(tensor, group)
-        reduce = functools.partial(self._steps.reduce, tensor, group, reduce_op, super().reduce)
-        return self._waiting("a reduce (sync_dist)", reduce).to(device)
+        with self._waiting("a reduce (sync_dist)"):
+            return self._steps.reduce(tensor, group, reduce_op, super().reduce).to(device)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
