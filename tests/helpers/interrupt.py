@@ -136,16 +136,26 @@ class RaiseAt(Callback):
 
 
 class WorkAt(Callback):
-    """Rank ``rank`` works ``seconds`` (a sleep: sample generation, a metric over a large set) at the end of
-    training epoch ``epoch``, as a rank-zero-only callback does, once per run folder; the other ranks go on
-    to the next collective and wait there."""
+    """Rank ``rank`` works ``seconds`` (a sleep), once per run folder, ``where``: ``"epoch_end"``, at the end of
+    training epoch ``epoch``, as a rank-zero-only callback does (sample generation, a metric over a large
+    set); ``"first_step"``, before its first training step (a compile, a cold cache on one rank). The other
+    ranks go on to the next collective and wait there."""
 
-    def __init__(self, seconds: float = 330.0, rank: int = 0, epoch: int = 0) -> None:
-        self.seconds, self.rank, self.epoch = seconds, rank, epoch
+    def __init__(self, seconds: float = 330.0, rank: int = 0, epoch: int = 0, where: str = "epoch_end") -> None:
+        assert where in ("epoch_end", "first_step"), where
+        self.seconds, self.rank, self.epoch, self.where = seconds, rank, epoch, where
+
+    def _work(self, trainer: Any, where: str) -> None:
+        marker = Path(trainer.default_root_dir) / "worked"
+        if where != self.where or trainer.global_rank != self.rank or marker.exists():
+            return
+        marker.write_text(f"{self.seconds} s at {where}\n")
+        time.sleep(self.seconds)
 
     def on_train_epoch_end(self, trainer, pl_module):
-        marker = Path(trainer.default_root_dir) / "worked"
-        if trainer.current_epoch != self.epoch or trainer.global_rank != self.rank or marker.exists():
-            return
-        marker.write_text(f"{self.seconds} s at the end of epoch {self.epoch}\n")
-        time.sleep(self.seconds)
+        if trainer.current_epoch == self.epoch:
+            self._work(trainer, "epoch_end")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 0:
+            self._work(trainer, "first_step")
