@@ -189,6 +189,8 @@ class DDPPluginsStrategy(DDPStrategy):
         self._stall = (stall_name_after, stall_end_after)
         self._stall_end_running = stall_end_running
         self._room: Liveness | None = None
+        # the module's buffers as the optimizer step under way began (None: none under way), for the rescue
+        self._step_buffers: dict[str, torch.Tensor] | None = None
         self._timeout_s, self._rendezvous_s = float(timeout_s), float(rendezvous_s or timeout_s)
         self._env_before: dict[str, str | None] = {}  # the user's values of what setup_distributed may set
         self.last_checkpoint_path: str | None = None  # the file the last save_checkpoint wrote (rank 0)
@@ -314,6 +316,10 @@ class DDPPluginsStrategy(DDPStrategy):
         dirpath = next((c.dirpath for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)), None)
         folder = Path(dirpath or Path(trainer.default_root_dir) / "checkpoints")
         checkpoint = _compat.dump_checkpoint(trainer)
+        state = checkpoint.get("state_dict", {})
+        for name, value in (self._step_buffers or {}).items():  # the step under way's forward may have moved them
+            if name in state:
+                state[name] = value
         self._add_records(checkpoint)
         path = folder / f"step-{trainer.global_step}-stalled.ckpt"
         self.checkpoint_io.save_checkpoint(checkpoint, path)
@@ -461,9 +467,26 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._mark("a training step")
+        if self._room is not None:
+            self._keep_step_buffers(args)
         step, rows = functools.partial(super().training_step, *args, **kwargs), self.batch_rows
         context = self.precision_plugin.train_step_context
         return self._steps.training_step(self._trainer(), rows, self._planned.plan, context, step, args)
+
+    def _keep_step_buffers(self, args: tuple) -> None:
+        """At an optimizer step's first micro-batch, the module's buffers, for the liveness room's rescue: a
+        forward of the step under way moves BatchNorm's running statistics and ``num_batches_tracked``, and
+        the rescue holds the last completed step (issue 50: one batch too many tracked after a SIGSTOP)."""
+        trainer, module = self._trainer(), self.lightning_module
+        index = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+        if trainer is not None and module is not None and index % max(1, trainer.accumulate_grad_batches) == 0:
+            self._step_buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().optimizer_step(*args, **kwargs)
+        self._step_buffers = None  # the step completed: the module's own buffers are the step's
+        return result
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
