@@ -1,10 +1,19 @@
-"""Models for the app's ``model._target_`` in tests (child ranks import them by this path)."""
+"""Models for the app's ``model._target_`` in tests (child ranks import them by this path), and the small
+generated dataset the Lightning-level tests train their MLPs on."""
 
 from __future__ import annotations
 
 import torch
+from torch.utils.data import TensorDataset
 
 from ddp_plugins.app.demo.model import DigitsCNN
+
+
+def three_classes(rows: int, seed: int, features: int = 4) -> TensorDataset:
+    """``rows`` rows of ``features`` normal features, labelled 0 to 2 by the first two features."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, features, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
 
 
 class SGDMomentumCNN(DigitsCNN):

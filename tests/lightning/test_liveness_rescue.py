@@ -20,10 +20,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from ddp_plugins.testing import _RankServer, free_port, run_lightning
+from tests.helpers.models import three_classes
 
 pytestmark = pytest.mark.slow
 FREEZE_AT = 6
@@ -45,9 +46,7 @@ class _Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(96, 8, generator=g)
-        return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()), batch_size=4)
+        return DataLoader(three_classes(96, 1, features=8), batch_size=4)
 
 
 def _fit(out_dir: str, folder: str, freeze: bool = False, ckpt_path: str | None = None) -> dict:

@@ -19,20 +19,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from ddp_plugins.core import Preempted
 from ddp_plugins.lightning import DDPPluginsStrategy, PreemptionCheckpoint, RankAwareSeed
 from ddp_plugins.testing import run_lightning
 from tests.helpers.interrupt import SignalAt
+from tests.helpers.models import three_classes
 
 pytestmark = pytest.mark.usefixtures("clean_process_state")
-
-
-def _data(rows, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 4, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
 
 
 class _Net(pl.LightningModule):
@@ -53,10 +48,10 @@ class _Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     def train_dataloader(self):
-        return DataLoader(_data(48, 1), batch_size=4, shuffle=True)  # 6 steps an epoch on 2 ranks
+        return DataLoader(three_classes(48, 1), batch_size=4, shuffle=True)  # 6 steps an epoch on 2 ranks
 
     def val_dataloader(self):
-        return DataLoader(_data(16, 2), batch_size=4)
+        return DataLoader(three_classes(16, 2), batch_size=4)
 
 
 def _fit(folder, signal_at=None, ckpt_path=None):

@@ -16,22 +16,17 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from ddp_plugins.testing import run_lightning
+from tests.helpers.models import three_classes
 
 pytestmark = pytest.mark.usefixtures("clean_process_state")
 
 TRAIN_ROWS, VAL_ROWS, VAL_BATCH = 24, 20, 8  # 3 validation batches: 2 + 1 on 2 ranks, 1 + 1 + 1 + none on 4
-
-
-def _data(rows, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 4, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
 
 
 class _Gathering(pl.LightningModule):
@@ -57,10 +52,10 @@ class _Gathering(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        return DataLoader(_data(TRAIN_ROWS, 1), batch_size=4)
+        return DataLoader(three_classes(TRAIN_ROWS, 1), batch_size=4)
 
     def val_dataloader(self):
-        return DataLoader(_data(VAL_ROWS, 2), batch_size=VAL_BATCH)
+        return DataLoader(three_classes(VAL_ROWS, 2), batch_size=VAL_BATCH)
 
 
 def _fit(out_dir, sequential):
