@@ -189,8 +189,10 @@ class DDPPluginsStrategy(DDPStrategy):
         self._stall = (stall_name_after, stall_end_after)
         self._stall_end_running = stall_end_running
         self._room: Liveness | None = None
-        # the module's buffers as the optimizer step under way began (None: none under way), for the rescue
+        # the module's buffers as the optimizer step under way began (None: none under way), for the rescue;
+        # the names of those a checkpoint holds (the persistent ones), found at the fit's first step
         self._step_buffers: dict[str, torch.Tensor] | None = None
+        self._held_buffers: list[str] | None = None
         self._timeout_s, self._rendezvous_s = float(timeout_s), float(rendezvous_s or timeout_s)
         self._env_before: dict[str, str | None] = {}  # the user's values of what setup_distributed may set
         self.last_checkpoint_path: str | None = None  # the file the last save_checkpoint wrote (rank 0)
@@ -479,8 +481,12 @@ class DDPPluginsStrategy(DDPStrategy):
         the rescue holds the last completed step (issue 50: one batch too many tracked after a SIGSTOP)."""
         trainer, module = self._trainer(), self.lightning_module
         index = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
-        if trainer is not None and module is not None and index % max(1, trainer.accumulate_grad_batches) == 0:
-            self._step_buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+        if trainer is None or module is None or index % max(1, trainer.accumulate_grad_batches):
+            return
+        buffers = dict(module.named_buffers())
+        if self._held_buffers is None:  # a non-persistent buffer (a cache) is in no checkpoint: never copied
+            self._held_buffers = [name for name in module.state_dict(keep_vars=True) if name in buffers]
+        self._step_buffers = {name: buffers[name].detach().clone() for name in self._held_buffers if name in buffers}
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -546,6 +552,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def teardown(self) -> None:
         self._steps.teardown()
         self._resume.teardown()
+        self._step_buffers = self._held_buffers = None
         if self._room is not None:
             self._room.stop()
             self._room = None
