@@ -23,6 +23,7 @@ from tests.helpers import REPO_ROOT
 
 APP = """\
 import os
+import sys
 
 import hydra
 import lightning.pytorch as pl
@@ -65,8 +66,10 @@ def main(cfg: DictConfig) -> None:
     group = id(dist.group.WORLD)
     trainer.test(model, data, verbose=False)
     kept = id(dist.group.WORLD) == group
-    print(f"JOB lr={cfg.lr} rank={trainer.global_rank} pid={os.getpid()} group={dist.get_world_size()} kept={kept}",
-          flush=True)
+    # one write of the whole line: the ranks share the pipe, and print's text and newline are two writes
+    line = f"JOB lr={cfg.lr} rank={trainer.global_rank} pid={os.getpid()} group={dist.get_world_size()} kept={kept}\\n"
+    sys.stdout.flush()
+    os.write(1, line.encode())
 
 
 if __name__ == "__main__":
