@@ -19,7 +19,7 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from ddp_plugins._compat import BatchNormBase
 from ddp_plugins.core.ranks import collective_device, is_distributed
 from ddp_plugins.core.seeding import MAX_SEED, collect_rng_states, set_rng_states
 
-__all__ = ["LayoutMismatch", "ShardedStep", "exact_row_sum", "exact_sum", "fingerprint", "shard_seed"]
+__all__ = ["LayoutMismatch", "RowSums", "ShardedStep", "exact_row_sum", "exact_sum", "fingerprint", "shard_seed"]
 
 _BITS = 52  # |sum of all shards| < 2**53 (float64 holds every such integer): 2**k shards get 52 - k bits
 
@@ -147,12 +147,12 @@ def exact_sum(
     if total_shards is None:
         count = torch.tensor([float(sum(w != 0 for w in weights))], dtype=torch.float64)
         total_shards = int(_all_reduce(count, collective_device(group), group).item())
-    flat, present, out_bits = exact_row_sum(rows, weights, sizes, present, total_shards, group, bits)
+    summed = exact_row_sum(rows, weights, sizes, present, total_shards, group=group, bits=bits)
     sums: list[Tensor | None] = [
         piece.to(t.dtype).reshape(t.shape).to(t.device) if there else None
-        for piece, t, there in zip(flat.split(sizes), like, present.tolist(), strict=True)
+        for piece, t, there in zip(summed.sums.split(sizes), like, summed.present.tolist(), strict=True)
     ]
-    return sums, out_bits
+    return sums, summed.bits
 
 
 def exact_row_sum(
@@ -161,12 +161,13 @@ def exact_row_sum(
     sizes: Sequence[int],
     present: Tensor,
     total_shards: int,
+    *,
     group: Any = None,
     bits: Sequence[Tensor] = (),
     maxima: Tensor | None = None,
     workspace: dict[str, Tensor] | None = None,
     layout: float | None = None,
-) -> tuple[Tensor, Tensor, list[Tensor]]:
+) -> RowSums:
     """:func:`exact_sum` of ``weights[s] * rows[s]`` (``rows``: a flat row per local shard, its tensors end to end).
 
     ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave;
@@ -174,32 +175,28 @@ def exact_row_sum(
     never a count of ranks). The rows (float32 or float64) stay on their device, where the
     scaling, rounding and summing run (elementwise float64 operations: deterministic on any
     device); the host sees the small vector of maxima, and the sums only where the backend needs
-    them there (gloo). Returns the float64 sums laid out alike, which tensors any rank gave, and
-    ``bits`` (float64, on the rows' device) reduced. ``maxima``: each row's largest magnitude per
+    them there (gloo). Returns a :class:`RowSums`. ``maxima``: each row's largest magnitude per
     tensor, where the caller kept them as it filled the rows (else they are computed here);
     ``workspace``: a dict that keeps the large buffers from call to call (the returned sums and
     ``bits`` live in it until the next call); ``layout``: a number (an integer below ``2**52``) that
     says what the rows hold, the same on every rank: it rides in the first ``all_reduce``, and where
     the ranks' differ every rank raises :class:`LayoutMismatch` before the second (whose sizes would differ).
 
-    The three stages (:func:`_grid_top`, :func:`_grid_integers`, :func:`_grid_values`) are pure
-    functions of one rank's rows; between them run one ``all_reduce`` (MAX) and one (SUM).
+    The stages (:meth:`Grid.of`, :meth:`Grid.integers`, :meth:`Grid.values`) are pure functions of
+    one rank's rows; between them run one ``all_reduce`` (MAX, of :attr:`Grid.packed`) and one (SUM).
     """
     device = collective_device(group)  # the CPU without a process group
-    top = _grid_top(rows, weights, sizes, present, maxima)
-    if layout is not None:  # its maximum and minus its minimum: equal where every rank gave the same
-        top = torch.cat([top, top.new_tensor([layout, -layout])])
-    top = _all_reduce(top, device, group, dist.ReduceOp.MAX).cpu()
-    if layout is not None:
-        top, (most, least) = top[:-2], top[-2:].tolist()
+    extra = () if layout is None else (layout, -layout)  # its maximum and minus its minimum: equal if all gave the same
+    mine = Grid.of(rows, weights, sizes, present, maxima, extra)
+    grid = Grid(_all_reduce(mine.packed, device, group, dist.ReduceOp.MAX).cpu(), sizes)  # every rank's, combined
+    if extra:
+        most, least = grid.extra.tolist()
         if most != -least:
             raise LayoutMismatch(f"the ranks' rows hold different tensors (layouts {-least:.0f} to {most:.0f})")
     total = sum(sizes)
     work = {} if workspace is None else workspace
     payload = _scratch(work, "payload", total + 1 + sum(b.numel() for b in bits), rows.device)
-    _grid_integers(
-        rows, weights, sizes, top, total_shards, payload[:total], _scratch(work, "scaled", total, rows.device)
-    )
+    grid.integers(rows, weights, total_shards, payload[:total], _scratch(work, "scaled", total, rows.device))
     payload[total] = float(sum(w != 0 for w in weights))
     for piece, b in zip(payload[total + 1 :].split([b.numel() for b in bits]), bits, strict=True):
         piece.copy_(b.reshape(-1))
@@ -212,7 +209,15 @@ def exact_row_sum(
         )
     pieces = payload[total + 1 :].split([b.numel() for b in bits])
     out_bits = [p.reshape(b.shape) for p, b in zip(pieces, bits, strict=True)]
-    return _grid_values(payload[:total], sizes, top, total_shards), top[: len(sizes)] >= 0, out_bits
+    return RowSums(grid.values(payload[:total], total_shards), grid.present, out_bits)
+
+
+class RowSums(NamedTuple):
+    """:func:`exact_row_sum`'s float64 sums (laid out as the rows), the tensors any rank gave, ``bits`` reduced."""
+
+    sums: Tensor
+    present: Tensor
+    bits: list[Tensor]  # float64, on the rows' device
 
 
 class LayoutMismatch(ValueError):
@@ -252,74 +257,78 @@ def _row_maxima(rows: Tensor, sizes: Sequence[int]) -> Tensor:
     return torch.stack([torch.stack([_largest(t) for t in row.split(list(sizes))]) for row in rows])
 
 
-def _grid_top(
-    rows: Tensor, weights: Sequence[float], sizes: Sequence[int], present: Tensor, maxima: Tensor | None = None
-) -> Tensor:
-    """One rank's part of the grid: per tensor its largest finite ``|weight * value|`` (-1: absent
-    on this rank), then a flag per tensor for a NaN or an infinity. The ranks' parts combine by
-    an elementwise maximum (an ``all_reduce`` MAX). ``maxima``: :func:`_row_maxima` of ``rows``,
-    when the caller kept them as the rows were filled."""
-    count = len(sizes)
-    top = torch.zeros(2 * count, dtype=torch.float64, device=rows.device)
-    if len(rows):
-        w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device=rows.device)
-        maxima = _row_maxima(rows, sizes) if maxima is None else maxima
-        top[:count] = (maxima.double() * w[:, None]).amax(dim=0)  # |w * x| = w * |x| exactly: w is a row count
-        if not bool(torch.isfinite(top[:count]).all()):  # rare: find the tensors, keep the finite maxima
-            finite = torch.isfinite(rows)
-            top[count:] = torch.stack([(~f).any() for f in finite.split(list(sizes), dim=1)]).double()
-            top[:count] = (_row_maxima(rows.where(finite, 0.0), sizes).double() * w[:, None]).amax(dim=0)
-    top[:count] = top[:count].where(present.to(rows.device), -1.0)
-    return top
+class Grid:
+    """What sets each tensor's rounding grid, in one float64 vector (``packed``) that one ``all_reduce``
+    (MAX) combines over the ranks: per tensor its largest finite ``|weight * value|`` (``maxima``; -1:
+    absent on the rank), then a flag for a NaN or an infinity (``nonfinite``), then the numbers that
+    ride along (``extra``). :meth:`of` builds one rank's; ``Grid(combined, sizes)`` reads the ranks'."""
 
+    def __init__(self, packed: Tensor, sizes: Sequence[int]) -> None:
+        self.packed, self.sizes, n = packed, list(sizes), len(sizes)
+        self.maxima, self.nonfinite, self.extra = packed[:n], packed[n : 2 * n], packed[2 * n :]
 
-def _exponents(top: Tensor, count: int, total_shards: int) -> list[int]:
-    """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``.
+    @property
+    def present(self) -> Tensor:
+        """Which tensors some rank gave."""
+        return self.maxima >= 0
 
-    ``e`` is kept within +-900, where ``2**e`` times a row count and ``2**-e`` are normal float64
-    numbers (a tensor whose largest value is below ``2**-850`` keeps fewer bits: the same on any
-    number of ranks)."""
-    room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
-    return [min(max(room - math.frexp(m)[1], -900), 900) if m > 0 else 0 for m in top[:count].tolist()]
+    @classmethod
+    def of(
+        cls, rows: Tensor, weights: Sequence[float], sizes: Sequence[int], present: Tensor,
+        maxima: Tensor | None = None, extra: Sequence[float] = (),
+    ) -> Grid:  # fmt: skip
+        """One rank's grid of ``weights[s] * rows[s]`` (``present``: the tensors it gave; ``maxima``:
+        :func:`_row_maxima` of ``rows``, where the caller kept them as the rows were filled)."""
+        grid = cls(torch.zeros(2 * len(sizes) + len(extra), dtype=torch.float64, device=rows.device), sizes)
+        top = grid.maxima
+        if len(rows):
+            w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device=rows.device)
+            maxima = _row_maxima(rows, sizes) if maxima is None else maxima
+            top[:] = (maxima.double() * w[:, None]).amax(dim=0)  # |w * x| = w * |x| exactly: w is a row count
+            if not bool(torch.isfinite(top).all()):  # rare: find the tensors, keep the finite maxima
+                finite = torch.isfinite(rows)
+                grid.nonfinite[:] = torch.stack([(~f).any() for f in finite.split(grid.sizes, dim=1)]).double()
+                top[:] = (_row_maxima(rows.where(finite, 0.0), sizes).double() * w[:, None]).amax(dim=0)
+        top[:] = top.where(present.to(rows.device), -1.0)
+        if extra:
+            grid.extra[:] = grid.packed.new_tensor(extra)
+        return grid
 
+    def exponents(self, total_shards: int) -> list[int]:
+        """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``.
 
-def _grid_integers(
-    rows: Tensor,
-    weights: Sequence[float],
-    sizes: Sequence[int],
-    top: Tensor,
-    total_shards: int,
-    out: Tensor | None = None,
-    scaled: Tensor | None = None,
-) -> Tensor:
-    """One rank's sum of its rows on the agreed grid (``top``: every rank's :func:`_grid_top`, combined):
-    integers in float64, whose sum over the ranks is exact in any order (in ``out``, with ``scaled``
-    as scratch, where given)."""
-    exponents, flags = _exponents(top, len(sizes), total_shards), any(top[len(sizes) :].tolist())
-    total = sum(sizes)
-    sums = torch.empty(total, dtype=torch.float64, device=rows.device) if out is None else out
-    scaled = torch.empty_like(sums) if scaled is None else scaled
-    sums.zero_()
-    for row, weight in zip(rows, weights, strict=True):
-        scaled.copy_(row)  # widened to float64: exact
-        for t, e, size in zip(scaled.split(list(sizes)), exponents, sizes, strict=True):
-            if size:  # one rounding of x * w * 2**e (w * 2**e is exact): none for a float32 x and a row count w
-                t.mul_(float(weight) * 2.0**e)
-        if flags:
-            scaled.nan_to_num_(0.0, 0.0, 0.0)
-        sums += scaled.round_()  # integers below 2**53 in float64: exact, in any order and grouping
-    return sums
+        ``e`` is kept within +-900, where ``2**e`` times a row count and ``2**-e`` are normal float64
+        numbers (a tensor whose largest value is below ``2**-850`` keeps fewer bits: the same on any
+        number of ranks)."""
+        room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
+        return [min(max(room - math.frexp(m)[1], -900), 900) if m > 0 else 0 for m in self.maxima.tolist()]
 
+    def integers(
+        self, rows: Tensor, weights: Sequence[float], total_shards: int, out: Tensor | None = None,
+        scaled: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
+        """One rank's sum of its rows on this grid (every rank's, combined): integers in float64, whose
+        sum over the ranks is exact in any order (in ``out``, with ``scaled`` as scratch, where given)."""
+        exponents, flags = self.exponents(total_shards), any(self.nonfinite.tolist())
+        sums = torch.empty(sum(self.sizes), dtype=torch.float64, device=rows.device) if out is None else out
+        scaled = torch.empty_like(sums) if scaled is None else scaled
+        sums.zero_()
+        for row, weight in zip(rows, weights, strict=True):
+            scaled.copy_(row)  # widened to float64: exact
+            for t, e, size in zip(scaled.split(self.sizes), exponents, self.sizes, strict=True):
+                if size:  # one rounding of x * w * 2**e (w * 2**e is exact): none for a float32 x and a row count w
+                    t.mul_(float(weight) * 2.0**e)
+            if flags:
+                scaled.nan_to_num_(0.0, 0.0, 0.0)
+            sums += scaled.round_()  # integers below 2**53 in float64: exact, in any order and grouping
+        return sums
 
-def _grid_values(sums: Tensor, sizes: Sequence[int], top: Tensor, total_shards: int) -> Tensor:
-    """The ranks' integer sums (:func:`_grid_integers`, summed) back at their tensors' scale, in place;
-    NaN where a value was not finite."""
-    count = len(sizes)
-    for t, e, bad in zip(
-        sums.split(list(sizes)), _exponents(top, count, total_shards), top[count:].tolist(), strict=True
-    ):
-        t.fill_(math.nan) if bad else t.mul_(2.0**-e)  # in place, exact: a power of two
-    return sums
+    def values(self, sums: Tensor, total_shards: int) -> Tensor:
+        """The ranks' :meth:`integers`, summed, back at their tensors' scale in place (NaN where one was not finite)."""
+        exponents, flags = self.exponents(total_shards), self.nonfinite.tolist()
+        for t, e, bad in zip(sums.split(self.sizes), exponents, flags, strict=True):
+            t.fill_(math.nan) if bad else t.mul_(2.0**-e)  # in place, exact: a power of two
+        return sums
 
 
 class _ShardStats:
@@ -554,9 +563,9 @@ class ShardedStep:
         if count:
             maxima = torch.cat([maxima, block[:, width:].abs().to(maxima)], dim=1)
         try:
-            sums, present, (updates,) = exact_row_sum(
-                block, self._rows, sizes, present, self.virtual_shards, self.group, [stats.updates], maxima,
-                self._work, layout=self._layout,
+            summed = exact_row_sum(
+                block, self._rows, sizes, present, self.virtual_shards, group=self.group, bits=[stats.updates],
+                maxima=maxima, workspace=self._work, layout=self._layout,
             )  # fmt: skip
         except LayoutMismatch:
             trained = [n for n, t in zip(self._names, self._trainable, strict=True) if t]
@@ -565,10 +574,10 @@ class ShardedStep:
                 f" {', '.join(trained[:3])}{' ...' if len(trained) > 3 else ''}), so their gradients cannot be summed."
                 " Freeze and unfreeze alike on every rank, at the same step (a callback, not rank-dependent code)."
             ) from None
-        stats.apply(updates, local_shards=local)
-        pieces = sums.div_(step_rows).split(sizes)
+        stats.apply(summed.bits[0], local_shards=local)
+        pieces = summed.sums.div_(step_rows).split(sizes)
         self.grads = []
-        for i, (piece, p, there) in enumerate(zip(pieces, self._all, present.tolist(), strict=False)):
+        for i, (piece, p, there) in enumerate(zip(pieces, self._all, summed.present.tolist(), strict=False)):
             if there and self._sizes[i]:
                 out = self._out[i]
                 if out is None:  # the reduced gradients' own tensors, kept from step to step

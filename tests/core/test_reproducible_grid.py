@@ -1,8 +1,8 @@
 """The reproducible mode's rounding grid is fixed by the plan's shard count, never by the ranks (issue 43).
 
-``exact_row_sum`` runs three pure stages with an ``all_reduce`` between them: each rank's largest
-magnitudes (combined by MAX), each rank's integer sum on the agreed grid (combined by SUM), and the
-way back. The first test runs those stages for V = 8 shards split over every N from 1 to 8 as the
+``exact_row_sum`` runs three pure stages with an ``all_reduce`` between them: each rank's ``Grid`` of
+largest magnitudes (combined by MAX), each rank's integer sum on the agreed grid (combined by SUM), and
+the way back. The first test runs those stages for V = 8 shards split over every N from 1 to 8 as the
 plan splits them (3 ranks hold 3 + 3 + 2 shards), combining the ranks' parts as the collectives do,
 and needs the same bits on every N; the second runs the real collectives on 2 gloo ranks.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ddp_plugins.core.plan import GlobalPlan
-from ddp_plugins.core.reproducible import _grid_integers, _grid_top, _grid_values, exact_row_sum
+from ddp_plugins.core.reproducible import Grid, exact_row_sum
 
 V = 8
 SIZES = [5, 1, 3, 0, 4]  # a tensor of no values too
@@ -39,9 +39,10 @@ def _simulated(world_size: int, total_shards: int = V) -> torch.Tensor:
     rows = torch.stack(rows)
     split = GlobalPlan(64, 32, virtual_shards=V).rank_shards(world_size)
     ranks = [(rows[a:b], weights[a:b]) for a, b in split]
-    top = torch.stack([_grid_top(r, w, SIZES, torch.tensor(present)) for r, w in ranks]).amax(dim=0)  # MAX
-    integers = [_grid_integers(r, w, SIZES, top, total_shards) for r, w in ranks]
-    return _grid_values(torch.stack(integers).sum(dim=0), SIZES, top, total_shards)  # SUM
+    mine = [Grid.of(r, w, SIZES, torch.tensor(present)).packed for r, w in ranks]
+    grid = Grid(torch.stack(mine).amax(dim=0), SIZES)  # MAX
+    integers = [grid.integers(r, w, total_shards) for r, w in ranks]
+    return grid.values(torch.stack(integers).sum(dim=0), total_shards)  # SUM
 
 
 def test_the_grid_is_the_same_for_every_split_of_the_shards():
@@ -60,8 +61,8 @@ def _test_two_ranks(rank, world_size):
     rows, weights, present = _shards()
     rows = torch.stack(rows)
     a, b = GlobalPlan(64, 32, virtual_shards=V).rank_shards(world_size)[rank]
-    sums, there, _ = exact_row_sum(rows[a:b], weights[a:b], SIZES, torch.tensor(present), V)
-    return sums, there
+    summed = exact_row_sum(rows[a:b], weights[a:b], SIZES, torch.tensor(present), V)
+    return summed.sums, summed.present
 
 
 def test_the_collectives_give_the_simulated_bits(dist_pool):
