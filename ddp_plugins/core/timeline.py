@@ -39,13 +39,35 @@ class _Local(threading.local):
 _local = _Local()
 
 
-class _Window(NamedTuple):
-    """One :meth:`Timeline.collect`'s gathered records, kept on rank 0 for the trace."""
+class CollectiveRow(NamedTuple):
+    """One rank's collective as :meth:`Timeline.collect` gathers it (times: ns since the trace's origin)."""
 
-    coll: list[list[float]]  # rank, step, seq, start, end, bytes
-    text: list[tuple[str, str]]  # kind, op
-    phase: list[list[float]]  # rank, step, phase index, start, end
-    last: dict[int, tuple[float, int]]  # seq: (start, rank) of the last arrival
+    rank: int
+    step: int
+    seq: int
+    start: int
+    end: int
+    nbytes: int
+    kind: str
+    op: str
+
+
+class PhaseRow(NamedTuple):
+    """One rank's step phase as :meth:`Timeline.collect` gathers it (times: ns since the trace's origin)."""
+
+    rank: int
+    step: int
+    phase: str
+    start: int
+    end: int
+
+
+class _Window(NamedTuple):
+    """One :meth:`Timeline.collect`'s gathered rows, kept on rank 0 for the trace."""
+
+    coll: list[CollectiveRow]
+    phase: list[PhaseRow]
+    last: dict[int, CollectiveRow]  # seq: its last arrival
     score_points: list[tuple[int, float, float]]  # rank, time, score
     blamed: dict[int, int]  # step: rank
 
@@ -354,59 +376,76 @@ class Timeline:
         phases, self._phases = self._phases, []
         rank, origin = (dist.get_rank(self.group) if is_distributed() else 0), self.origin_ns
         mine = (
-            [[rank, r.step, r.seq, r.start_ns - origin, r.end_ns - origin, r.nbytes] for r in records],
-            [(r.kind, r.op) for r in records],
-            [[rank, s, PHASES.index(p), a - origin, b - origin] for s, p, a, b in phases],
-        )
+            [CollectiveRow(rank, r.step, r.seq, r.start_ns - origin, r.end_ns - origin, r.nbytes, r.kind, r.op)
+             for r in records],
+            [PhaseRow(rank, s, p, a - origin, b - origin) for s, p, a, b in phases],
+        )  # fmt: skip
         gathered: list[Any] = [mine]
         if is_distributed():
             gathered = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(gathered, mine, group=self.group)
-        coll, text, phase = ([row for part in gathered for row in part[i]] for i in range(3))
-        return self._analyse(coll, text, phase, rank)
+        coll, phase = [c for rows, _ in gathered for c in rows], [p for _, rows in gathered for p in rows]
+        return self._analyse(coll, phase, rank)
 
-    def _analyse(self, coll: list, text: list, phase: list, rank: int) -> dict[str, Any]:
-        # A rank's gap before a collective: the time since it left its previous one (its own work).
-        gaps: dict[tuple[int, int], float | None] = {}  # (rank, seq): gap; None before its first
-        for r, seq, start, end in sorted((int(r), int(seq), start, end) for r, _, seq, start, end, _ in coll):
-            left = self._left_ns.get(r)
-            gaps[r, seq] = None if left is None else start - left
-            self._left_ns[r] = end if left is None else max(left, end)
-        arrivals: dict[int, list[tuple[float, int, int]]] = defaultdict(list)  # seq: (start, rank, step)
-        for r, step, seq, start, _, _ in coll:
-            arrivals[int(seq)].append((start, int(r), int(step)))
-        last: dict[int, tuple[float, int]] = {}  # seq: (start, rank) of the last arrival
-        leads: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))  # step: rank: ns of lead
-        for seq, starts in arrivals.items():
-            starts.sort()
-            (start, r, step), lead = starts[-1], starts[-1][0] - starts[-2][0] if len(starts) > 1 else 0.0
-            last[seq] = (start, r)
-            # Arriving last counts only by what the rank's own gap exceeds the others' (a rank that
-            # left the previous collective later, or waited there, is not late again).
-            own, others = gaps.get((r, seq)), [gaps.get((q, seq)) for _, q, _ in starts[:-1]]
-            known = [gap for gap in others if gap is not None]
-            if own is not None and known and len(known) == len(others):
-                lead = min(lead, max(own - max(known), 0.0))
-            if step >= 0:
-                leads[step][r] += lead
-        per_step: dict[str, float] = defaultdict(float)  # this rank's phases
-        step_end: dict[tuple[int, int], float] = {}  # (rank, step): when the step ended
-        for r, step, p, start, end in phase:
-            name = PHASES[int(p)]
-            if int(r) == rank:
-                per_step[name] += end - start
-            if name == "step":
-                self._step_ns += end - start
-                step_end[int(r), int(step)] = end
-        comm: dict[str, float] = defaultdict(float)  # this rank's time per collective kind
-        waited = 0.0
-        for (r, step, seq, start, end, _), (kind, _) in zip(coll, text, strict=True):
-            if step >= 0:
-                self._kind_ns[kind] += end - start
-                if int(r) == rank:
-                    comm[kind] += end - start
-                    waited += last[int(seq)][0] - start
+    def _analyse(self, coll: list[CollectiveRow], phase: list[PhaseRow], rank: int) -> dict[str, Any]:
+        """This window's report for ``rank`` from every rank's rows; the run's totals and scores move on."""
+        last, leads = _arrivals(coll, self._gaps(coll))
+        per_step, step_end = self._phase_totals(phase, rank)
+        comm, waited = self._comm_totals(coll, last, rank)
         steps = sorted({step for _, step in step_end})
+        blamed, score_points = self._blame_steps(steps, leads, step_end)
+        self._steps += len(steps)
+        if rank == 0:  # the trace is built when written: here every rank does the same work
+            self._keep(_Window(coll, phase, last, score_points, blamed))
+        n = max(len(steps), 1)
+        return {
+            "steps": len(steps),
+            "phases_ms": {name: total / n / 1e6 for name, total in per_step.items()},
+            "comm_ms": {kind: total / n / 1e6 for kind, total in comm.items()},
+            "wait_ms": waited / n / 1e6,
+            "blamed": blamed,
+            "scores": dict(self.scores),
+        }
+
+    def _gaps(self, coll: list[CollectiveRow]) -> dict[tuple[int, int], float | None]:
+        """``{(rank, seq): gap}``: the rank's own work since it left its previous collective (None before its first)."""
+        gaps: dict[tuple[int, int], float | None] = {}
+        for c in sorted(coll, key=lambda row: (row.rank, row.seq, row.start, row.end)):
+            left = self._left_ns.get(c.rank)
+            gaps[c.rank, c.seq] = None if left is None else c.start - left
+            self._left_ns[c.rank] = c.end if left is None else max(left, c.end)
+        return gaps
+
+    def _phase_totals(self, phase: list[PhaseRow], rank: int) -> tuple[dict[str, float], dict[tuple[int, int], float]]:
+        """This rank's time per phase, and ``{(rank, step): when it ended}`` for every rank."""
+        per_step: dict[str, float] = defaultdict(float)
+        step_end: dict[tuple[int, int], float] = {}
+        for p in phase:
+            if p.rank == rank:
+                per_step[p.phase] += p.end - p.start
+            if p.phase == "step":
+                self._step_ns += p.end - p.start
+                step_end[p.rank, p.step] = p.end
+        return per_step, step_end
+
+    def _comm_totals(
+        self, coll: list[CollectiveRow], last: dict[int, CollectiveRow], rank: int
+    ) -> tuple[dict[str, float], float]:
+        """This rank's time per collective kind in steps, and its wait there for the last arrivals."""
+        comm: dict[str, float] = defaultdict(float)
+        waited = 0.0
+        for c in coll:
+            if c.step >= 0:
+                self._kind_ns[c.kind] += c.end - c.start
+                if c.rank == rank:
+                    comm[c.kind] += c.end - c.start
+                    waited += last[c.seq].start - c.start
+        return comm, waited
+
+    def _blame_steps(
+        self, steps: list[int], leads: dict[int, dict[int, float]], step_end: dict[tuple[int, int], float]
+    ) -> tuple[dict[int, int], list[tuple[int, float, float]]]:
+        """``{step: rank}`` for the steps a rank's excess blames, and every rank's score after each step."""
         world = dist.get_world_size(self.group) if is_distributed() else 1
         blamed, score_points = {}, []
         for step in steps:
@@ -425,22 +464,15 @@ class Timeline:
                 self._blame[r] += excess
                 self.scores[r] = self.scores.get(r, excess) + self.score_decay * (excess - self.scores.get(r, excess))
                 score_points.append((r, step_end.get((r, step), 0.0), self.scores[r]))
-        self._steps += len(steps)
-        if rank == 0:  # the trace is built when written: here every rank does the same work
-            self._windows.append(_Window(coll, text, phase, last, score_points, blamed))
-            self._window_rows += len(coll) + len(phase)
-            while self._window_rows > self.max_trace_events and len(self._windows) > 1:
-                dropped = self._windows.popleft()
-                self._window_rows -= len(dropped.coll) + len(dropped.phase)
-        n = max(len(steps), 1)
-        return {
-            "steps": len(steps),
-            "phases_ms": {name: total / n / 1e6 for name, total in per_step.items()},
-            "comm_ms": {kind: total / n / 1e6 for kind, total in comm.items()},
-            "wait_ms": waited / n / 1e6,
-            "blamed": blamed,
-            "scores": dict(self.scores),
-        }
+        return blamed, score_points
+
+    def _keep(self, window: _Window) -> None:
+        """Keep ``window`` for the trace, dropping the oldest past ``max_trace_events`` rows."""
+        self._windows.append(window)
+        self._window_rows += len(window.coll) + len(window.phase)
+        while self._window_rows > self.max_trace_events and len(self._windows) > 1:
+            dropped = self._windows.popleft()
+            self._window_rows -= len(dropped.coll) + len(dropped.phase)
 
     def summary(self) -> dict[str, Any]:
         """The run so far: the slowest rank, its excess per step, the share of step time per collective kind.
@@ -467,18 +499,18 @@ class Timeline:
         for the last arrival and who it was), and a counter of the straggler score; µs.
         """
         events: list[dict[str, Any]] = []
-        for coll, text, phase, last, score_points, blamed in self._windows:
-            for (r, step, seq, start, end, nbytes), (kind, op) in zip(coll, text, strict=True):
-                last_start, last_rank = last[int(seq)]
+        for window in self._windows:
+            for c in window.coll:
+                last = window.last[c.seq]
                 args = {
-                    "op": op, "seq": int(seq), "bytes": int(nbytes), "step": int(step),
-                    "waited_for_last_ms": round((last_start - start) / 1e6, 3), "last_arrival": last_rank,
+                    "op": c.op, "seq": c.seq, "bytes": c.nbytes, "step": c.step,
+                    "waited_for_last_ms": round((last.start - c.start) / 1e6, 3), "last_arrival": last.rank,
                 }  # fmt: skip
-                events.append(_span(kind, "collective", int(r), 1, start, end, args))
-            for r, step, p, start, end in phase:
-                args = {"step": int(step), "blamed": blamed.get(int(step))} if PHASES[int(p)] == "step" else {}
-                events.append(_span(PHASES[int(p)], "phase", int(r), 0, start, end, {"step": int(step), **args}))
-            for r, end, score in score_points:
+                events.append(_span(c.kind, "collective", c.rank, 1, c.start, c.end, args))
+            for p in window.phase:
+                args = {"step": p.step, "blamed": window.blamed.get(p.step)} if p.phase == "step" else {}
+                events.append(_span(p.phase, "phase", p.rank, 0, p.start, p.end, {"step": p.step, **args}))
+            for r, end, score in window.score_points:
                 args = {"score": round(score, 3)}
                 events.append({"name": "straggler score (ms)", "ph": "C", "pid": r, "ts": end / 1e3, "args": args})
         ranks = sorted({int(event["pid"]) for event in events})
@@ -495,6 +527,30 @@ class Timeline:
         path = Path(path)
         write_text_atomic(path, json.dumps(self.chrome_trace()))
         return path
+
+
+def _arrivals(
+    coll: list[CollectiveRow], gaps: dict[tuple[int, int], float | None]
+) -> tuple[dict[int, CollectiveRow], dict[int, dict[int, float]]]:
+    """Each collective's last arrival (``{seq: row}``), and per step each rank's lead in ns (``{step: {rank: ns}}``)."""
+    arrivals: dict[int, list[CollectiveRow]] = defaultdict(list)  # seq: every rank's row
+    for c in coll:
+        arrivals[c.seq].append(c)
+    last: dict[int, CollectiveRow] = {}
+    leads: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for seq, rows in arrivals.items():
+        rows.sort(key=lambda row: (row.start, row.rank, row.step))  # as they arrived
+        final = last[seq] = rows[-1]
+        lead = final.start - rows[-2].start if len(rows) > 1 else 0.0
+        # Arriving last counts only by what the rank's own gap exceeds the others' (a rank that
+        # left the previous collective later, or waited there, is not late again).
+        own, others = gaps.get((final.rank, seq)), [gaps.get((c.rank, seq)) for c in rows[:-1]]
+        known = [gap for gap in others if gap is not None]
+        if own is not None and known and len(known) == len(others):
+            lead = min(lead, max(own - max(known), 0.0))
+        if final.step >= 0:
+            leads[final.step][final.rank] += lead
+    return last, leads
 
 
 def _span(name: str, cat: str, pid: int, tid: int, start: float, end: float, args: dict) -> dict[str, Any]:
