@@ -44,6 +44,7 @@ _LIVE = frozenset({"behind", "silent", "busy"})  # verdicts on a rank whose proc
 # what a room ends at its end limit by default: a process provably stopped or gone, or a store that does
 # not answer (its host is stopped: a store served by a C++ thread answers while Python is busy)
 _PROVEN = frozenset({"gone", "stopped", "store"})
+_NAMING_S = 5.0  # the most a failed collective's rank waits for its room's thread to say the line it began
 _HOW = {
     "gone": "its process is gone (killed or exited)",
     "stopped": "its process is stopped (SIGSTOP or a debugger)",
@@ -267,6 +268,7 @@ class Liveness:
         self.verdict: Verdict | None = None
         self._main, self._host, self._ns = threading.main_thread().ident, socket.gethostname(), _pid_namespace()
         self._halt, self._wake, self._ending = threading.Event(), threading.Event(), threading.Lock()
+        self._named = threading.Event()  # set: the room's thread said its verdict's line
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddp_plugins-liveness-store")
         self._thread: threading.Thread | None = None
         self._observer: Record | None = None  # rank 0's last record, as another rank read it
@@ -341,6 +343,8 @@ class Liveness:
             line = verdict.line(_by_rank(records, verdict))
             print(f"error: {line}; a collective failed waiting for it ({type(error).__name__}: {_first_line(error)})",
                   file=sys.stderr, flush=True)  # fmt: skip
+        elif self._reports(verdict):  # the room's thread is naming it: its line comes before the job's end
+            self._named.wait(_NAMING_S)
         self._end(verdict, records)
 
     def _ask(self) -> tuple[Verdict | None, list[Record]]:
@@ -514,8 +518,10 @@ class Liveness:
                 if self.verdict is not None and self._reports(self.verdict):
                     print(f"ddp_plugins: ranks {list(self.verdict.ranks)} progress again", file=sys.stderr, flush=True)
                 self.verdict = None
+                self._named.clear()
                 continue
             if self.verdict is None or verdict.ranks != self.verdict.ranks:
+                self._named.clear()
                 since, self.verdict = time.monotonic() - verdict.seconds, verdict
                 if self._reports(verdict):
                     self._name(verdict, records)
@@ -610,7 +616,8 @@ class Liveness:
 
     def _name(self, verdict: Verdict, records: list[Record]) -> None:
         folder = self.folder() if callable(self.folder) else self.folder
-        if folder is not None and self.rank != 0 and verdict.how != "store":  # rank 0 named: read every record
+        store_answers = verdict.how != "store" and not (0 in verdict.ranks and verdict.how == "gone")
+        if folder is not None and self.rank != 0 and store_answers:  # rank 0 named: read every record
             with contextlib.suppress(Exception):  # once, for stall.txt (a store that fails: what was read)
                 records = self._records_now() or records
         dump = _dump(verdict, records, folder) if folder is not None and records else None
@@ -627,6 +634,7 @@ class Liveness:
             "" if {named[r].phase for r in verdict.ranks} == {self.phase} else f" (rank {self.rank} is in {self.phase})"
         )
         print(f"error: {verdict.line(named)}{here}; {ends}{where}", file=sys.stderr, flush=True)
+        self._named.set()
 
     def _end(self, verdict: Verdict, records: list[Record]) -> None:
         """Once per rank (the room's thread and the training thread may both come here), then exit."""
