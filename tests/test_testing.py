@@ -75,6 +75,7 @@ def test_pool_runs_every_rank_and_matches_single_process_sum(dist_pool):
         torch.testing.assert_close(t, expected)
 
 
+@pytest.mark.e2e
 def test_a_pool_hang_fails_fast_and_the_pool_recovers():
     pool = DistributedPool(world_size=2, timeout=4, pg_timeout=20)
     try:

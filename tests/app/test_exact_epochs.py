@@ -43,6 +43,7 @@ RESUMING = re.compile(r"resuming from (\S+) \(epoch (\d+), step (\d+)\)(.*)")
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_planned_run_stopped_on_two_ranks_resumes_on_one_and_a_changed_plan_is_refused(tmp_path):
     folder = tmp_path / "run"
     cmd = [*APP, *PLANNED, f"hydra.run.dir={folder}"]
@@ -170,6 +171,7 @@ RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2,
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_torchrun_elastic_loses_an_agent_and_the_survivor_continues_the_plan_on_one_rank(one_process, tmp_path):
     """Two torchrun agents (two "nodes" of 1 worker each, ``--nnodes=1:2``) train on 2 ranks; after a
     checkpoint of that world, the second agent and its worker are SIGKILLed. The first agent hosts
@@ -233,6 +235,7 @@ def test_torchrun_elastic_loses_an_agent_and_the_survivor_continues_the_plan_on_
 
 @pytest.mark.slow
 @pytest.mark.slurm
+@pytest.mark.e2e
 def test_slurm_job_requeued_with_one_task_instead_of_two_continues_the_plan_on_one_rank(
     slurm_cluster, one_process, tmp_path
 ):

@@ -82,9 +82,9 @@ INTERRUPTIONS = {
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "scenario",
-    [  # the chain of three runs 115 s here: make test-e2e
-        pytest.param(name, marks=pytest.mark.e2e) if len(INTERRUPTIONS[name]) > 1 else name for name in INTERRUPTIONS
-    ],
+    # make test-e2e: the chain of three runs 115 s here, the last step's SIGTERM 60 s (make test proves
+    # a SIGTERM to one rank in six phases through the library: tests/lightning/test_preemption_phases.py)
+    [pytest.param(name, marks=pytest.mark.e2e) for name in INTERRUPTIONS],
 )
 def test_interrupted_runs_resume_and_end_bit_identical(scenario, reference, tmp_path):
     stops = INTERRUPTIONS[scenario]
@@ -127,6 +127,7 @@ def _assert_resumed_from(run: subprocess.CompletedProcess, checkpoint: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_stop_late_in_an_epoch_refuses_another_batch_size_and_at_the_epoch_end_any_layout_continues(
     reference, tmp_path
 ):
@@ -337,6 +338,7 @@ def test_submitit_sweep_job_requeued_by_its_signal_resumes_in_its_job_folder(slu
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
     """Two jobs in one folder would interleave checkpoints and resume each other's: the second is
     refused before Hydra writes anything there (the running job's .hydra/ record stays its own).
@@ -371,6 +373,7 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_sigterm_at_the_last_step_ends_as_a_finished_run_and_a_rerun_says_so(reference, tmp_path):
     folder = tmp_path / "run"
     exact = "callbacks.preemption.check_every_n_steps=1"

@@ -35,6 +35,7 @@ def _fingerprint(result) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_stopped_on_two_ranks_resumed_on_three_equals_one_rank(tmp_path):
     one = check_ok(run_warm([*APP, *RUN, "trainer.devices=1", f"hydra.run.dir={tmp_path / 'one'}"], timeout=300))
     cmd = [*APP, *RUN, f"hydra.run.dir={tmp_path / 'moved'}"]

@@ -107,6 +107,7 @@ def test_a_crafted_checkpoint_runs_nothing(one_epoch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_one_resumed_from_the_newest_valid(one_epoch, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(one_epoch, damaged)
@@ -145,6 +146,7 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_one_resumed_from_th
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_hard_kill_with_the_default_config_loses_at_most_the_epoch_under_way(tmp_path):
     folder = tmp_path / "run"
     cmd = [*APP, *SMALL, "trainer.max_epochs=6", f"hydra.run.dir={folder}"]
@@ -188,6 +190,7 @@ def _tmpfs(where: Path, options: str):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
     with _tmpfs(tmp_path / "small", "size=48k") as small:
         folder = small / "run"
@@ -355,7 +358,7 @@ def test_one_rank_working_past_the_default_end_limit_is_named_once_and_the_job_f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.e2e), 1])  # rank 0's: make test-e2e
 def test_a_rank_that_raises_shows_its_traceback_once_and_no_peer_is_blamed(rank, tmp_path):
     """Issue 53: a failure printed its traceback 2 to 3 times. Rank ``rank`` raises in a callback at step 3:
     the job's stderr (the launcher's and the child rank's) holds that traceback once; the only other

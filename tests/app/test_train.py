@@ -91,6 +91,7 @@ def _assert_run_outputs(folder: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_make_train_job_reaches_095_with_one_run_folder(tmp_path):
     """The default job (what `make train` runs): 2 CPU ranks over gloo, accuracy >= 0.95."""
     result = check_ok(run_command(APP, timeout=300, cwd=tmp_path))
@@ -145,6 +146,7 @@ def test_child_ranks_use_the_config_the_user_chose(tmp_path):
 @pytest.mark.parametrize(
     "gpu", [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.gpu)], ids=["cpu", "gpu"]
 )
+@pytest.mark.e2e
 def test_two_torchrun_nodes_on_loopback(tmp_path, gpu):
     """2 nodes x 1 process, as on a cluster: one torchrun per node, Lightning's own path."""
     port = str(free_port())
@@ -180,6 +182,7 @@ def test_two_torchrun_nodes_on_loopback(tmp_path, gpu):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_installed_wheel_finds_its_configs(tmp_path):
     """Build the wheel, install it outside the checkout and run the app from elsewhere."""
     wheel_dir, target, source = tmp_path / "wheel", tmp_path / "site", tmp_path / "src"

@@ -25,6 +25,7 @@ def _run_rounds(tmp_path, mode: str, rounds: int, stop_at_failure: bool = False)
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_run_main_exits_never_abort(tmp_path):
     """Many short gloo DDP runs ended through ``run_main``: not one process may die at exit.
 
@@ -37,6 +38,7 @@ def test_run_main_exits_never_abort(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_exits_armed_at_interpreter_exit_never_abort(tmp_path):
     """The same probe returning to the interpreter after ``exit_at_interpreter_exit(0)`` (a job
     run by submitit's entry point): every process exits 0."""

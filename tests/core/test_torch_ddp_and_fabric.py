@@ -58,6 +58,7 @@ def test_raw_torch_ddp_under_torchrun_without_lightning(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_lightning_fabric_with_the_core(tmp_path):
     out = tmp_path / "result.pt"
     env = loopback_env(MASTER_PORT=str(free_port()))

@@ -742,6 +742,7 @@ def _flat(nested):
 # load_from_checkpoint equal), strategies/launchers/test_multiprocessing.py::test_transfer_weights (for
 # real) and ::test_fit_twice_raises, and test_accelerator_connector.py::test_strategy_choice_ddp_on_cpu
 # (DDP on CPU). Deliberate difference checked too: sync_batchnorm=True synchronizes BatchNorm on CPU.
+@pytest.mark.e2e
 def test_two_process_spawn_fit(tmp_path):
     strategy = DDPPluginsStrategy(
         backend="gloo", start_method="spawn", timeout=60, static_graph=True, gradient_as_bucket_view=True,

@@ -56,6 +56,7 @@ trainer.fit(Net())
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.e2e
 def test_a_stopped_rank_0_under_torchrun_is_named_stopped_and_the_job_ends(tmp_path):
     (tmp_path / "script.py").write_text(SCRIPT)
     command = [

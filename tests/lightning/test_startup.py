@@ -113,7 +113,7 @@ def _launcher_line(stderr: str) -> str:
         ("top", "killed", "was killed by signal SIGKILL while the ranks were starting"),
         ("top", "exit 2", "exited with code 2 while the ranks were starting"),  # Python's, as under `python -`
         # rank 0 waits in a barrier or fails there first (gloo saw the peer go): either names rank 1's line
-        ("setup", "killed", "was killed by signal SIGKILL"),
+        pytest.param("setup", "killed", "was killed by signal SIGKILL", marks=pytest.mark.e2e),  # 34 s
     ],
 )
 def test_a_child_rank_that_dies_during_startup_ends_the_job(tmp_path, where, how, says):

@@ -366,6 +366,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.e2e
 def test_forkserver_workers_of_a_killed_rank_leave_instead_of_holding_its_pipes_forever(tmp_path):
     # torch's workers watch their parent, which is the forkserver here: without the strategy's
     # rank watch they and the forkserver outlive the rank and keep its stdout open (a test or a
@@ -425,6 +426,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.e2e
 def test_the_forkserver_and_resource_tracker_survive_the_stop_signals_a_job_step_gets(tmp_path):
     script = tmp_path / "signalled.py"
     script.write_text(_SIGNALED_HELPERS)

@@ -79,6 +79,7 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.e2e
 def test_each_job_of_a_sweep_in_a_users_own_hydra_app_starts_its_own_ranks_and_group(tmp_path):
     (tmp_path / "user_app.py").write_text(APP)
     env = loopback_env({**os.environ, "PYTHONPATH": str(REPO_ROOT)})
