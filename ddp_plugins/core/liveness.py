@@ -145,13 +145,8 @@ def judge(
     """The verdict on the ranks' records (``None``: nothing to name), from one observer's clock.
 
     ``seen_at[r]``: when rank ``r``'s ``seq`` last changed; ``progressed_at[r]``: when its ``marks``
-    did; ``states[r]``: its :func:`process_state`, where the observer can see it. A gone process is
-    named at once; a rank that published nothing for ``after_s`` is stopped, busy or silent; when no
-    rank's marks moved for ``after_s`` and some rank passed more, the ranks with the fewest are
-    behind; at the same mark past start-up (marks > 0), the ranks that do not wait in a collective
-    while others do are behind (every collective is seen, marked or not: one the pack, Lightning,
-    torchmetrics or the user calls). Every rank at the same mark, waiting or not alike, is one long
-    step, and a slow start is the launcher's: no verdict.
+    did; ``states[r]``: its :func:`process_state`, where the observer can see it. The rules (gone,
+    silent, behind, one long step): docs/design.md ("When a rank fails or stops").
 
     Example::
 
@@ -207,16 +202,9 @@ def process_state(pid: int) -> str | None:
 class Liveness:
     """The room: name a stalled rank within ``name_after_s``, end the job after ``end_after_s``.
 
-    The training thread calls :meth:`mark` at each phase boundary. A daemon thread publishes this
-    rank's :class:`Record` (one store write per interval, and marks within a fifth of one); rank 0
-    reads every rank's and :func:`judge` s them; every other rank reads rank 0's record (rank 1 names
-    a silent rank 0) and the verdict. A store that does not answer within ``name_after_s`` is a
-    verdict on its host. The lowest rank a verdict does not name prints one line and writes every
-    rank's last record and stack to ``folder/stall.txt``; at ``end_after_s`` it writes ``rescue()``'s
-    checkpoint, kills the stalled ranks on its host, and every rank exits with :data:`STALL_EXIT`, where
-    the stalled ranks are provably stopped or gone (or ``end_running``: any stall). A rank whose process
-    runs (busy, behind, or silent on another host) may be doing legitimate work: by default it is named,
-    never ended. :meth:`failed` ends the job at once when another rank made this one's collective fail.
+    The training thread calls :meth:`mark` at each phase boundary; a daemon thread publishes this
+    rank's :class:`Record`, and rank 0 :func:`judge` s them all. Who names, who ends and when:
+    docs/design.md ("When a rank fails or stops"); every rank exits with :data:`STALL_EXIT`.
 
     Args:
         store: the job's store (the default process group's).
@@ -228,9 +216,8 @@ class Liveness:
         collective_timeout_s: the group's collective timeout; a collective that failed sooner was not
             timed out by a rank behind the others (``None``: not known, any failure may be).
         exit: how a rank ends the job (``os._exit``; a test passes its own).
-        defers: ``defers(verdict, records)`` is true where another watcher ends the job for this verdict
-            with more to say (the launcher's, while the ranks start: a child rank's exit code and last
-            stderr line); this room then neither names nor ends it, so the job gets one line.
+        defers: ``defers(verdict, records)`` is true where another watcher (the launcher's, while the
+            ranks start) ends the job for this verdict with more to say; this room then stays silent.
 
     Example::
 
@@ -322,10 +309,8 @@ class Liveness:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def failed(self, error: BaseException) -> None:
-        """This rank raised ``error``. Where another rank caused it (its process is gone or stopped, it
-        raised, or, while this rank waited in a collective, it is silent or behind), name it in one line
-        and end the job here (no traceback, no rescue: the step is half done); return where this rank's
-        own code raised. The observer (rank 0's room thread) judges; this rank waits a bounded time."""
+        """This rank raised ``error``: where another rank caused it, name it and end the job here (no
+        traceback, no rescue: the step is half done); return where this rank's own code raised."""
         if error is self._own:  # judged already (the launcher asks before it stops the child ranks)
             return
         verdict, records = self.verdict or self._host_gone(), [self._observer] if self._observer else []
@@ -348,9 +333,8 @@ class Liveness:
         self._end(verdict, records)
 
     def _ask(self) -> tuple[Verdict | None, list[Record]]:
-        """Ask the observer for the verdict on this rank's failed collective (one append, then one key
-        polled): the failure path's store traffic grows with N, not N². No answer within three intervals:
-        rank 0 itself is told from its record and ``/proc``."""
+        """Ask the observer for the verdict on this rank's failed collective (one append, one key polled);
+        no answer within three intervals: rank 0 itself is told from its record and ``/proc``."""
         ask = Ask(self.rank, self.waits, self._timed_out(time.monotonic()))
         self._publish()  # what this rank waits in, as the observer judges it
         if self.rank == 0:
@@ -400,9 +384,8 @@ class Liveness:
             self._store(lambda: self.store.set(f"{_ANSWER}{ask.rank}", json.dumps(told)))  # noqa: B023
 
     def _decide(self, asks: list[Ask]) -> list[tuple[Verdict | None, list[Record]]]:
-        """The verdict for each rank whose collective failed: a peer that raised, is gone or stopped (on
-        this host); else, for a rank that waited in a collective, a peer that published nothing within
-        1.5 intervals (silent), or, if it waited about the collective timeout, the ranks behind."""
+        """The verdict for each rank whose collective failed (raised, gone or stopped; else, for a rank
+        that waited, silent, or behind if it waited about the collective timeout)."""
         records = self._records_now()
         if not records:
             return [(None, [])] * len(asks)
@@ -426,8 +409,7 @@ class Liveness:
         return results
 
     def _afresh(self, before: list[Record], asks: list[Ask]) -> tuple[Verdict | None, list[Record]]:
-        """Judge records every rank published after the failure (within 1.5 intervals): who did not
-        publish is silent; else the ranks behind the others."""
+        """Judge the records published within 1.5 intervals after the failure: silent, else behind."""
         asking = {ask.rank for ask in asks}
         after, deadline = before, time.monotonic() + 1.5 * self.interval_s
         while time.monotonic() < deadline:
@@ -542,8 +524,7 @@ class Liveness:
         return Verdict((0,), "gone", 0) if gone else None
 
     def _publish(self) -> None:
-        """This rank's record, made in the room's one store thread when it is written (the training
-        thread's last record, "left", and the room thread's are written in turn, never an older last)."""
+        """This rank's record, made in the room's one store thread (so an older record is never last)."""
         self._store(self._write_record)
 
     def _write_record(self) -> None:
@@ -592,8 +573,7 @@ class Liveness:
         self._store(lambda: self.store.set(_VERDICT, text))
 
     def _follow(self, records: list[Record], seen_at: list[float]) -> tuple[list[Record], Verdict | None, bool]:
-        """Any other rank: rank 0's record and the verdict key, each read only once it exists (a ``get``
-        of a missing key blocks until it is set)."""
+        """Any other rank: rank 0's record and the verdict key, each read once it exists (``get`` blocks)."""
         now = time.monotonic()
         if not self._store(lambda: self.store.check([f"{_KEY}0"])):  # rank 0's room has not published yet
             return records, None, False
@@ -677,9 +657,8 @@ class Liveness:
 
 
 def _own_client(store: Any) -> Any:
-    """A client of the room's own on ``store`` (``Store.clone``): a store call of the training thread
-    (a rendezvous's blocking ``get``) never waits for the room's, nor the room's for it; ``store`` itself
-    where it cannot be cloned (a store written in Python)."""
+    """A client of the room's own on ``store`` (``Store.clone``; ``store`` itself where it cannot be
+    cloned), so the room and a rendezvous's blocking ``get`` never wait on each other."""
     try:
         return store.clone()
     except (AttributeError, NotImplementedError, RuntimeError):
@@ -688,8 +667,8 @@ def _own_client(store: Any) -> Any:
 
 @contextlib.contextmanager
 def waiting(what: str) -> Iterator[None]:
-    """The body waits in a collective every rank enters (``what``), marked in this process's room, if one
-    runs: for a wait torch's Python code does not show on the stack (an async work's ``wait()``).
+    """Mark in this process's room (if one runs) that the body waits in a collective every rank enters,
+    for a wait the stack does not show (an async work's ``wait()``).
 
     Example::
 

@@ -2,12 +2,9 @@
 
 Each rank runs its virtual shards of a step, cut independently of the world size (:meth:`GlobalPlan.shard_sizes
 <ddp_plugins.core.plan.GlobalPlan.shard_sizes>`), one after another (:class:`ShardedStep`); :func:`exact_sum`
-sums what they give in integers, which do not depend on how the shards are grouped.
-
-Why by hand: torch's and Lightning's DDP sum gradients in float in the ring's order, so their
-result depends on the world size; ``torch.use_deterministic_algorithms`` fixes the order at one
-size only. The technique is Demmel and Nguyen's reproducible summation (ReproBLAS), simplified
-to one exponent per tensor. Design and limits: docs/design.md ("The reproducible mode").
+sums what they give in integers, which do not depend on how the shards are grouped. Why by hand
+(DDP sums floats in the ring's order), the technique (ReproBLAS) and the limits: docs/design.md
+("The reproducible mode").
 """
 
 from __future__ import annotations
@@ -107,12 +104,9 @@ def exact_sum(
 ) -> tuple[list[Tensor | None], list[Tensor]]:
     """Sum ``weights[s] * shards[s][i]`` over this rank's shards ``s`` and all ranks, the same bits in any grouping.
 
-    Each tensor ``i`` gets one exponent, agreed over all shards of all ranks (an ``all_reduce``
-    of the largest magnitude); every value becomes an integer of at most ``52 - ceil(log2(total_shards))``
-    bits at that exponent, held in float64, so that every partial sum is an integer below
-    ``2**53``: exact, in any order and grouping. A value smaller than ``2**-(52 - ceil(log2(total_shards)))``
-    of its tensor's largest is rounded to that grid (float32 keeps 24 bits; float64 tensors lose
-    their last bits). A tensor with a NaN or an infinity anywhere sums to NaN.
+    Each tensor gets one exponent agreed by all ranks, and its values become integers on that grid
+    (the grid and its rounding: docs/design.md, "The reproducible mode"). A tensor with a NaN or an
+    infinity anywhere sums to NaN.
 
     Args:
         shards: per local shard, one tensor (or ``None``: no contribution) per entry of ``like``.
@@ -121,9 +115,8 @@ def exact_sum(
         group: the process group (the default one; none at all runs on one process).
         bits: float64 tensors that ride in the same ``all_reduce`` as a plain sum: one that each
             rank fills only in its own slots (zeros elsewhere) comes back whole, bit-exact.
-        total_shards: the most shards of non-zero weight all ranks together may give. It sets the
-            grid, so it must not depend on the number of ranks: a plan's shard count, or ``None`` to
-            count them (one more ``all_reduce``), the same on any number of ranks when the shards are.
+        total_shards: the most shards of non-zero weight all ranks together may give; it sets the grid,
+            so never a count of ranks: a plan's shard count, or ``None`` to count them (one more ``all_reduce``).
 
     Returns:
         The sums (``None`` where no shard of any rank gave a tensor), and ``bits`` reduced.
@@ -170,20 +163,13 @@ def exact_row_sum(
 ) -> RowSums:
     """:func:`exact_sum` of ``weights[s] * rows[s]`` (``rows``: a flat row per local shard, its tensors end to end).
 
-    ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave;
-    ``total_shards``: the most shards of all ranks together, which sets the grid (a plan's ``V``,
-    never a count of ranks). The rows (float32 or float64) stay on their device, where the
-    scaling, rounding and summing run (elementwise float64 operations: deterministic on any
-    device); the host sees the small vector of maxima, and the sums only where the backend needs
-    them there (gloo). Returns a :class:`RowSums`. ``maxima``: each row's largest magnitude per
-    tensor, where the caller kept them as it filled the rows (else they are computed here);
-    ``workspace``: a dict that keeps the large buffers from call to call (the returned sums and
-    ``bits`` live in it until the next call); ``layout``: a number (an integer below ``2**52``) that
-    says what the rows hold, the same on every rank: it rides in the first ``all_reduce``, and where
-    the ranks' differ every rank raises :class:`LayoutMismatch` before the second (whose sizes would differ).
-
-    The stages (:meth:`Grid.of`, :meth:`Grid.integers`, :meth:`Grid.values`) are pure functions of
-    one rank's rows; between them run one ``all_reduce`` (MAX, of :attr:`Grid.packed`) and one (SUM).
+    ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave; ``total_shards``:
+    sets the grid (a plan's ``V``, never a count of ranks). The rows stay on their device, where the sum
+    runs. Returns a :class:`RowSums`. ``maxima``: each row's largest magnitude per tensor, if the caller
+    kept them; ``workspace``: a dict keeping the large buffers (and the results) until the next call;
+    ``layout``: an integer below ``2**52`` naming what the rows hold, the same on every rank, else every
+    rank raises :class:`LayoutMismatch` before the second ``all_reduce``. The stages (:meth:`Grid.of`,
+    :meth:`Grid.integers`, :meth:`Grid.values`) are pure; an ``all_reduce`` (MAX, then SUM) runs between.
     """
     device = collective_device(group)  # the CPU without a process group
     extra = () if layout is None else (layout, -layout)  # its maximum and minus its minimum: equal if all gave the same
@@ -225,8 +211,7 @@ class LayoutMismatch(ValueError):
 
 
 def _scratch(workspace: dict[str, Tensor], name: str, size: int, device: torch.device) -> Tensor:
-    """A float64 buffer of ``size`` kept in ``workspace`` from call to call: a step's large buffers are
-    allocated once, not zero-filled by the system at every step."""
+    """A float64 buffer of ``size`` kept in ``workspace`` from call to call (allocated once, not per step)."""
     buffer = workspace.get(name)
     if buffer is None or buffer.numel() < size or buffer.device != device:
         buffer = workspace[name] = torch.empty(size, dtype=torch.float64, device=device)
@@ -297,9 +282,7 @@ class Grid:
     def exponents(self, total_shards: int) -> list[int]:
         """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``.
 
-        ``e`` is kept within +-900, where ``2**e`` times a row count and ``2**-e`` are normal float64
-        numbers (a tensor whose largest value is below ``2**-850`` keeps fewer bits: the same on any
-        number of ranks)."""
+        ``e`` stays within +-900, where ``2**e`` times a row count and ``2**-e`` are normal float64 numbers."""
         room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
         return [min(max(room - math.frexp(m)[1], -900), 900) if m > 0 else 0 for m in self.maxima.tolist()]
 
@@ -332,13 +315,9 @@ class Grid:
 
 
 class _ShardStats:
-    """The running statistics of a model's BatchNorm layers over the shards of one step.
-
-    Before each shard the layers get the step's starting statistics back; after it, the shard's
-    update ``new - (1 - momentum) * old`` (``momentum * batch statistic``) is kept. At the end
-    the updates of all shards of all ranks are applied in shard order, ``x = (1 - momentum) * x
-    + update``: one process running the shards one after another, the same bits on any split.
-    """
+    """The running statistics of a model's BatchNorm layers over the shards of one step: each shard
+    starts from the step's, its update is kept, and all are applied in shard order (docs/design.md,
+    "The reproducible mode")."""
 
     def __init__(self, module: nn.Module, virtual_shards: int) -> None:
         self.layers = [
@@ -384,22 +363,12 @@ class _ShardStats:
 class ShardedStep:
     """One optimizer step run as virtual shards, reduced exactly: the same bits on any number of ranks.
 
-    For each of this rank's shards, in order, run the forward and backward inside
-    :meth:`shard`: the model's BatchNorm layers start from the step's statistics, the random
-    streams (torch's CPU one, CUDA's where the model is, Python's ``random`` and NumPy's global one)
-    are seeded by :func:`shard_seed`, any other buffer the forward changes is refused, and the
-    gradients are taken away afterwards. :meth:`finish` sums every shard of every rank with
-    :func:`exact_sum`, weighted by rows (the gradient of the mean loss over the step's rows, as
-    one process), applies the shards' BatchNorm updates in shard order, and returns the combined
-    values; :meth:`apply` writes the gradients into ``.grad`` for the optimizer.
-
-    The parameters reduced are those that require a gradient when the step starts: a layer
-    unfrozen (or frozen) between steps, as ``BackboneFinetuning`` does, trains (or stops) from
-    that step on, as in one process. Every rank must change the same ones at the same step (a
-    rank that did not is refused in one line, on every rank); a change inside a step is refused.
-
-    Works from raw torch: no ``DistributedDataParallel`` wrapper takes part (its reducer would sum
-    in float); the ranks' parameters start equal (broadcast them, or seed alike).
+    Run each of this rank's shards' forward and backward inside :meth:`shard` (BatchNorm statistics,
+    random streams and buffers handled per shard); :meth:`finish` sums every shard of every rank with
+    :func:`exact_sum`, weighted by rows, and :meth:`apply` writes the gradients into ``.grad``. The
+    parameters reduced are those that require a gradient when the step starts. What is fixed per shard
+    and what is refused: docs/design.md ("The reproducible mode"). Raw torch, without a
+    ``DistributedDataParallel`` wrapper (its reducer sums in float); the parameters start equal.
 
     Args:
         module: the model.

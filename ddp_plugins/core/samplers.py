@@ -22,15 +22,12 @@ class SequentialDistributedSampler(DistributedSampler):
     """Contiguous, equal-length shards: rank ``r`` gets ``dataset[r * n : (r + 1) * n]`` in order.
 
     ``n = ceil(len(dataset) / num_replicas)``; the last shard is padded with its last index, and
-    ``num_real_samples`` counts this rank's real samples. A ``DistributedSampler`` subclass, so
-    Lightning leaves it in place.
+    ``num_real_samples`` counts this rank's real samples. Subclasses ``DistributedSampler`` (kept by Lightning).
 
     Args:
         dataset: a map-style dataset (with ``__len__``).
-        align: each shard's length is a multiple of this (the loader's batch size), so that
-            every batch holds the same rows on any number of ranks (the reproducible mode). Then
-            nothing pads a batch: the dataset's last batch is short, and a rank past the dataset's
-            end gets one padding sample (a batch that counts for nothing) so that it evaluates too.
+        align: each shard's length is a multiple of this (the loader's batch size): every batch holds the
+            same rows on any number of ranks; a rank past the end gets one padding sample, to evaluate too.
 
     Example::
 
@@ -70,13 +67,9 @@ class SequentialDistributedSampler(DistributedSampler):
 class PaddingApartSampler(SequentialDistributedSampler):
     """Contiguous shards of whole batches, where a padding row never shares a batch with a real one.
 
-    :class:`SequentialDistributedSampler` and ``DistributedSampler`` pad a shard inside its last batch,
-    so a mean over that batch counts the padding rows. Here the dataset's batches of ``batch_size``
-    rows (the last one may be short) go to the ranks in order, ``B = ceil(batches / num_replicas)`` to
-    a rank, and the rank that holds the last one holds ``B`` of them: every other rank holds whole
-    batches, so its padding (to ``B`` batches, the dataset's last index) fills whole batches too, which
-    :meth:`is_padding` names and a strategy can count for nothing. Every rank runs ``B`` batches, so a
-    value logged with ``sync_dist`` at every step never waits for a rank that has none left.
+    The dataset's batches of ``batch_size`` rows go to the ranks in order, ``B = ceil(batches /
+    num_replicas)`` to a rank; every rank runs ``B`` batches, and its padding (the dataset's last index)
+    fills whole batches, which :meth:`is_padding` names (why: docs/design.md, "Exact distributed evaluation").
 
     Example::
 
@@ -118,14 +111,11 @@ _ORDER_SEED_TAG, _RANK_ORDER_SEED_TAG = 0xD47B, 0xD47C
 class ResumableSampler(Sampler):
     """A sampler that starts its first iteration ``skip`` indices in, at epoch ``epoch``.
 
-    With ``seed`` it owns the DataLoader's :attr:`generator`, reseeded per ``(seed, rank, epoch)``,
-    so making an iterator never draws from the global torch stream; and the wrapped sampler draws
-    its order on global generators of its own (:func:`~ddp_plugins.core.seeding.isolated_rng`),
-    seeded per ``(seed, epoch)`` for a ``DistributedSampler`` (its ranks split one order) and per
-    ``(seed, rank, epoch)`` for any other: a ``RandomSampler`` without a generator, or a user's sampler
-    that shuffles with ``torch.randperm``, gives the same order in a resumed run and leaves the
-    process's streams (dropout) where they were. ``len()`` stays the full length: the training loop
-    counts the skipped batches as done.
+    With ``seed`` it owns the DataLoader's :attr:`generator`, reseeded per ``(seed, rank, epoch)``, and
+    the wrapped sampler draws its order on generators of its own (:func:`~ddp_plugins.core.seeding.isolated_rng`),
+    seeded per ``(seed, epoch)`` for a ``DistributedSampler`` and per ``(seed, rank, epoch)`` for any other:
+    a resumed run gets the same order, and the global streams are left alone (docs/design.md, "Checkpoints
+    and resume"). ``len()`` stays the full length: the training loop counts the skipped batches as done.
 
     Args:
         sampler: the sampler to wrap (``set_epoch`` is passed on when it has one).

@@ -88,11 +88,8 @@ class CollectiveRecord:
 
 
 class _GpuClock:
-    """CUDA events read on a timeline's clock, through an anchor event whose host time is known.
-
-    A collective on CUDA tensors returns to the host before it runs; events recorded on the calling
-    stream say when the stream reached it (the rank "arrived") and when it completed.
-    """
+    """CUDA events read on a timeline's clock, through an anchor event whose host time is known (a CUDA
+    collective returns to the host before it runs: the stream's events say when it arrived and completed)."""
 
     anchor: Any = None
     anchor_ns = 0
@@ -146,9 +143,7 @@ def collective_kind(kind: str, op: str = "collective", cuda: bool = False) -> It
 
 
 class TimedCommHook:
-    """A DDP communication hook that records each bucket's reduction in a :class:`Timeline`.
-
-    Times from when DDP hands the bucket to the hook to when the hook's future completes.
+    """A DDP communication hook that records each bucket's reduction (to its future's end) in a :class:`Timeline`.
 
     Args:
         hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` is DDP's default all-reduce.
@@ -188,11 +183,9 @@ class TimedCommHook:
 class Timeline:
     """Per-rank step phases and collectives, their blame, and one Chrome trace for all ranks.
 
-    Collectives are recorded when reported, nothing of torch is patched: DDP's buckets through
-    :meth:`comm_hook`, its buffer broadcast through :meth:`time_buffer_broadcast`, and the bodies of
-    :func:`collective_kind` while this timeline is the active one (:meth:`activate`).
-    :meth:`sync_clocks` puts the ranks on rank 0's clock, and :meth:`collect` blames each step on the
-    rank whose late arrivals exceed the others' (the rule, and why not torch's profiler: docs/design.md).
+    Collectives are recorded when reported (:meth:`comm_hook`, :meth:`time_buffer_broadcast`,
+    :func:`collective_kind` while active: :meth:`activate`), nothing of torch patched; :meth:`collect` blames
+    each step on a rank (the rule, and why not torch's profiler: docs/design.md, "Where time goes").
 
     Args:
         history: collectives kept in ``recent`` (the last ones).
@@ -493,11 +486,8 @@ class Timeline:
         }
 
     def chrome_trace(self) -> dict[str, Any]:
-        """The trace of every rank (gathered on rank 0 by :meth:`collect`), Chrome's JSON object format.
-
-        One process per rank: a thread of step phases, one of collectives (op, seq, bytes, step, wait
-        for the last arrival and who it was), and a counter of the straggler score; µs.
-        """
+        """The trace of every rank (gathered on rank 0 by :meth:`collect`), Chrome's JSON object format:
+        per rank a thread of step phases, one of collectives, and a straggler score counter; in µs."""
         events: list[dict[str, Any]] = []
         for window in self._windows:
             for c in window.coll:

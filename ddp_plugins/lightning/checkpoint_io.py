@@ -20,17 +20,14 @@ def _remote(path: Any) -> bool:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local checkpoints are atomic and verified, loaded with ``weights_only=True``.
 
-    Local files go through :func:`ddp_plugins.core.checkpoints.save_checkpoint_file` (whole or absent,
-    with a SHA-256 sidecar removed with them); remote (fsspec) paths stay Lightning's.
-    ``DDPPluginsStrategy``'s default. The sidecars live in a hidden ``.sha256`` folder, so the folder's
-    file names are Lightning's own: ``fit(ckpt_path="hpc")`` and Slurm's auto-requeue find
-    ``hpc_ckpt_<N>.ckpt``, ``ModelCheckpoint`` numbers ``-v1`` and links ``last`` as without this plugin.
-
-    Lightning's ``weights_only=None`` (the default of ``fit``/``validate``/``test``/``predict``) loads
-    weights-only, taking torch's safe types and :data:`~ddp_plugins.lightning.safe_loading.SAFE_GLOBALS`
-    (the OmegaConf containers Hydra passes to ``save_hyperparameters``, namespaces, paths); anything
-    else is refused with one line, an :class:`~ddp_plugins.lightning.safe_loading.UnsafeCheckpointError`
-    naming the file and what it holds. ``weights_only=False`` (a checkpoint the user trusts) loads it all.
+    ``DDPPluginsStrategy``'s default. Local files go through
+    :func:`ddp_plugins.core.checkpoints.save_checkpoint_file` (whole or absent, with a SHA-256 sidecar in
+    a hidden ``.sha256`` folder, so the names stay Lightning's: ``hpc_ckpt_<N>.ckpt``, ``-v1``, ``last``);
+    remote (fsspec) paths stay Lightning's.
+    ``weights_only=None`` loads weights-only with
+    :data:`~ddp_plugins.lightning.safe_loading.SAFE_GLOBALS`, refusing anything else with an
+    :class:`~ddp_plugins.lightning.safe_loading.UnsafeCheckpointError`; ``weights_only=False`` loads it
+    all (docs/design.md, "Checkpoints and resume").
 
     Example::
 

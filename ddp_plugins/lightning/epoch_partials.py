@@ -1,11 +1,8 @@
 """The epoch's running means across a resume: what ``self.log(..., on_epoch=True)`` had summed so far.
 
-Lightning keeps each epoch-level value's running sum and row count in memory only (its training
-loop's result collection), so after a mid-epoch resume the epoch's mean covered only the steps
-after the resume. :class:`EpochPartials` saves each rank's partial sums with a checkpoint and adds
-them back when the resumed epoch logs the same names again. Addition is commutative in floating
-point, so ``resumed + saved`` has the bits of the uninterrupted ``saved + resumed``; a torchmetrics
-object's states are merged before its first update of the resumed epoch (its own ``merge_state``).
+Lightning keeps these sums in memory only, so a mid-epoch resume's epoch mean covered only the steps
+after it. ``resumed + saved`` has the bits of the uninterrupted ``saved + resumed`` (float addition
+commutes); a torchmetrics object's states are merged with its own ``merge_state``.
 """
 
 from __future__ import annotations
@@ -27,16 +24,11 @@ log = logging.getLogger(__name__)
 class EpochPartials:
     """Save and restore the running sums of the training epoch's ``on_epoch`` values, per rank.
 
-    ``save(trainer)`` gives this rank's part (plain tensors and names: a checkpoint loads it with
-    ``weights_only=True``); ``load(parts, trainer)`` takes every rank's parts from a checkpoint; then
-    ``before_batch`` and ``after_batch`` add them back where the resumed epoch logs each name. On the
-    same number of ranks each rank gets its own part. On another number, a value logged with
-    ``sync_dist`` goes to rank 0 with every old rank's sums (Lightning sums over the ranks before it
-    divides, so the epoch's mean is the same); one logged without it, which each rank keeps for itself
-    (rank 0's is the one logged), continues on every rank from old rank 0's. So does a value the
-    reproducible mode logs in ``training_step``: each rank holds the step's whole combination, a copy
-    of the same sums, so one copy goes to every rank (rank 0 taking every old rank's copy weighed the
-    steps before the resume by the old number of ranks: issue 51).
+    ``save(trainer)`` gives this rank's part (plain tensors and names: ``weights_only=True`` loads it);
+    ``load(parts, trainer)`` takes every rank's, and ``before_batch``/``after_batch`` add them back where
+    the resumed epoch logs each name. On another number of ranks, a ``sync_dist`` value goes to rank 0
+    with every old rank's sums; one logged without it, and one the reproducible mode logs in
+    ``training_step`` (each rank holds a copy of the same sums), continues on every rank from old rank 0's.
 
     Example (two ranks resumed on three)::
 

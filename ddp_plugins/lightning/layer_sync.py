@@ -24,10 +24,9 @@ __all__ = ["SyncBatchNormPlugin"]
 class SyncBatchNormPlugin(LayerSync):
     """Lightning ``LayerSync`` plugin: :func:`convert_sync_batchnorm` before DDP wraps the model, revert after.
 
-    The strategy calls :meth:`apply` only when fitting and :meth:`revert` in its teardown. Pass it
-    as ``Trainer(plugins=[SyncBatchNormPlugin()])``, or use :class:`~ddp_plugins.lightning.SyncBatchNormCallback`.
-    ``DDPPluginsStrategy`` takes it in place of torch's ``TorchSyncBatchNorm`` (``sync_batchnorm=True``
-    or ``plugins=``); a subclass of that keeps torch's class. The arguments are :func:`convert_sync_batchnorm`'s.
+    The strategy calls :meth:`apply` only when fitting and :meth:`revert` in its teardown; it takes this
+    in place of torch's ``TorchSyncBatchNorm`` (a subclass of that keeps torch's class). Or use
+    :class:`~ddp_plugins.lightning.SyncBatchNormCallback`. The arguments are :func:`convert_sync_batchnorm`'s.
 
     Example::
 

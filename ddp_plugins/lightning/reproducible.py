@@ -282,12 +282,8 @@ class ReproducibleSteps(PlannedSteps):
         return reduce(tensor, group, reduce_op)
 
     def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
-        """``dataloader`` cut into the dataset's batches of ``batch_size`` rows, the same on any number of ranks:
-        each rank whole batches in order, and the same number of them (a rank past the rows runs padding
-        batches, which count for nothing), so a collective in the user's step meets on every rank (issue 51:
-        aligned shards gave 20 rows in batches of 8 as 2 batches on rank 0 and 1 on rank 1).
-        ``DistributedSampler`` deals rows out one by one and pads inside a batch: its batches depend on the
-        world size."""
+        """``dataloader`` cut into the dataset's batches of ``batch_size`` rows, the same on any number of ranks,
+        each rank as many (docs/design.md, "The reproducible mode")."""
         if isinstance(getattr(dataloader, "sampler", None), SequentialDistributedSampler):
             return dataloader  # SequentialEvaluation's, cut the same way
         apart = padding_apart_loader(dataloader, world_size, rank)

@@ -2,7 +2,7 @@
 
 :class:`PlannedSteps` is what the strategy calls around Lightning's training, backward, reduce and
 evaluation steps (the reproducible mode's subclass: lightning/reproducible.py). Rationale in
-docs/design.md ("One global plan per epoch, and uneven data", "What a sync_dist evaluation mean counts")."""
+docs/design.md ("One global plan per epoch, and uneven data", "Exact distributed evaluation")."""
 
 from __future__ import annotations
 
@@ -146,11 +146,9 @@ class PlannedSteps:
         return reduce(local, group, "sum") / rows.micro_rows
 
     def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
-        """Lightning's unshuffled ``DistributedSampler`` (it pads a shard with rows from the start, inside a
-        batch) gives way to contiguous shards whose padding rows are batches of their own, which
-        :meth:`evaluation_step` counts for nothing: a mean logged with ``sync_dist`` and a torchmetrics
-        metric are then over the dataset's rows, and every rank still runs the same number of batches.
-        ``SequentialEvaluation`` makes its loaders so itself; a loader that cannot be rebuilt is kept."""
+        """Lightning's unshuffled ``DistributedSampler`` gives way to a ``PaddingApartSampler``, whose padding
+        batches :meth:`evaluation_step` counts for nothing (docs/design.md, "Exact distributed evaluation");
+        a loader that cannot be rebuilt is kept."""
         sampler = getattr(dataloader, "sampler", None)
         if world_size < 2 or type(sampler) is not DistributedSampler or getattr(sampler, "shuffle", True):
             return dataloader  # not Lightning's (a shuffled one too: left as the user asked)

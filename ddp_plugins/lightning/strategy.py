@@ -189,8 +189,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self._stall = (stall_name_after, stall_end_after)
         self._stall_end_running = stall_end_running
         self._room: Liveness | None = None
-        # the module's buffers as the optimizer step under way began (None: none under way), for the rescue;
-        # the names of those a checkpoint holds (the persistent ones), found at the fit's first step
+        # the buffers as the step under way began (None: none), for the rescue; the persistent ones' names
         self._step_buffers: dict[str, torch.Tensor] | None = None
         self._held_buffers: list[str] | None = None
         self._timeout_s, self._rendezvous_s = float(timeout_s), float(rendezvous_s or timeout_s)
@@ -300,18 +299,15 @@ class DDPPluginsStrategy(DDPStrategy):
             ).start()  # fmt: skip
 
     def _launcher_ends(self, verdict: Verdict, records: Sequence[Record]) -> bool:
-        """The launcher's rank watcher ends the job for a child rank gone while the ranks start, with
-        its exit code and last stderr line: the liveness room then says nothing (one line per failure)."""
+        """The launcher's watcher ends the job for a child rank gone while the ranks start: the room is silent."""
         if verdict.how != "gone" or not isinstance(self._launcher, JobSubprocessLauncher):
             return False
         pids = [record.pid for record in records if record.rank in verdict.ranks]
         return len(pids) == len(verdict.ranks) and self._launcher.speaks_for(pids)
 
     def _save_last_completed_step(self) -> str | None:
-        """The liveness room's rescue, on the rank that ends a stalled job while its training thread waits
-        in (or saw fail) a collective: ``step-<N>-stalled.ckpt`` beside the run's others, with the last
-        completed step's parameters and optimizer state; the loops resume at the next batch. The stalled
-        ranks' random states cannot be gathered (:class:`RankAwareSeed` says so on resume)."""
+        """The liveness room's rescue: ``step-<N>-stalled.ckpt`` beside the run's others, the last completed
+        step's state; the stalled ranks' random states cannot be gathered (:class:`RankAwareSeed` says so)."""
         trainer = self._trainer()
         if trainer is None or not trainer.training:
             return None
@@ -432,12 +428,9 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def _waiting(self, phase: str, then: str | None = None) -> Iterator[None]:
-        """The body, a collective every rank must enter, marked for the liveness room as ``phase`` in the
-        phase it was called from (``Liveness.waiting``); or, with ``then`` (the backward), marked as
-        ``phase`` and then as ``then``: the optimizer step, the callbacks, the next batch, not a wait. A
-        collective there (the next batch's agreement round, a checkpoint's barrier, the epoch end's
-        reductions) shows in the training thread's stack, and a rank held up there by its own work (a
-        checkpoint save, a rank-zero-only callback) is behind the ranks that wait."""
+        """The body, a collective every rank must enter, marked for the liveness room as ``phase``
+        (``Liveness.waiting``); with ``then`` (the backward), marked ``phase`` and then ``then``, not a
+        wait: a collective after it shows in the stack, and a rank held up by its own work is behind."""
         room = self._room
         if room is None:
             yield
@@ -476,9 +469,8 @@ class DDPPluginsStrategy(DDPStrategy):
         return self._steps.training_step(self._trainer(), rows, self._planned.plan, context, step, args)
 
     def _keep_step_buffers(self, args: tuple) -> None:
-        """At an optimizer step's first micro-batch, the module's buffers, for the liveness room's rescue: a
-        forward of the step under way moves BatchNorm's running statistics and ``num_batches_tracked``, and
-        the rescue holds the last completed step (issue 50: one batch too many tracked after a SIGSTOP)."""
+        """At an optimizer step's first micro-batch, the module's buffers, for the rescue (the last completed
+        step's: the step under way's forward moves BatchNorm's statistics)."""
         trainer, module = self._trainer(), self.lightning_module
         index = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
         if trainer is None or module is None or index % max(1, trainer.accumulate_grad_batches):

@@ -48,11 +48,9 @@ def _events_in(folder: str) -> set[str]:
 class _SynchronousEvents:
     """What tensorboardX's ``FileWriter`` writes through (its ``event_writer``), without a queue.
 
-    tensorboardX hands every event to a thread through a queue, and its ``flush()`` writes out only
-    what that thread has already taken: the points logged last before a ``kill -9`` were lost, also
-    those logged before the last checkpoint. Here ``add_event`` returns with the event in the file
-    (in the operating system's cache, which a killed process does not lose); ``flush`` also fsyncs.
-    The records are TFRecord's, as tensorboardX's ``RecordWriter`` writes them.
+    tensorboardX queues every event to a thread that its ``flush()`` does not wait for, so a ``kill -9``
+    lost the last points; here ``add_event`` returns with the event in the file (the OS cache), ``flush``
+    fsyncs. The records are TFRecord's, as tensorboardX's ``RecordWriter`` writes them.
     """
 
     def __init__(self, path: str, logdir: str) -> None:
@@ -99,8 +97,7 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
     once (docs/design.md). ``hp_metric`` is off: it would log step 0 at every launch.
 
     With tensorboardX (the ``tensorboard`` extra), every point is in the event file when ``log_metrics``
-    returns, so a ``kill -9`` loses none logged before it (tensorboardX's own writer queues them to a
-    thread that its ``flush()`` does not wait for).
+    returns, so a ``kill -9`` loses none logged before it.
 
     Raises:
         ModuleNotFoundError: neither ``tensorboard`` nor ``tensorboardX`` is installed.
@@ -129,15 +126,13 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
     @override
     def experiment(self) -> Any:
         if self._experiment is None:
-            # tensorboardX names a file by the second it opened and the host only: a launch within the
-            # same second would overwrite the last one's file. A count keeps the names new and in order.
+            # tensorboardX names a file by its second and host only: a count keeps each launch's new, in order
             before = _events_in(self.log_dir)
             self._kwargs["filename_suffix"] = f".{len(before)}{self._suffix}"
             writer = super().experiment
             opened = sorted(_events_in(self.log_dir) - before)
             if type(writer).__module__.split(".")[0] == "tensorboardX" and len(opened) == 1:
-                # Its file, closed by its own writer (the thread stopped, the header written), continued
-                # by one that writes before it returns
+                # its file, closed by its own writer (header written), continued by one that writes at once
                 file_writer = writer.file_writer
                 file_writer.event_writer.close()
                 file_writer.event_writer = _SynchronousEvents(opened[0], file_writer.get_logdir())
