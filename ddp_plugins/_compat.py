@@ -215,10 +215,9 @@ def logger_step(trainer: Any) -> int:
 
 
 def training_epoch_results(trainer: Any) -> Any:
-    """The training loop's running epoch aggregation of what ``self.log`` gave: a mapping of
-    ``"<hook>.<name>"`` to Lightning's ``_ResultMetric`` (``.meta``, ``.is_tensor``, ``.value``,
-    ``.cumulated_batch_size``). Lightning keeps it in memory only and no public API reads or
-    restores it, so a mid-epoch resume would lose the epoch's sums (lightning/epoch_partials.py)."""
+    """The training loop's running epoch aggregation of what ``self.log`` gave: ``"<hook>.<name>"`` to
+    Lightning's ``_ResultMetric`` (``.meta``, ``.is_tensor``, ``.value``, ``.cumulated_batch_size``); no
+    public API reads or restores it (why it is needed: lightning/epoch_partials.py)."""
     return trainer.fit_loop.epoch_loop._results
 
 
@@ -308,11 +307,10 @@ def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:
 
 
 def running_results(trainer: Any, hook: str) -> Any:
-    """What ``self.log`` collected in the running loop (``trainer._results``, a dict of ``"<hook>.<name>"``
-    to ``_ResultMetric``), reset for ``hook`` first where Lightning would at its first ``self.log`` of an
-    epoch (``_logger_connector.should_reset_tensors``), so that entries read before the user's step stay
-    valid after it. Lightning has no public way to read or adjust a value once logged: the strategy takes
-    an empty micro-batch's NaN mean back and the reproducible mode takes each shard's values out."""
+    """What ``self.log`` collected in the running loop (``trainer._results``), reset for ``hook`` first where
+    Lightning would (``_logger_connector.should_reset_tensors``), so entries read before the user's step stay
+    valid after it. No public way adjusts a logged value: the strategy takes an empty micro-batch's NaN mean
+    back, and the reproducible mode each shard's values out."""
     results = trainer._results
     if trainer._logger_connector.should_reset_tensors(hook):
         results.reset(metrics=False, fx=hook)

@@ -61,9 +61,8 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     strategy = instantiate(cfg.strategy, child_command=job_subprocess_cmd)  # child ranks re-run this job only
     plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     folder = Path(output_dir) / "checkpoints"
-    # The best accuracy's checkpoint, and last.ckpt rewritten at every epoch end (after validation),
-    # so a hard kill loses at most the epoch under way and the final state is on disk at the end.
-    # (save_last=True would follow the best one: rewritten only when the accuracy improves.)
+    # The best accuracy's checkpoint, and last.ckpt rewritten at every epoch end (a hard kill loses at most
+    # the epoch under way); save_last=True would follow the best one, rewritten only when it improves.
     best = ModelCheckpoint(dirpath=folder, monitor=_accuracy_key(cfg), mode="max")
     latest = ModelCheckpoint(dirpath=folder, filename="last", monitor=None, enable_version_counter=False)
     return pl.Trainer(
@@ -134,8 +133,7 @@ def resume_path(resume: str, output_dir: str | os.PathLike, weights_only: bool =
     """The checkpoint a run continues from: ``resume`` itself, the newest *verified* checkpoint of
     the run folder's ``checkpoints/`` for ``"auto"`` (None when it has none), None for ``"never"``.
 
-    Under ``"auto"`` a damaged checkpoint (its SHA-256 does not match its sidecar, or it has none)
-    is skipped with one line naming it and why; the run continues from the newest valid one.
+    Under ``"auto"`` a damaged or unverified checkpoint is skipped with one line naming it and why.
     ``weights_only``: how a checkpoint is read to compare it with a preemption checkpoint of the same step.
 
     Example::
@@ -294,9 +292,8 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
 
 
 def _expected_record(cfg: DictConfig, datamodule: Any) -> dict[str, Any] | None:
-    """The data record this run's ranks will write, from the config and the data's row count; None
-    where the config leaves it open (an accumulation schedule, data without a known row count,
-    GPU indices), and the ranks then decide after they start."""
+    """The data record this run's ranks will write, from the config and the data's row count; None where
+    the config leaves it open (an accumulation schedule, an unknown row count, GPU indices)."""
     rows = getattr(datamodule, "train_rows", None)
     trainer = trainer_args(cfg.trainer)
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
@@ -441,8 +438,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     finally:
         if "LOCAL_RANK" not in env_before:  # the job's launcher, not one of its child ranks
             _reset_job_state(env_before)
-        # An exception becomes the job's result in Hydra's `run_job` (exit 0); a SystemExit (Preempted,
-        # a config error) goes through to the interpreter with its code; anything else: unknown.
+        # Hydra's `run_job` makes an exception the job's result (exit 0); a SystemExit keeps its code; else unknown
         error = sys.exc_info()[1]
         code = 0 if error is None or isinstance(error, Exception) else None
         if isinstance(error, SystemExit):

@@ -45,10 +45,9 @@ class StepAgreement(Protocol):
 class GathersPerRankState(Protocol):
     """A strategy that gathers every callback's per-rank state part when a checkpoint is saved.
 
-    Callbacks put this rank's part under :data:`ddp_plugins.core.checkpoints.PER_RANK` of their
-    ``state_dict``; the strategy replaces it with every rank's parts in ``save_checkpoint``, the
-    one point every rank reaches in step. Under any other strategy the callback gathers in
-    ``on_save_checkpoint`` itself.
+    Callbacks put this rank's part under :data:`ddp_plugins.core.checkpoints.PER_RANK` of their ``state_dict``;
+    the strategy replaces it with every rank's in ``save_checkpoint``, the one point every rank reaches in
+    step. Under any other strategy the callback gathers in ``on_save_checkpoint`` itself.
     """
 
     def gather_per_rank_state(self, checkpoint: dict[str, Any]) -> None: ...
@@ -122,11 +121,8 @@ class CarriesSpawnResults(Protocol):
 
 
 def implements(obj: Any, kind: type[_T]) -> TypeGuard[_T]:
-    """``isinstance(obj, kind)`` for one of these protocols, decided once per class.
-
-    typing's runtime check looks up every member of the protocol on each call (tens of
-    microseconds); the adapters ask at every training step, for every callback. A class either
-    has a contract's members or not: the answer for its first instance is kept for the class.
+    """``isinstance(obj, kind)`` for one of these protocols, decided once per class (its first instance's
+    answer is kept: why, docs/design.md, "Contracts between the adapters").
 
     Example::
 

@@ -188,11 +188,8 @@ class PreemptionCheckpoint(Callback):
         self._partials.after_batch(trainer)  # names the resumed epoch logged late
         if self._due is not None:  # the epoch's last step, deferred until validation is done
             due, self._due = self._due, None
-            # The epoch's metrics first, on every rank (issue 50): computing them is a collective (a
-            # torchmetrics object's gather, a `sync_dist` reduce), and the progress bar, which runs on
-            # rank 0 only, may have computed them there already, in its own `on_train_epoch_end`; the
-            # other ranks would compute them only after every callback, so our checkpoint's gather met
-            # rank 0's metrics gather. Read here, they pair with rank 0's (computed once, then cached).
+            # The epoch's metrics first, on every rank: computing them is a collective, which rank 0's
+            # progress bar may have run already; read here, every rank's pairs with rank 0's (issue 50).
             trainer.callback_metrics  # noqa: B018 - read for its effect: the epoch's values computed
             self._checkpoint(trainer, *due)
 
@@ -255,8 +252,7 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if trainer.state.fn != "fit":
-            # `test`/`validate`/`predict(ckpt_path=...)` only load weights: no resume, so no rows are
-            # cut (issue 49: `test(ckpt_path="best")` after `fit` lost every epoch after the best)
+            # `test`/`validate`/`predict(ckpt_path=...)` only load weights: no resume, no rows cut (issue 49)
             return
         self.resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path else None
         callbacks = checkpoint.get("callbacks", {})
