@@ -282,7 +282,8 @@ class Grid:
     def exponents(self, total_shards: int) -> list[int]:
         """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``.
 
-        ``e`` stays within +-900, where ``2**e`` times a row count and ``2**-e`` are normal float64 numbers."""
+        ``e`` stays within +-900, where ``2**e`` times a row count and ``2**-e`` are normal float64 numbers
+        (a tensor whose largest value is below ``2**-850`` keeps fewer bits, alike on any number of ranks)."""
         room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
         return [min(max(room - math.frexp(m)[1], -900), 900) if m > 0 else 0 for m in self.maxima.tolist()]
 
