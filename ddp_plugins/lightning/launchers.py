@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import IO, Any
+from typing import IO, Any, NamedTuple, NoReturn
 
 import torch.distributed as dist
 from typing_extensions import override
@@ -44,10 +45,9 @@ _STARTUP_GRACE_S = 3.0
 _DRAIN_S = 1.0  # seconds to wait for the last stderr bytes of a child rank that exited
 _TAIL_BYTES = 4096  # the end of a child rank's start-up stderr kept for its last line
 _REFUSAL_PREFIX = "error: "  # a refusing rank's one line (the app's "error: <key> ..., allowed: ...")
-# In a child rank's environment: it got a parent-death signal, to clear once its start-up is done
-_DIES_WITH_LAUNCHER = "DDP_PLUGINS_DIES_WITH_LAUNCHER"
-# In a child rank's environment: the launcher's stderr (a descriptor number), for the child to take back once started
-_STDERR_FD = "DDP_PLUGINS_STDERR_FD"
+# In a child rank's environment, what to undo once its start-up is done (JSON): "dies_with_launcher", a
+# parent-death signal to clear; "stderr", the launcher's stderr (a descriptor number) to take back
+_CHILD_STARTUP = "DDP_PLUGINS_CHILD_STARTUP"
 _SPAWN_RESULTS_KEY = "ddp_plugins.spawn_results"  # callbacks' results, from spawned rank 0
 ChildCommand = Callable[[int], tuple[list[str], str | None]]  # local rank -> (command, working folder)
 # What the launcher sets in its own environment for the job it starts child ranks for (Lightning's keys)
@@ -68,15 +68,90 @@ def _agreed_code(code: int | None) -> bool:
     return code is not None and (128 < code < 128 + signal.NSIG or code == REFUSAL_EXIT)
 
 
+class _Ending(NamedTuple):
+    """A child rank's exit that ends the job: the launcher's line, and how this process ends."""
+
+    line: str
+    code: int | None  # this process's exit code; None: it kills itself, as it killed the child ranks
+
+
+_DONE = "done"  # an observer's state: nothing more to watch (every child rank ended, or agreed to stop)
+
+
+class _StartupObserver:
+    """What a child rank's exit means while the ranks start.
+
+    Rank 0 may then wait in the rendezvous for a rank that is gone, so any exit ends the job: at once,
+    or, for a refusal (exit 2 with an ``error: ...`` line) or an exit 0, after :data:`_STARTUP_GRACE_S`
+    in which rank 0 did not end its start-up (or its job) itself.
+    """
+
+    def __init__(self, procs: list[Any], tees: list[_StderrTee | None]) -> None:
+        self._procs, self._tees = procs, tees
+        self._seen: dict[int, float] = {}  # rank: when its exit was first seen
+        self._lines: dict[int, str] = {}  # rank: its last start-up stderr line, read once it exited
+
+    def check(self, codes: list[int | None]) -> _Ending | None:
+        """The ending the child ranks' exit ``codes`` call for, or ``None`` (watch on)."""
+        for rank, code in enumerate(codes, 1):
+            if code is not None and (ending := self._exited(rank, code)) is not None:
+                return ending
+        return None
+
+    def _exited(self, rank: int, code: int) -> _Ending | None:
+        seen_at = self._seen.setdefault(rank, time.monotonic())
+        if rank not in self._lines:
+            tee = self._tees[rank - 1]
+            self._lines[rank] = tee.last_line(_DRAIN_S) if tee is not None else ""
+        line = self._lines[rank]
+        refused = code == REFUSAL_EXIT and line.startswith(_REFUSAL_PREFIX)
+        if (refused or code == 0) and time.monotonic() - seen_at < _STARTUP_GRACE_S:
+            return None
+        how = f"{_describe_exit(code)}{' (a refusal)' if refused else ''} while the ranks were starting"
+        said = f"its last stderr line: {line}" if line else "it wrote nothing to stderr"
+        pid = self._procs[rank - 1].pid
+        return _Ending(f"rank {rank} (PID {pid}) {how}; stopped every rank; {said}", REFUSAL_EXIT if refused else 1)
+
+
+class _ExitObserver:
+    """What a child rank's exit means once the ranks met, where no liveness room watches: a failure
+    (not 0, nor an exit every rank reaches alike: :func:`_agreed_code`) ends the job at once."""
+
+    def __init__(self, procs: list[Any]) -> None:
+        self._procs = procs
+
+    def check(self, codes: list[int | None]) -> _Ending | str | None:
+        """The ending the exit ``codes`` call for, :data:`_DONE`, or ``None`` (watch on)."""
+        if all(code == 0 or _agreed_code(code) for code in codes):
+            return _DONE  # every child ended, or stopped for a preemption signal or refused: rank 0 does the same
+        for rank, code in enumerate(codes, 1):
+            if code and not _agreed_code(code):
+                pid = self._procs[rank - 1].pid
+                return _Ending(f"rank {rank} (PID {pid}) {_describe_exit(code)}; stopping every rank.", None)
+        return None
+
+
+def _terminate(procs: list[Any], ending: _Ending) -> NoReturn:
+    """Say ``ending``'s line, kill every child rank still running, then this process: with ``os._exit``
+    (the main thread may be waiting in the rendezvous, where neither exceptions nor atexit handlers
+    can run), or with SIGKILL, as its child ranks."""
+    print(f"[ddp_plugins] {ending.line}", file=sys.stderr, flush=True)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    if ending.code is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(ending.code if ending.code is not None else 1)
+
+
 class _RankWatcher(threading.Thread):
-    """Watches the child ranks; when one fails, says which and how on stderr, and stops every rank.
+    """Watches the child ranks: with :class:`_StartupObserver` until the ranks met, then with
+    :class:`_ExitObserver` where no liveness room names a failed rank (``after_startup``); ends
+    the job (:func:`_terminate`) at the first exit either calls an ending.
 
     Unlike Lightning's ``_ChildProcessObserver`` (INFO level, usually hidden), it can be stopped.
-    Once the ranks met, it watches only where no liveness room does (``after_startup``).
-    While the ranks start (until ``ranks_met`` is set), rank 0 may wait in the rendezvous for a rank
-    that is gone: any exit of a child rank then ends the job, at once or, for a refusal (exit 2 with
-    an ``error: ...`` line) or an exit 0, after :data:`_STARTUP_GRACE_S` in which rank 0 did not end
-    its start-up (or its job) itself.
     """
 
     def __init__(
@@ -89,11 +164,9 @@ class _RankWatcher(threading.Thread):
     ) -> None:
         super().__init__(daemon=True, name="ddp-plugins-rank-watcher")
         self.procs = procs
-        self._tees = tees
-        self._halt = halt
-        self._ranks_met = ranks_met
-        self._after_startup = after_startup
-        self._lines: dict[int, str] = {}  # a child rank's last start-up stderr line, read once it exited
+        self._halt, self._ranks_met = halt, ranks_met
+        self._startup = _StartupObserver(procs, tees)
+        self._after = _ExitObserver(procs) if after_startup else None
 
     def stop(self) -> None:
         self._halt.set()
@@ -102,50 +175,19 @@ class _RankWatcher(threading.Thread):
 
     @override
     def run(self) -> None:
-        seen: dict[int, float] = {}  # when a child rank's exit was first seen during start-up
         while not self._halt.wait(_WATCH_S):
             codes = [proc.poll() for proc in self.procs]
+            state: _Ending | str | None
             if not self._ranks_met.is_set():
-                for rank, code in enumerate(codes, 1):
-                    if code is not None:
-                        self._during_startup(rank, code, seen.setdefault(rank, time.monotonic()))
-                continue
-            if not self._after_startup or all(code == 0 or _agreed_code(code) for code in codes):
-                return  # every child ended, or stopped for a preemption signal or refused: rank 0 does the same
-            failed = [(rank, code) for rank, code in enumerate(codes, 1) if code and not _agreed_code(code)]
-            if failed and not self._halt.is_set():
-                rank, code = failed[0]
-                message = f"rank {rank} (PID {self.procs[rank - 1].pid}) {_describe_exit(code)}; stopping every rank."
-                print(f"[ddp_plugins] {message}", file=sys.stderr, flush=True)
-                for other in self.procs:
-                    if other.poll() is None:
-                        other.send_signal(signal.SIGKILL)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    def _during_startup(self, rank: int, code: int, seen_at: float) -> None:
-        """Child rank ``rank`` exited with ``code`` while the ranks start (first seen at ``seen_at``):
-        end the job, unless it is a refusal or a clean exit that rank 0 still has time to match."""
-        if rank not in self._lines:
-            tee = self._tees[rank - 1]
-            self._lines[rank] = tee.last_line(_DRAIN_S) if tee is not None else ""
-        line = self._lines[rank]
-        refused = code == REFUSAL_EXIT and line.startswith(_REFUSAL_PREFIX)
-        if (refused or code == 0) and time.monotonic() - seen_at < _STARTUP_GRACE_S:
-            return
-        if self._halt.is_set():  # the launcher is stopping the ranks itself (a signal, rank 0 failed)
-            return
-        proc = self.procs[rank - 1]
-        how = f"{_describe_exit(code)}{' (a refusal)' if refused else ''} while the ranks were starting"
-        said = f"its last stderr line: {line}" if line else "it wrote nothing to stderr"
-        print(f"[ddp_plugins] rank {rank} (PID {proc.pid}) {how}; stopped every rank; {said}", file=sys.stderr)
-        for other in self.procs:
-            if other.poll() is None:
-                other.send_signal(signal.SIGKILL)
-        for stream in (sys.stderr, sys.stdout):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        # the main thread may be waiting in the rendezvous, where neither exceptions nor atexit handlers can run
-        os._exit(REFUSAL_EXIT if refused else 1)
+                state = self._startup.check(codes)
+            elif self._after is not None:
+                state = self._after.check(codes)
+            else:
+                return
+            if state == _DONE:
+                return
+            if isinstance(state, _Ending) and not self._halt.is_set():  # else the launcher stops the ranks itself
+                _terminate(self.procs, state)
 
 
 class _StderrTee(threading.Thread):
@@ -191,10 +233,6 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
     passes each child rank's stderr on, keeping its last line for the one line of a failed start-up.
     """
 
-    _startup: _StartupSignals | None = None
-    _halt: threading.Event | None = None
-    _ranks_met: threading.Event | None = None
-
     def __init__(
         self,
         *args: Any,
@@ -211,6 +249,9 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         self.child_command = child_command or _compat.subprocess_cmd  # default: Lightning's command
         self._reruns_command_line = child_command is None
         self._tees: list[_StderrTee | None] = []  # each child rank's stderr while it starts
+        self._startup: _StartupSignals | None = None  # SIGTERM and SIGINT held while the ranks start
+        self._halt: threading.Event | None = None  # set: the rank watcher stops
+        self._ranks_met: threading.Event | None = None  # set: the start-up is done
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -261,11 +302,12 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         if self._startup is not None:
             self._startup.restore()
             self._startup = None
-        if os.environ.pop(_DIES_WITH_LAUNCHER, None) is not None:
+        told = json.loads(os.environ.pop(_CHILD_STARTUP, "{}"))
+        if told.get("dies_with_launcher"):
             clear = parent_death_signal(0)
             if clear is not None:
                 clear()
-        stderr = os.environ.pop(_STDERR_FD, None)
+        stderr = told.get("stderr")
         if stderr is not None:
             with contextlib.suppress(Exception):  # sys.stderr may be anything by now
                 sys.stderr.flush()
@@ -345,16 +387,16 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         for local_rank in range(1, self.num_processes):
             env_copy = os.environ.copy()
             env_copy["LOCAL_RANK"] = f"{local_rank}"
-            if dies_with_launcher is not None:
-                env_copy[_DIES_WITH_LAUNCHER] = "1"
+            told: dict[str, Any] = {"dies_with_launcher": dies_with_launcher is not None}
             command, cwd = self.child_command(local_rank)
             try:
                 stderr = os.dup(2)  # the launcher's stderr, for the tee to write to and the child to take back
             except OSError:  # none to pass on
+                env_copy[_CHILD_STARTUP] = json.dumps(told)
                 self.procs.append(subprocess.Popen(command, env=env_copy, cwd=cwd, preexec_fn=dies_with_launcher))
                 self._tees.append(None)
                 continue
-            env_copy[_STDERR_FD] = str(stderr)
+            env_copy[_CHILD_STARTUP] = json.dumps({**told, "stderr": stderr})
             try:
                 proc = subprocess.Popen(
                     command, env=env_copy, cwd=cwd, preexec_fn=dies_with_launcher,
