@@ -50,8 +50,8 @@ test: $(STAMP)
 test-e2e: $(STAMP)
 	$(PY) -m pytest $(XDIST) -m e2e $(PYTEST_ARGS)
 
-# The promise matrix (tests/matrix/table.py): `make test` runs its pairwise cells, this every cell (over an
-# hour on this 2-core machine; 2 workers, as a cell's ranks fill the cores), then writes docs/promise_matrix.md
+# The promise matrix (tests/matrix/table.py): `make test` runs its pairwise cells, this every cell (about two
+# hours on this 2-core machine; 2 workers, as a cell's ranks fill the cores), then writes docs/promise_matrix.md
 # with each cell's result and seconds.
 MATRIX_RESULTS := .matrix-results.jsonl
 test-matrix: $(STAMP)

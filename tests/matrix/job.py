@@ -10,18 +10,22 @@ The reference replays those global micro-batches (the union over the ranks of mi
 each step) in one process, in plain torch: each step's gradient is the sum of its rows' losses over
 its rows, BatchNorm normalizes each global micro-batch, validation runs over the real rows. So the
 cell checks what the ranks did against one process on the same global batches; a plan cell checks
-too that those batches are the plan's, the same on any N (:func:`planned_rows`).
+too that those batches are the plan's, the same on any N (:func:`planned_rows`). A cell's flow runs
+after fit, with ModelCheckpoint, PreemptionCheckpoint and a CSVLogger: ``test(ckpt_path="best")``,
+``validate(ckpt_path="last")`` or ``predict`` with the first epoch's checkpoint path; the reference
+evaluates that epoch's state, and metrics.csv must still hold every row logged.
 """
 
 from __future__ import annotations
 
+import csv
 import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.nn.functional import cross_entropy
@@ -30,6 +34,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ddp_plugins.core.plan import GlobalPlan
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
+from ddp_plugins.lightning.preemption import PreemptionCheckpoint
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from tests.matrix.table import VIRTUAL_SHARDS
@@ -99,13 +104,20 @@ class _Model(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.step_values.append(float(self.trainer.callback_metrics["train/loss_step"]))
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, stage="val"):
         x, y, _ = batch
         logits = self.net(x)
-        self.log("val/loss", cross_entropy(logits, y), sync_dist=True)
+        self.log(f"{stage}/loss", cross_entropy(logits, y), sync_dist=True)
         self.acc(logits, y)
-        self.log("val/acc", self.acc)
+        self.log(f"{stage}/acc", self.acc)
         return {"preds": logits.float(), "target": y}
+
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx, "test")
+
+    def predict_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return {"preds": self.net(x).float(), "target": y}
 
     def configure_optimizers(self):
         return optimizer(self.parameters())
@@ -142,38 +154,68 @@ class _Memory(Logger):
         self.rows.append((int(step or 0), {k: float(v) for k, v in metrics.items()}))
 
 
-def trainer(cell: dict, logger: Logger, callbacks: list, ckpt_dir: str | None = None) -> pl.Trainer:
+def trainer(cell: dict, loggers: list[Logger], callbacks: list, ckpt_dir: str | None = None) -> pl.Trainer:
+    """The cell's Trainer; with ``ckpt_dir``, a checkpoint of every epoch (the best by ``val/loss``, and
+    the last) and PreemptionCheckpoint's own, as a flow after fit loads them."""
     _, planned = sizes(cell)
     strategy = DDPPluginsStrategy(
         backend="gloo", global_batch_size=planned, reproducible=cell["reproducible"] == "on",
         virtual_shards=VIRTUAL_SHARDS,
     )  # fmt: skip
     if ckpt_dir is not None:
-        callbacks = [*callbacks, ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2,
-                                                 save_top_k=-1)]  # fmt: skip
+        every = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", monitor="val/loss", save_top_k=-1, save_last=True)
+        callbacks = [*callbacks, every, PreemptionCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2)]
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE_HINT"]), strategy=strategy,
         sync_batchnorm=cell["syncbn"] == "on", accumulate_grad_batches=cell["accumulation"],
-        precision=cell["precision"], max_epochs=EPOCHS, callbacks=callbacks, logger=logger, log_every_n_steps=1,
+        precision=cell["precision"], max_epochs=EPOCHS, callbacks=callbacks, logger=loggers, log_every_n_steps=1,
         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )  # fmt: skip
 
 
 def run(out_dir: str, cell: dict) -> dict[str, Any]:
-    """The cell's job on this rank: what it trained, logged and counted (a refusal's one line instead)."""
+    """The cell's job on this rank: what it trained, logged and counted (a refusal's one line instead),
+    and what its flow after fit evaluated, logged and left in metrics.csv."""
     pl.seed_everything(SEED)
     model, memory = _Model(cell), _Memory()
     counter = AllReduceCounter(log=False)
     exact = SequentialEvaluation(metrics={"exact_acc": MulticlassAccuracy(num_classes=3, average="micro")})
+    flow, ckpt_dir = cell["flow"], os.path.join(out_dir, "checkpoints")
+    loggers: list[Logger] = [memory] if flow == "fit" else [memory, CSVLogger(out_dir, name="csv", version="")]
     try:
-        trainer(cell, memory, [counter, exact]).fit(model)
+        fitted = trainer(cell, loggers, [counter, exact], None if flow == "fit" else ckpt_dir)
+        fitted.fit(model)
     except (ValueError, TypeError) as refused:
         return {"refused": str(refused).splitlines()[0]}
     state = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
     momentum = [model.trainer.optimizers[0].state[p]["momentum_buffer"].clone() for p in model.net.parameters()]
-    return {"state": state, "momentum": momentum, "seen": model.seen, "step_values": model.step_values,
-            "logged": memory.rows, "rounds": counter.history}  # fmt: skip
+    result = {"state": state, "momentum": momentum, "seen": model.seen, "step_values": model.step_values,
+              "logged": list(memory.rows), "rounds": counter.history}  # fmt: skip
+    if flow != "fit":
+        result.update(_flow(fitted, model, exact, memory, flow, ckpt_dir, out_dir))
+    return result
+
+
+def _flow(fitted: pl.Trainer, model: _Model, exact: SequentialEvaluation, memory: _Memory, flow: str, ckpt_dir: str,
+          out_dir: str) -> dict[str, Any]:  # fmt: skip
+    """Run the cell's flow after fit: what it logged, predicted, and left of fit's rows in metrics.csv."""
+    before = len(memory.rows)
+    loader = model.val_dataloader()
+    if flow == "test-best":
+        fitted.test(model, dataloaders=loader, ckpt_path="best", verbose=False)
+    elif flow == "validate-last":
+        fitted.validate(model, dataloaders=loader, ckpt_path="last", verbose=False)
+    else:
+        fitted.predict(model, dataloaders=loader, ckpt_path=os.path.join(ckpt_dir, "epoch=0.ckpt"))
+    best = fitted.checkpoint_callback.best_model_path if fitted.checkpoint_callback is not None else ""
+    csv_rows: list[dict[str, str]] = []
+    if fitted.is_global_zero:
+        with open(os.path.join(out_dir, "csv", "metrics.csv"), newline="") as file:
+            csv_rows = list(csv.DictReader(file))
+    predictions = exact.results.get("predict") if flow == "predict-path" else None
+    return {"flow_logged": memory.rows[before:], "best": os.path.basename(best), "csv": csv_rows,
+            "predictions": predictions}  # fmt: skip
 
 
 def global_steps(ranks: list[dict]) -> list[list[list[int]]]:
@@ -211,7 +253,7 @@ def reference(cell: dict, steps: list[list[list[int]]], steps_per_epoch: int) ->
     x, vx = x.to(dtype), vx.to(dtype)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cell["precision"] == "bf16-mixed")
     micro_losses: dict[tuple[int, int], float] = {}  # by (global step, micro-batch)
-    epoch_losses, val = [], []
+    epoch_losses, val, val_logits = [], [], []
     epoch_sum = epoch_rows = 0.0
     for index, micro_batches in enumerate(steps):
         model.train()
@@ -234,9 +276,10 @@ def reference(cell: dict, steps: list[list[list[int]]], steps_per_epoch: int) ->
                 logits = model(vx)
                 loss = cross_entropy(logits, vy)
             val.append((float(loss), float((logits.argmax(1) == vy).float().mean())))  # accuracy: torchmetrics' float32
+            val_logits.append(logits.float())
     momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
     return {"state": model.state_dict(), "momentum": momentum, "micro_losses": micro_losses,
-            "epoch_losses": epoch_losses, "val": val}  # fmt: skip
+            "epoch_losses": epoch_losses, "val": val, "val_logits": val_logits}  # fmt: skip
 
 
 def logged(rows: list[tuple[int, dict[str, float]]], key: str) -> list[float]:

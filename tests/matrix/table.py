@@ -24,6 +24,8 @@ PROMISES = {
     "syncbn": "SyncBN's running statistics equal one process's BatchNorm on the global micro-batch",
     "allreduce": "one gradient all-reduce round per optimizer step (none inside an accumulation);"
     " the reproducible mode sums outside DDP's reducer (its bits are compared instead)",
+    "flows": "a Lightning flow after fit (with PreemptionCheckpoint and a CSVLogger) evaluates the checkpoint"
+    " it names as one process does, and every row logged before it is still in metrics.csv",
 }
 
 # Promises proven outside the matrix, at points (each names its tests); not yet an axis of the matrix.
@@ -31,7 +33,7 @@ OUTSIDE = {
     "resume": "a stop and resume (same N, another N where the plan allows) equals the uninterrupted run:"
     " tests/app/test_preemption.py, tests/app/test_exact_epochs.py, tests/app/test_reproducible.py,"
     " tests/lightning/test_global_plan.py, tests/lightning/test_epoch_partials.py",
-    "flows": "nothing logged is lost by fit then test(ckpt_path='best') with PreemptionCheckpoint and a CSVLogger:"
+    "fit twice": "a second fit of the same Trainer with PreemptionCheckpoint keeps every row logged:"
     " tests/lightning/test_preemption_evaluation.py; fit then test with the app's configs:"
     " tests/lightning/test_weights_only.py",
 }
@@ -50,6 +52,9 @@ AXES: dict[str, tuple] = {
     # generator; sampler: a DataLoader with a sampler of the user's own
     "loader": ("plan", "shuffle", "sampler"),
     "reproducible": ("off", "on"),
+    # what runs after fit: nothing; test(ckpt_path="best"); validate(ckpt_path="last"); predict with the
+    # path of the first epoch's checkpoint (SequentialEvaluation's ordered predictions)
+    "flow": ("fit", "test-best", "validate-last", "predict-path"),
 }
 
 # The comparison's tolerance per precision (relative and absolute, torch.testing.assert_close):
@@ -67,6 +72,8 @@ def not_a_cell(cell: dict) -> str | None:
     planned = cell["batch"] != "per-rank"
     if cell["entry"] == "app" and cell["loader"] != "plan":
         return "the app's loader is its datamodule's, on the plan: a user's loader is a library cell"
+    if cell["entry"] == "app" and cell["flow"] != "fit":
+        return "the app runs fit: a flow after fit is a library cell"
     if cell["entry"] == "app" and not planned:
         return "the app's default-mode rows depend on N (Lightning's DistributedSampler): a library cell replays them"
     if cell["loader"] == "plan" and not planned:

@@ -81,6 +81,8 @@ def test_the_cell_equals_one_process(cell, record, tmp_path, tmp_path_factory):
         if planned is not None:
             got = [sorted(i for m in step for i in m) for step in steps[epoch * per_epoch : (epoch + 1) * per_epoch]]
             assert got == job.planned_rows(cell, epoch), f"epoch {epoch}: the steps' rows are not the plan's"
+    if cell["flow"] != "fit":
+        _check_logs_kept(ranks[0])
     if cell["reproducible"] == "on":
         _check_bits(cell, ranks)
         record.update(outcome="the same bits as on another number of ranks")
@@ -93,8 +95,8 @@ def _check_bits(cell: dict, ranks: list[dict]) -> None:
     """The reproducible mode: bitwise the run of the same cell on another number of ranks."""
     other = 2 if cell["ranks"] == 1 else 1
     (reference, *_) = _run(json.dumps({**cell, "ranks": other}, sort_keys=True), other)
-    for key in ("state", "momentum", "logged"):
-        assert _bits(ranks[0][key]) == _bits(reference[key]), f"{key}: not the bits of {other} rank(s)"
+    for key in ("state", "momentum", "logged", "flow_logged", "best", "predictions"):
+        assert _bits(ranks[0].get(key)) == _bits(reference.get(key)), f"{key}: not the bits of {other} rank(s)"
 
 
 def _bits(value):
@@ -129,3 +131,35 @@ def _check_against_reference(cell: dict, ranks: list[dict], steps: list, per_epo
            "val/exact_acc (SequentialEvaluation)")  # fmt: skip
     calls = [rounds for _, _, rounds in ours["rounds"]]
     assert calls == [1] * len(steps), f"gradient all-reduce rounds per optimizer step: {calls}"
+    if cell["flow"] != "fit":
+        _check_flow(cell, ours, ref, tol)
+
+
+def _check_flow(cell: dict, ours: dict, ref: dict, tol: float) -> None:
+    """The flow after fit evaluated the checkpoint it names (the best epoch by val/loss, the last, the
+    first epoch's) as one process does."""
+    flow, logged = cell["flow"], ours["flow_logged"]
+    if flow == "predict-path":
+        got = ours["predictions"]
+        _close(got["preds"], ref["val_logits"][0], tol, "predictions of the first epoch's checkpoint, in order")
+        return
+    val_loss, val_acc = zip(*ref["val"], strict=True)
+    epoch = min(range(len(val_loss)), key=val_loss.__getitem__) if flow == "test-best" else len(val_loss) - 1
+    if flow == "test-best":
+        assert ours["best"] == f"epoch={epoch}.ckpt", f"best checkpoint {ours['best']}, one process's: epoch {epoch}"
+    stage = "test" if flow == "test-best" else "val"
+    for name, expected in (("loss", val_loss[epoch]), ("acc", val_acc[epoch]), ("exact_acc", val_acc[epoch])):
+        values = job.logged(logged, f"{stage}/{name}")
+        assert len(values) == 1, f"{flow}: {stage}/{name} logged {len(values)} times"
+        _close(torch.tensor(values[0]), torch.tensor(expected), tol, f"{flow}: {stage}/{name} of epoch {epoch}")
+
+
+def _check_logs_kept(ours: dict) -> None:
+    """metrics.csv after the flow holds every value fit and the flow logged, each once: PreemptionCheckpoint
+    cuts it back only for a resume, never for an evaluation's checkpoint."""
+    in_csv = sorted(
+        (int(row["step"]), key) for row in ours["csv"] for key, value in row.items() if value != "" and key != "step"
+    )
+    logged = sorted((step, key) for step, metrics in ours["logged"] + ours["flow_logged"] for key in metrics)
+    lost = [entry for entry in logged if entry not in in_csv]
+    assert in_csv == logged, f"metrics.csv after the flow: {len(in_csv)} entries, {len(logged)} logged; lost {lost[:5]}"
