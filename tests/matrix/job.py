@@ -13,7 +13,8 @@ cell checks what the ranks did against one process on the same global batches; a
 too that those batches are the plan's, the same on any N (:func:`planned_rows`). A cell's flow runs
 after fit, with ModelCheckpoint, PreemptionCheckpoint and a CSVLogger: ``test(ckpt_path="best")``,
 ``validate(ckpt_path="last")`` or ``predict`` with the first epoch's checkpoint path; the reference
-evaluates that epoch's state, and metrics.csv must still hold every row logged.
+evaluates that epoch's state, and metrics.csv must still hold every row logged. The flow ``resume``
+fits the first epoch, then resumes a new Trainer from its last checkpoint: the whole run is checked.
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ class _Memory(Logger):
         self.rows.append((int(step or 0), {k: float(v) for k, v in metrics.items()}))
 
 
-def trainer(cell: dict, loggers: list[Logger], callbacks: list, ckpt_dir: str | None = None) -> pl.Trainer:
+def trainer(
+    cell: dict, loggers: list[Logger], callbacks: list, ckpt_dir: str | None = None, epochs: int = EPOCHS
+) -> pl.Trainer:
     """The cell's Trainer; with ``ckpt_dir``, a checkpoint of every epoch (the best by ``val/loss``, and
     the last) and PreemptionCheckpoint's own, as a flow after fit loads them."""
     _, planned = sizes(cell)
@@ -168,7 +171,7 @@ def trainer(cell: dict, loggers: list[Logger], callbacks: list, ckpt_dir: str | 
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE_HINT"]), strategy=strategy,
         sync_batchnorm=cell["syncbn"] == "on", accumulate_grad_batches=cell["accumulation"],
-        precision=cell["precision"], max_epochs=EPOCHS, callbacks=callbacks, logger=loggers, log_every_n_steps=1,
+        precision=cell["precision"], max_epochs=epochs, callbacks=callbacks, logger=loggers, log_every_n_steps=1,
         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )  # fmt: skip
@@ -183,23 +186,31 @@ def run(out_dir: str, cell: dict) -> dict[str, Any]:
     exact = SequentialEvaluation(metrics={"exact_acc": MulticlassAccuracy(num_classes=3, average="micro")})
     flow, ckpt_dir = cell["flow"], os.path.join(out_dir, "checkpoints")
     loggers: list[Logger] = [memory] if flow == "fit" else [memory, CSVLogger(out_dir, name="csv", version="")]
+    rounds: list = []
     try:
+        if flow == "resume":  # the first epoch, then a new Trainer resumes from its last checkpoint to the end
+            trainer(cell, loggers, [counter, exact], ckpt_dir, epochs=1).fit(model)
+            rounds, counter = counter.history, AllReduceCounter(log=False)
         fitted = trainer(cell, loggers, [counter, exact], None if flow == "fit" else ckpt_dir)
-        fitted.fit(model)
+        fitted.fit(model, ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if flow == "resume" else None)
     except (ValueError, TypeError) as refused:
         return {"refused": str(refused).splitlines()[0]}
     state = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
     momentum = [model.trainer.optimizers[0].state[p]["momentum_buffer"].clone() for p in model.net.parameters()]
     result = {"state": state, "momentum": momentum, "seen": model.seen, "step_values": model.step_values,
-              "logged": list(memory.rows), "rounds": counter.history}  # fmt: skip
-    if flow != "fit":
-        result.update(_flow(fitted, model, exact, memory, flow, ckpt_dir, out_dir))
+              "logged": list(memory.rows), "rounds": rounds + counter.history, "flow_logged": []}  # fmt: skip
+    if flow not in ("fit", "resume"):
+        result.update(_flow(fitted, model, exact, memory, flow, ckpt_dir))
+    if flow != "fit" and fitted.is_global_zero:  # what metrics.csv holds once the flow ended
+        with open(os.path.join(out_dir, "csv", "metrics.csv"), newline="") as file:
+            result["csv"] = list(csv.DictReader(file))
     return result
 
 
-def _flow(fitted: pl.Trainer, model: _Model, exact: SequentialEvaluation, memory: _Memory, flow: str, ckpt_dir: str,
-          out_dir: str) -> dict[str, Any]:  # fmt: skip
-    """Run the cell's flow after fit: what it logged, predicted, and left of fit's rows in metrics.csv."""
+def _flow(
+    fitted: pl.Trainer, model: _Model, exact: SequentialEvaluation, memory: _Memory, flow: str, ckpt_dir: str
+) -> dict[str, Any]:
+    """Run the cell's flow after fit: what it logged and predicted, and the best checkpoint's name."""
     before = len(memory.rows)
     loader = model.val_dataloader()
     if flow == "test-best":
@@ -209,13 +220,8 @@ def _flow(fitted: pl.Trainer, model: _Model, exact: SequentialEvaluation, memory
     else:
         fitted.predict(model, dataloaders=loader, ckpt_path=os.path.join(ckpt_dir, "epoch=0.ckpt"))
     best = fitted.checkpoint_callback.best_model_path if fitted.checkpoint_callback is not None else ""
-    csv_rows: list[dict[str, str]] = []
-    if fitted.is_global_zero:
-        with open(os.path.join(out_dir, "csv", "metrics.csv"), newline="") as file:
-            csv_rows = list(csv.DictReader(file))
     predictions = exact.results.get("predict") if flow == "predict-path" else None
-    return {"flow_logged": memory.rows[before:], "best": os.path.basename(best), "csv": csv_rows,
-            "predictions": predictions}  # fmt: skip
+    return {"flow_logged": memory.rows[before:], "best": os.path.basename(best), "predictions": predictions}
 
 
 def global_steps(ranks: list[dict]) -> list[list[list[int]]]:
