@@ -210,7 +210,20 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # once accelerator, devices and plugins are known, before any process starts; the world size first
+        self._settle()
+        check, env = self._check_before_launch, self.cluster_environment
+        if self._start_method != "popen":
+            self._launcher = CleanExitMultiprocessingLauncher(self, self._start_method, before_launch=check)
+            return
+        self._launcher = JobSubprocessLauncher(
+            env, self.num_processes, self.num_nodes, before_launch=check, child_command=self._child_command,
+            watch_after_startup=self._stall[0] is None,  # else the liveness room names a failed rank
+            on_failure=self._failed,
+        )  # fmt: skip
+
+    def _settle(self) -> None:
+        """Once accelerator, devices and plugins are known (the Trainer is built), before any process starts:
+        the checks that need them (the world size first), and the plugins the pack puts in place."""
         env, expected = self.cluster_environment, self.num_processes * self.num_nodes
         assert env is not None  # Lightning's message, before a bare IndexError, when torchrun started more ranks
         if env.creates_processes_externally and (world_size := env.world_size()) != expected:
@@ -234,15 +247,6 @@ class DDPPluginsStrategy(DDPStrategy):
             check_comm_hook(self.comm_hook, self._get_process_group_backend())
         if self._checkpoint_io is None:  # a CheckpointIO given in `Trainer(plugins=...)` was set before
             self._checkpoint_io = AtomicCheckpointIO()  # a checkpoint file is whole or absent
-        check = self._check_before_launch
-        if self._start_method == "popen":
-            self._launcher = JobSubprocessLauncher(
-                env, self.num_processes, self.num_nodes, before_launch=check, child_command=self._child_command,
-                watch_after_startup=self._stall[0] is None,  # else the liveness room names a failed rank
-                on_failure=self._failed,
-            )  # fmt: skip
-        else:
-            self._launcher = CleanExitMultiprocessingLauncher(self, self._start_method, before_launch=check)
 
     def _ranks_per_gpu(self) -> int:
         """This host's ranks per GPU (0 off CUDA); every rank is this host's on a loopback main address."""
