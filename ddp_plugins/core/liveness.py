@@ -533,8 +533,10 @@ class Liveness:
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
         waits = self.waits or _in_collective(frame)
-        where = (self.marks, self.phase, os.getpid(), self._host, stack, self._ns, waits, self.state.value)
-        record = Record(self.rank, self._seq, *where)
+        record = Record(
+            rank=self.rank, seq=self._seq, marks=self.marks, phase=self.phase, pid=os.getpid(), host=self._host,
+            stack=stack, pid_ns=self._ns, waits=waits, state=self.state.value,
+        )  # fmt: skip
         self.store.set(f"{_KEY}{self.rank}", json.dumps(record._asdict()))
 
     def _records_now(self) -> list[Record]:

@@ -307,7 +307,7 @@ class ReproducibleSteps(PlannedSteps):
         sampler = evaluation_sampler(trainer, args)
         # a padding batch counts for nothing: in a mean, in a metric's state (SequentialEvaluation's aligned
         # shards, where it cannot cut whole batches: the one padding row of a rank past the dataset's end)
-        padding = padding_batch(trainer, args) or (
+        padding = padding_batch(trainer, args, sampler) or (
             isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples
         )
         results = _compat.running_results(trainer, hook)

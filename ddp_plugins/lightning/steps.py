@@ -58,12 +58,12 @@ def evaluation_sampler(trainer: Any, args: tuple) -> Any:
     return getattr(loaders, "sampler", None)
 
 
-def padding_batch(trainer: Any, args: tuple) -> bool:
+def padding_batch(trainer: Any, args: tuple, sampler: Any = None) -> bool:
     """Whether the evaluation step of ``args`` (batch, batch index, loader index) runs a padding batch of a
-    :class:`PaddingApartSampler`."""
+    :class:`PaddingApartSampler` (``sampler``: the step's, where the caller looked it up already)."""
     if len(args) < 2 or trainer is None:
         return False
-    sampler = evaluation_sampler(trainer, args)
+    sampler = evaluation_sampler(trainer, args) if sampler is None else sampler
     return isinstance(sampler, PaddingApartSampler) and sampler.is_padding(int(args[1]))
 
 
