@@ -598,8 +598,7 @@ class Liveness:
 
     def _name(self, verdict: Verdict, records: list[Record]) -> None:
         folder = self.folder() if callable(self.folder) else self.folder
-        store_answers = verdict.how != "store" and not (0 in verdict.ranks and verdict.how == "gone")
-        if folder is not None and self.rank != 0 and store_answers:  # rank 0 named: read every record
+        if folder is not None and self.rank != 0 and _store_answers(verdict):  # rank 0 named: read every record
             with contextlib.suppress(Exception):  # once, for stall.txt (a store that fails: what was read)
                 records = self._records_now() or records
         dump = _dump(verdict, records, folder) if folder is not None and records else None
@@ -629,7 +628,7 @@ class Liveness:
     def _end_once(self, verdict: Verdict, records: list[Record]) -> None:
         """The reporter writes the rescue, tells the others and waits until they left the store (their
         store calls would fail with torch's C++ stack dumps), then kills the stalled ranks on its host."""
-        store_answers = verdict.how != "store" and not (0 in verdict.ranks and verdict.how == "gone")
+        store_answers = _store_answers(verdict)
         if not self._reports(verdict):
             with contextlib.suppress(Exception):
                 if store_answers:
@@ -656,6 +655,12 @@ class Liveness:
             if record.rank in verdict.ranks and self._local(record) and record.pid not in (0, os.getpid()):
                 with contextlib.suppress(OSError):
                     os.kill(record.pid, signal.SIGKILL)
+
+
+def _store_answers(verdict: Verdict) -> bool:
+    """Whether the job's store still answers once ``verdict`` is named: not where it did not answer, nor
+    where its host, rank 0, is gone."""
+    return verdict.how != "store" and not (0 in verdict.ranks and verdict.how == "gone")
 
 
 def _own_client(store: Any) -> Any:
