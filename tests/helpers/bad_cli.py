@@ -11,6 +11,7 @@ app's own work (compose, build every object, the Trainer) runs in full for each 
 """
 
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -48,7 +49,7 @@ def _run(argv: list[str]) -> dict:
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the app, as `python -m ddp_plugins.train ARGV` would run it, in its own folder
-        warm.start(request)
+        warm.start(functools.partial(warm.become, request, zygote=False))  # a rank it starts: fresh
     _, status = os.waitpid(pid, 0)
     elapsed = time.monotonic() - start
     left = _children()
