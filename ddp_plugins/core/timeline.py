@@ -62,13 +62,21 @@ class PhaseRow(NamedTuple):
     end: int
 
 
+class _ScorePoint(NamedTuple):
+    """A rank's straggler score (ms, a moving mean of its excess lead) at the end of a step (ns)."""
+
+    rank: int
+    end: float
+    score: float
+
+
 class _Window(NamedTuple):
     """One :meth:`Timeline.collect`'s gathered rows, kept on rank 0 for the trace."""
 
     coll: list[CollectiveRow]
     phase: list[PhaseRow]
     last: dict[int, CollectiveRow]  # seq: its last arrival
-    score_points: list[tuple[int, float, float]]  # rank, time, score
+    score_points: list[_ScorePoint]
     blamed: dict[int, int]  # step: rank
 
 
@@ -437,10 +445,11 @@ class Timeline:
 
     def _blame_steps(
         self, steps: list[int], leads: dict[int, dict[int, float]], step_end: dict[tuple[int, int], float]
-    ) -> tuple[dict[int, int], list[tuple[int, float, float]]]:
+    ) -> tuple[dict[int, int], list[_ScorePoint]]:
         """``{step: rank}`` for the steps a rank's excess blames, and every rank's score after each step."""
         world = dist.get_world_size(self.group) if is_distributed() else 1
-        blamed, score_points = {}, []
+        blamed: dict[int, int] = {}
+        score_points: list[_ScorePoint] = []
         for step in steps:
             by_rank = leads.get(step, {})
             # excess: the lead over the rank that led most besides it (shared jitter cancels)
@@ -456,7 +465,7 @@ class Timeline:
                 excess = net.get(r, 0.0) / 1e6
                 self._blame[r] += excess
                 self.scores[r] = self.scores.get(r, excess) + self.score_decay * (excess - self.scores.get(r, excess))
-                score_points.append((r, step_end.get((r, step), 0.0), self.scores[r]))
+                score_points.append(_ScorePoint(r, step_end.get((r, step), 0.0), self.scores[r]))
         return blamed, score_points
 
     def _keep(self, window: _Window) -> None:
@@ -500,9 +509,11 @@ class Timeline:
             for p in window.phase:
                 args = {"step": p.step, "blamed": window.blamed.get(p.step)} if p.phase == "step" else {}
                 events.append(_span(p.phase, "phase", p.rank, 0, p.start, p.end, {"step": p.step, **args}))
-            for r, end, score in window.score_points:
-                args = {"score": round(score, 3)}
-                events.append({"name": "straggler score (ms)", "ph": "C", "pid": r, "ts": end / 1e3, "args": args})
+            for point in window.score_points:
+                args = {"score": round(point.score, 3)}
+                events.append(
+                    {"name": "straggler score (ms)", "ph": "C", "pid": point.rank, "ts": point.end / 1e3, "args": args}
+                )
         ranks = sorted({int(event["pid"]) for event in events})
         names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in ranks]
         names += [
