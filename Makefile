@@ -53,8 +53,13 @@ test: $(STAMP)
 	$(PY) -m pytest $(XDIST) -m "not hazard_control and not e2e" $(PYTEST_ARGS)
 	@if $(HAS_CUDA); then $(MAKE) --no-print-directory gpu-tests PY=$(PY); else echo "make test: no CUDA GPU here, the gpu tests were skipped (make gpu-check runs them where one is)"; fi
 
+# The `waits` tests (three, which mostly sleep through the default liveness limits, two of them 330 s)
+# run in a second pytest beside the others, their output shown after: the run is as long as its longest.
 test-e2e: $(STAMP)
-	$(PY) -m pytest $(XDIST) -m e2e $(PYTEST_ARGS)
+	@$(PY) -m pytest -n 3 -m "e2e and waits" -p no:cacheprovider $(PYTEST_ARGS) > .e2e-waits.log 2>&1 & waits=$$!; \
+	$(PY) -m pytest $(XDIST) -m "e2e and not waits" $(PYTEST_ARGS); others=$$?; \
+	wait $$waits; code=$$?; echo "== make test-e2e: the waits tests"; cat .e2e-waits.log; rm -f .e2e-waits.log; \
+	test $$others -eq 0 && test $$code -eq 0
 
 # The promise matrix (tests/matrix/table.py): `make test` runs its pairwise cells, this every cell (about two
 # hours on this 2-core machine; 2 workers, as a cell's ranks fill the cores), then writes docs/promise_matrix.md

@@ -301,6 +301,7 @@ def test_when_every_checkpoint_is_damaged_the_run_refuses_and_overwrites_nothing
 
 
 @pytest.mark.e2e
+@pytest.mark.waits
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_within_a_minute_with_the_default_settings(tmp_path):
     """SIGSTOP freezes rank 1 in the middle of an epoch: with the default strategy.timeout (30 minutes)
@@ -332,6 +333,7 @@ def test_a_stopped_rank_is_named_within_a_minute_with_the_default_settings(tmp_p
 
 
 @pytest.mark.e2e
+@pytest.mark.waits
 @pytest.mark.slow
 @pytest.mark.timeout(720)
 @pytest.mark.parametrize(
