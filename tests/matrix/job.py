@@ -14,13 +14,18 @@ too that those batches are the plan's, the same on any N (:func:`planned_rows`).
 after fit, with ModelCheckpoint, PreemptionCheckpoint and a CSVLogger: ``test(ckpt_path="best")``,
 ``validate(ckpt_path="last")`` or ``predict`` with the first epoch's checkpoint path; the reference
 evaluates that epoch's state, and metrics.csv must still hold every row logged. The flow ``resume``
-fits the first epoch, then resumes a new Trainer from its last checkpoint: the whole run is checked.
+fits the first epoch, then resumes a new Trainer from its last checkpoint; in ``resume-mid`` rank 0
+gets a real SIGTERM once global step :data:`MID_STEP` is done, in the middle of the first epoch,
+PreemptionCheckpoint stops every rank at one step with its checkpoint, and a new Trainer resumes from it.
+What the ranks did past that checkpoint is dropped from the records, as the resume drops it (and
+PreemptionCheckpoint cuts metrics.csv back to it): the whole run is checked.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import signal
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,6 +38,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from ddp_plugins.core import Preempted
 from ddp_plugins.core.plan import GlobalPlan
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
 from ddp_plugins.lightning.preemption import PreemptionCheckpoint
@@ -41,6 +47,10 @@ from ddp_plugins.lightning.strategy import DDPPluginsStrategy
 from tests.matrix.table import VIRTUAL_SHARDS
 
 SEED, EPOCHS, VAL_ROWS, PER_RANK = 7, 2, 21, 4
+# resume-mid's signal, after step 1: the stop lands after step 2, in the middle of every cell's epoch of 3 or 4
+# steps. (A stop that lands on an epoch's last step loses that epoch's train means from metrics.csv: issue 49.)
+MID_STEP = 1
+RESUMES = ("resume", "resume-mid")
 DTYPES = {"32-true": torch.float32, "64-true": torch.float64, "bf16-mixed": torch.float32}
 
 
@@ -94,6 +104,7 @@ class _Model(pl.LightningModule):
         self.acc = MulticlassAccuracy(num_classes=3, average="micro")
         self.seen: list[tuple[int, int, list[int]]] = []  # (epoch, global step, row ids) per micro-batch
         self.step_values: list[float] = []  # train/loss as logged on step, after each micro-batch
+        self.value_steps: list[int] = []  # the global step of each of those
 
     def training_step(self, batch, batch_idx):
         x, y, ids = batch
@@ -104,6 +115,7 @@ class _Model(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.step_values.append(float(self.trainer.callback_metrics["train/loss_step"]))
+        self.value_steps.append(self.seen[-1][1])
 
     def validation_step(self, batch, batch_idx, stage="val"):
         x, y, _ = batch
@@ -155,11 +167,23 @@ class _Memory(Logger):
         self.rows.append((int(step or 0), {k: float(v) for k, v in metrics.items()}))
 
 
+class _SigtermAt(pl.Callback):
+    """A real SIGTERM to rank 0 once global step ``step`` is done (once per Trainer)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.sent = step, False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def trainer(
     cell: dict, loggers: list[Logger], callbacks: list, ckpt_dir: str | None = None, epochs: int = EPOCHS
 ) -> pl.Trainer:
     """The cell's Trainer; with ``ckpt_dir``, a checkpoint of every epoch (the best by ``val/loss``, and
-    the last) and PreemptionCheckpoint's own, as a flow after fit loads them."""
+    the last) and PreemptionCheckpoint's own (its stop agreed at every step), as a flow after fit loads them."""
     _, planned = sizes(cell)
     strategy = DDPPluginsStrategy(
         backend="gloo", global_batch_size=planned, reproducible=cell["reproducible"] == "on",
@@ -167,7 +191,11 @@ def trainer(
     )  # fmt: skip
     if ckpt_dir is not None:
         every = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", monitor="val/loss", save_top_k=-1, save_last=True)
-        callbacks = [*callbacks, every, PreemptionCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2)]
+        callbacks = [
+            *callbacks,
+            every,
+            PreemptionCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, check_every_n_steps=1),
+        ]
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE_HINT"]), strategy=strategy,
         sync_batchnorm=cell["syncbn"] == "on", accumulate_grad_batches=cell["accumulation"],
@@ -188,23 +216,52 @@ def run(out_dir: str, cell: dict) -> dict[str, Any]:
     loggers: list[Logger] = [memory] if flow == "fit" else [memory, CSVLogger(out_dir, name="csv", version="")]
     rounds: list = []
     try:
+        resume_from = None
         if flow == "resume":  # the first epoch, then a new Trainer resumes from its last checkpoint to the end
             trainer(cell, loggers, [counter, exact], ckpt_dir, epochs=1).fit(model)
+            resume_from = os.path.join(ckpt_dir, "last.ckpt")
+        elif flow == "resume-mid":  # stopped by a signal after step MID_STEP; a new Trainer resumes from there
+            resume_from = _stopped(cell, model, loggers, [counter, exact, _SigtermAt(MID_STEP)], ckpt_dir, memory)
+        if resume_from is not None:
             rounds, counter = counter.history, AllReduceCounter(log=False)
         fitted = trainer(cell, loggers, [counter, exact], None if flow == "fit" else ckpt_dir)
-        fitted.fit(model, ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if flow == "resume" else None)
+        fitted.fit(model, ckpt_path=resume_from)
     except (ValueError, TypeError) as refused:
         return {"refused": str(refused).splitlines()[0]}
     state = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
     momentum = [model.trainer.optimizers[0].state[p]["momentum_buffer"].clone() for p in model.net.parameters()]
     result = {"state": state, "momentum": momentum, "seen": model.seen, "step_values": model.step_values,
-              "logged": list(memory.rows), "rounds": rounds + counter.history, "flow_logged": []}  # fmt: skip
-    if flow not in ("fit", "resume"):
+              "logged": list(memory.rows), "rounds": rounds + counter.history, "flow_logged": [],
+              "resumed_from": os.path.basename(resume_from or "")}  # fmt: skip
+    if flow != "fit" and flow not in RESUMES:
         result.update(_flow(fitted, model, exact, memory, flow, ckpt_dir))
     if flow != "fit" and fitted.is_global_zero:  # what metrics.csv holds once the flow ended
         with open(os.path.join(out_dir, "csv", "metrics.csv"), newline="") as file:
             result["csv"] = list(csv.DictReader(file))
     return result
+
+
+def _stopped(cell: dict, model: _Model, loggers: list[Logger], callbacks: list, ckpt_dir: str, memory: _Memory) -> str:
+    """Fit until PreemptionCheckpoint stops every rank on the signal; keep only what the checkpoint holds
+    (the rows, losses, logged values and all-reduce rounds of the steps before it); its path."""
+    stopped = trainer(cell, loggers, callbacks, ckpt_dir)
+    try:
+        stopped.fit(model)
+    except Preempted as stop:
+        assert stop.checkpoint is not None, "PreemptionCheckpoint stopped without a checkpoint"
+        path = stop.checkpoint
+        step = int(os.path.basename(path).split("-")[1])
+    else:
+        raise AssertionError(f"the fit was not stopped after step {MID_STEP}")
+    per_epoch = stopped.estimated_stepping_batches // EPOCHS
+    assert 0 < step < per_epoch, f"{os.path.basename(path)}: not in the middle of the first epoch ({per_epoch} steps)"
+    model.seen = [seen for seen in model.seen if seen[1] < step]
+    kept = [i for i, at in enumerate(model.value_steps) if at < step]
+    model.step_values, model.value_steps = [model.step_values[i] for i in kept], [model.value_steps[i] for i in kept]
+    memory.rows[:] = [(at, metrics) for at, metrics in memory.rows if at < step]
+    counter = callbacks[0]
+    counter.history[:] = counter.history[:step]
+    return path
 
 
 def _flow(

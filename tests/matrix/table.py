@@ -26,14 +26,15 @@ PROMISES = {
     " the reproducible mode sums outside DDP's reducer (its bits are compared instead)",
     "flows": "a Lightning flow after fit (with PreemptionCheckpoint and a CSVLogger) evaluates the checkpoint"
     " it names as one process does, and every row logged before it is still in metrics.csv; a fit resumed"
-    " from the last checkpoint of its first epoch ends as the uninterrupted run (every promise above)",
+    " from the last checkpoint of its first epoch, or stopped by a SIGTERM in its middle and resumed from"
+    " PreemptionCheckpoint's checkpoint, ends as the uninterrupted run (every promise above)",
 }
 
 # Promises proven outside the matrix, at points (each names its tests); not yet an axis of the matrix.
 OUTSIDE = {
-    "resume": "a stop mid-epoch and resume (same N, another N where the plan allows) equals the uninterrupted run"
-    " (the flow axis resumes at an epoch's end, on the same N):"
-    " tests/app/test_preemption.py, tests/app/test_exact_epochs.py, tests/app/test_reproducible.py,"
+    "resume": "a resume on another N where the plan allows equals the uninterrupted run (the flow axis resumes"
+    " on the same N, at an epoch's end and in the middle of one):"
+    " tests/app/test_exact_epochs.py, tests/app/test_reproducible.py,"
     " tests/lightning/test_global_plan.py, tests/lightning/test_epoch_partials.py",
     "fit twice": "a second fit of the same Trainer with PreemptionCheckpoint keeps every row logged:"
     " tests/lightning/test_preemption_evaluation.py; fit then test with the app's configs:"
@@ -56,8 +57,10 @@ AXES: dict[str, tuple] = {
     "reproducible": ("off", "on"),
     # what runs after fit: nothing; test(ckpt_path="best"); validate(ckpt_path="last"); predict with the
     # path of the first epoch's checkpoint (SequentialEvaluation's ordered predictions); or the fit stops
-    # after its first epoch and a new Trainer resumes from the last checkpoint (fit(ckpt_path=...))
-    "flow": ("fit", "test-best", "validate-last", "predict-path", "resume"),
+    # after its first epoch and a new Trainer resumes from the last checkpoint (fit(ckpt_path=...)); or it
+    # stops in the middle of the first epoch (after global step 2) and a new Trainer resumes from
+    # PreemptionCheckpoint's step checkpoint
+    "flow": ("fit", "test-best", "validate-last", "predict-path", "resume", "resume-mid"),
 }
 
 # The comparison's tolerance per precision (relative and absolute, torch.testing.assert_close):
