@@ -60,9 +60,14 @@ class _Server(_ServerProcess):
 
 
 def run_warm(
-    cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None
+    cmd: Sequence[str],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    warm_children: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (``[sys.executable, "-m", MODULE, *args]``) warm: ``run_command(cmd, timeout, env, cwd)``."""
+    """Run ``cmd`` (``[sys.executable, "-m", MODULE, *args]``) warm: ``run_command(cmd, timeout, env, cwd)``;
+    ``warm_children=False``: its child ranks start fresh (a proof about their start-up)."""
     assert list(cmd[:2]) == [sys.executable, "-m"] and len(cmd) > 2, f"not a `python -m` command line: {cmd}"
     server = _Server.get()
     with tempfile.TemporaryDirectory(prefix="ddp_plugins_warm_") as logs:
@@ -70,7 +75,7 @@ def run_warm(
         environ = dict(env) if env is not None else loopback_env()
         folder = str(cwd if cwd is not None else os.getcwd())
         request = {"module": cmd[2], "args": list(cmd[3:]), "env": environ, "cwd": folder,
-                   "stdout": str(out), "stderr": str(err)}  # fmt: skip
+                   "stdout": str(out), "stderr": str(err), "zygote": warm_children}  # fmt: skip
         server.send(request)
         deadline = time.monotonic() + timeout
         started = server.line(deadline, cmd[2])
@@ -186,7 +191,8 @@ def _zygote(listener: socket.socket, dies_with_run: Callable[[], None] | None) -
                 ranks[stand_in] = pid
             elif not conn.recv(64):  # its stand-in is gone (killed): so is the rank, as a fresh one would be
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(ranks[conn], signal.SIGKILL)
+                    os.kill(ranks.pop(conn), signal.SIGKILL)
+                conn.close()  # no one to tell its exit: reaped below without an answer
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -255,7 +261,7 @@ def _answer() -> None:
         pid = os.fork()
         if pid == 0:
             os.close(replies)
-            start(functools.partial(become, request))
+            start(functools.partial(become, request, request["zygote"]))
         os.write(replies, f"started {pid}\n".encode())
         _, status = os.waitpid(pid, 0)
         while _holders({request["stdout"], request["stderr"]}):  # its ranks, workers: as a pipe's EOF

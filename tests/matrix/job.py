@@ -221,7 +221,7 @@ def run(out_dir: str, cell: dict) -> dict[str, Any]:
             trainer(cell, loggers, [counter, exact], ckpt_dir, epochs=1).fit(model)
             resume_from = os.path.join(ckpt_dir, "last.ckpt")
         elif flow == "resume-mid":  # stopped by a signal after step MID_STEP; a new Trainer resumes from there
-            resume_from = _stopped(cell, model, loggers, [counter, exact, _SigtermAt(MID_STEP)], ckpt_dir, memory)
+            resume_from = _stopped(cell, model, loggers, counter, [exact, _SigtermAt(MID_STEP)], ckpt_dir, memory)
         if resume_from is not None:
             rounds, counter = counter.history, AllReduceCounter(log=False)
         fitted = trainer(cell, loggers, [counter, exact], None if flow == "fit" else ckpt_dir)
@@ -231,8 +231,7 @@ def run(out_dir: str, cell: dict) -> dict[str, Any]:
     state = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
     momentum = [model.trainer.optimizers[0].state[p]["momentum_buffer"].clone() for p in model.net.parameters()]
     result = {"state": state, "momentum": momentum, "seen": model.seen, "step_values": model.step_values,
-              "logged": list(memory.rows), "rounds": rounds + counter.history, "flow_logged": [],
-              "resumed_from": os.path.basename(resume_from or "")}  # fmt: skip
+              "logged": list(memory.rows), "rounds": rounds + counter.history, "flow_logged": []}  # fmt: skip
     if flow != "fit" and flow not in RESUMES:
         result.update(_flow(fitted, model, exact, memory, flow, ckpt_dir))
     if flow != "fit" and fitted.is_global_zero:  # what metrics.csv holds once the flow ended
@@ -241,10 +240,18 @@ def run(out_dir: str, cell: dict) -> dict[str, Any]:
     return result
 
 
-def _stopped(cell: dict, model: _Model, loggers: list[Logger], callbacks: list, ckpt_dir: str, memory: _Memory) -> str:
+def _stopped(
+    cell: dict,
+    model: _Model,
+    loggers: list[Logger],
+    counter: AllReduceCounter,
+    callbacks: list,
+    ckpt_dir: str,
+    memory: _Memory,
+) -> str:
     """Fit until PreemptionCheckpoint stops every rank on the signal; keep only what the checkpoint holds
     (the rows, losses, logged values and all-reduce rounds of the steps before it); its path."""
-    stopped = trainer(cell, loggers, callbacks, ckpt_dir)
+    stopped = trainer(cell, loggers, [counter, *callbacks], ckpt_dir)
     try:
         stopped.fit(model)
     except Preempted as stop:
@@ -259,7 +266,6 @@ def _stopped(cell: dict, model: _Model, loggers: list[Logger], callbacks: list, 
     kept = [i for i, at in enumerate(model.value_steps) if at < step]
     model.step_values, model.value_steps = [model.step_values[i] for i in kept], [model.value_steps[i] for i in kept]
     memory.rows[:] = [(at, metrics) for at, metrics in memory.rows if at < step]
-    counter = callbacks[0]
     counter.history[:] = counter.history[:step]
     return path
 
