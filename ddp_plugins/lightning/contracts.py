@@ -55,9 +55,9 @@ class GathersPerRankState(Protocol):
 
 @runtime_checkable
 class SavesCheckpoints(Protocol):
-    """A strategy that records the path of the checkpoint its last ``save_checkpoint`` wrote."""
+    """A strategy that records the path of every checkpoint its ``save_checkpoint`` wrote, in order."""
 
-    last_checkpoint_path: str | None
+    checkpoint_paths: list[str]
 
 
 @runtime_checkable

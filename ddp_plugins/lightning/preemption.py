@@ -82,7 +82,10 @@ class PreemptionCheckpoint(Callback):
         self._agreement = SignalAgreement()
         self._rows_pending = False  # a checkpoint was written; its metrics rows are counted at the next hook
         self._trainer: pl.Trainer | None = None
-        self._pending_path: str | None = None  # our own last file; another callback's is known to our strategy only
+        # the files written since the rows were last counted: ours, or every callback's where the strategy
+        # records them (several can be written before the next hook: last.ckpt after our epoch-end one)
+        self._pending_paths: list[str] = []
+        self._counted = 0  # the strategy's checkpoint_paths already counted
         self._stop: Preempted | None = None
         self._due: tuple[int, bool] | None = None  # (signal, step checkpoint) due at the epoch's end
         self._partials = EpochPartials()  # the interrupted epoch's running sums, added back after a resume
@@ -95,6 +98,8 @@ class PreemptionCheckpoint(Callback):
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         self._trainer, self._rows_pending, self._stop, self._due = trainer, False, None, None
+        self._pending_paths = []
+        self._counted = len(trainer.strategy.checkpoint_paths) if implements(trainer.strategy, SavesCheckpoints) else 0
         self._flag.clear()
         self._agreement = SignalAgreement(every=self.check_every_n_steps)
         if implements(trainer.strategy, StepAgreement):
@@ -225,7 +230,7 @@ class PreemptionCheckpoint(Callback):
         assert self.dirpath is not None
         path = Path(self.dirpath) / name
         trainer.save_checkpoint(path, weights_only=False)  # the full state (and no log line about it)
-        self._pending_path = str(path)
+        self._pending_paths.append(str(path))
         if trainer.is_global_zero:
             # keep the newest `keep` step checkpoints of this callback (preemption ones included), by
             # the write order the checkpoint IO records (modification times where it recorded none)
@@ -278,15 +283,16 @@ class PreemptionCheckpoint(Callback):
         if not self._rows_pending:
             return
         self._rows_pending = False
-        strategy = trainer.strategy
-        path = strategy.last_checkpoint_path if implements(strategy, SavesCheckpoints) else self._pending_path
-        self._pending_path = None
-        if path is None or (rows := _logged_rows(trainer)) is None:  # None on every rank but 0
+        strategy, paths, self._pending_paths = trainer.strategy, self._pending_paths, []
+        if implements(strategy, SavesCheckpoints):
+            paths, self._counted = strategy.checkpoint_paths[self._counted :], len(strategy.checkpoint_paths)
+        if not paths or (rows := _logged_rows(trainer)) is None:  # None on every rank but 0
             return
-        ledger_path = Path(path).parent / ROWS_LEDGER
-        ledger = {name: n for name, n in read_json(ledger_path).items() if (Path(path).parent / name).exists()}
-        ledger[Path(path).name] = rows
-        write_text_atomic(ledger_path, json.dumps(ledger, indent=1, sort_keys=True))
+        for folder in dict.fromkeys(Path(path).parent for path in paths):  # one ledger per folder
+            ledger_path = folder / ROWS_LEDGER
+            ledger = {name: n for name, n in read_json(ledger_path).items() if (folder / name).exists()}
+            ledger.update((Path(path).name, rows) for path in paths if Path(path).parent == folder)
+            write_text_atomic(ledger_path, json.dumps(ledger, indent=1, sort_keys=True))
 
 
 def _csv_logger(trainer: pl.Trainer) -> CSVLogger | None:

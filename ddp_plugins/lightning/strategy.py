@@ -194,7 +194,7 @@ class DDPPluginsStrategy(DDPStrategy):
         self._held_buffers: list[str] | None = None
         self._timeout_s, self._rendezvous_s = float(timeout_s), float(rendezvous_s or timeout_s)
         self._env_before: dict[str, str | None] = {}  # the user's values of what setup_distributed may set
-        self.last_checkpoint_path: str | None = None  # the file the last save_checkpoint wrote (rank 0)
+        self.checkpoint_paths: list[str] = []  # the files save_checkpoint wrote, in order (SavesCheckpoints)
         self.comm_hook = comm_hook  # the hook's name ("none" when a callable was given or none at all)
         self._powersgd = {"powersgd_rank": powersgd_rank, "powersgd_start_iter": powersgd_start_iter}
         self.global_batch_size = global_batch_size
@@ -516,7 +516,7 @@ class DDPPluginsStrategy(DDPStrategy):
         if self.is_global_zero:  # the rank that writes it (DDPStrategy.save_checkpoint)
             self._add_records(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        self.last_checkpoint_path = str(filepath)
+        self.checkpoint_paths.append(str(filepath))
 
     def _add_records(self, checkpoint: dict[str, Any]) -> None:
         """Add the state's fingerprint and the data layout a resume is checked against."""

@@ -16,7 +16,9 @@ after fit, with ModelCheckpoint, PreemptionCheckpoint and a CSVLogger: ``test(ck
 evaluates that epoch's state, and metrics.csv must still hold every row logged. The flow ``resume``
 fits the first epoch, then resumes a new Trainer from its last checkpoint; in ``resume-mid`` rank 0
 gets a real SIGTERM once global step :data:`MID_STEP` is done, in the middle of the first epoch,
-PreemptionCheckpoint stops every rank at one step with its checkpoint, and a new Trainer resumes from it.
+PreemptionCheckpoint stops every rank at the next step with its checkpoint, and a new Trainer resumes
+from it; ``resume-end`` does the same with the signal one step before the first epoch's last, so the
+stop lands on that last step (its checkpoint written after the epoch's validation and end).
 What the ranks did past that checkpoint is dropped from the records, as the resume drops it (and
 PreemptionCheckpoint cuts metrics.csv back to it): the whole run is checked.
 """
@@ -48,9 +50,9 @@ from tests.matrix.table import VIRTUAL_SHARDS
 
 SEED, EPOCHS, VAL_ROWS, PER_RANK = 7, 2, 21, 4
 # resume-mid's signal, after step 1: the stop lands after step 2, in the middle of every cell's epoch of 3 or 4
-# steps. (A stop that lands on an epoch's last step loses that epoch's train means from metrics.csv: issue 49.)
+# steps; resume-end's comes after the first epoch's last step but one
 MID_STEP = 1
-RESUMES = ("resume", "resume-mid")
+RESUMES = ("resume", "resume-mid", "resume-end")
 DTYPES = {"32-true": torch.float32, "64-true": torch.float64, "bf16-mixed": torch.float32}
 
 
@@ -168,13 +170,15 @@ class _Memory(Logger):
 
 
 class _SigtermAt(pl.Callback):
-    """A real SIGTERM to rank 0 once global step ``step`` is done (once per Trainer)."""
+    """A real SIGTERM to rank 0 once global step ``step`` is done (once per Trainer); ``None``: the first
+    epoch's last step but one."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int | None) -> None:
         self.step, self.sent = step, False
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step and trainer.is_global_zero and not self.sent:
+        step = trainer.estimated_stepping_batches // EPOCHS - 1 if self.step is None else self.step
+        if trainer.global_step == step and trainer.is_global_zero and not self.sent:
             self.sent = True
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -220,8 +224,9 @@ def run(out_dir: str, cell: dict) -> dict[str, Any]:
         if flow == "resume":  # the first epoch, then a new Trainer resumes from its last checkpoint to the end
             trainer(cell, loggers, [counter, exact], ckpt_dir, epochs=1).fit(model)
             resume_from = os.path.join(ckpt_dir, "last.ckpt")
-        elif flow == "resume-mid":  # stopped by a signal after step MID_STEP; a new Trainer resumes from there
-            resume_from = _stopped(cell, model, loggers, counter, [exact, _SigtermAt(MID_STEP)], ckpt_dir, memory)
+        elif flow in ("resume-mid", "resume-end"):  # stopped by a signal; a new Trainer resumes from its checkpoint
+            signal_at = _SigtermAt(MID_STEP if flow == "resume-mid" else None)
+            resume_from = _stopped(cell, model, loggers, counter, [exact, signal_at], ckpt_dir, memory)
         if resume_from is not None:
             rounds, counter = counter.history, AllReduceCounter(log=False)
         fitted = trainer(cell, loggers, [counter, exact], None if flow == "fit" else ckpt_dir)
@@ -259,9 +264,10 @@ def _stopped(
         path = stop.checkpoint
         step = int(os.path.basename(path).split("-")[1])
     else:
-        raise AssertionError(f"the fit was not stopped after step {MID_STEP}")
+        raise AssertionError(f"{cell['flow']}: the fit was not stopped")
     per_epoch = stopped.estimated_stepping_batches // EPOCHS
-    assert 0 < step < per_epoch, f"{os.path.basename(path)}: not in the middle of the first epoch ({per_epoch} steps)"
+    where = 0 < step < per_epoch if cell["flow"] == "resume-mid" else step == per_epoch
+    assert where, f"{os.path.basename(path)}: not where {cell['flow']} stops ({per_epoch} steps an epoch)"
     model.seen = [seen for seen in model.seen if seen[1] < step]
     kept = [i for i, at in enumerate(model.value_steps) if at < step]
     model.step_values, model.value_steps = [model.step_values[i] for i in kept], [model.value_steps[i] for i in kept]

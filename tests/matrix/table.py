@@ -26,8 +26,8 @@ PROMISES = {
     " the reproducible mode sums outside DDP's reducer (its bits are compared instead)",
     "flows": "a Lightning flow after fit (with PreemptionCheckpoint and a CSVLogger) evaluates the checkpoint"
     " it names as one process does, and every row logged before it is still in metrics.csv; a fit resumed"
-    " from the last checkpoint of its first epoch, or stopped by a SIGTERM in its middle and resumed from"
-    " PreemptionCheckpoint's checkpoint, ends as the uninterrupted run (every promise above)",
+    " from the last checkpoint of its first epoch, or stopped by a SIGTERM in its middle or on its last step"
+    " and resumed from PreemptionCheckpoint's checkpoint, ends as the uninterrupted run (every promise above)",
 }
 
 # Promises proven outside the matrix, at points (each names its tests); not yet an axis of the matrix.
@@ -58,9 +58,9 @@ AXES: dict[str, tuple] = {
     # what runs after fit: nothing; test(ckpt_path="best"); validate(ckpt_path="last"); predict with the
     # path of the first epoch's checkpoint (SequentialEvaluation's ordered predictions); or the fit stops
     # after its first epoch and a new Trainer resumes from the last checkpoint (fit(ckpt_path=...)); or it
-    # stops in the middle of the first epoch (after global step 2) and a new Trainer resumes from
-    # PreemptionCheckpoint's step checkpoint
-    "flow": ("fit", "test-best", "validate-last", "predict-path", "resume", "resume-mid"),
+    # stops in the middle of the first epoch (after global step 2), or on its last step, and a new Trainer
+    # resumes from PreemptionCheckpoint's checkpoint
+    "flow": ("fit", "test-best", "validate-last", "predict-path", "resume", "resume-mid", "resume-end"),
 }
 
 # The comparison's tolerance per precision (relative and absolute, torch.testing.assert_close):
