@@ -167,8 +167,9 @@ def _call(fn: Callable[..., Any], args: tuple) -> tuple[int, Any]:
 
 
 class DistributedPool:
-    """``world_size`` spawned processes in one gloo group, reused across many checks; a failure or a hang
-    past ``timeout`` raises and tears the pool down (the next call starts a fresh group).
+    """``world_size`` processes in one gloo group, reused across many checks; a failure or a hang past
+    ``timeout`` raises and tears the pool down (the next call starts a fresh group). The ranks are forked
+    by a fork server that imported torch and the first ``fn``'s module once (``fn``: importable, as for spawn).
 
     Example::
 
@@ -196,7 +197,9 @@ class DistributedPool:
                 did not take one call each.
         """
         if self._pool is None:
-            ctx = mp.get_context("spawn")
+            # forked by a fork server that imports torch and fn's module once (spawn imported them per rank)
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", *([fn.__module__] if fn.__module__ != "__main__" else [])])
             ranks = ctx.Queue()
             for rank in range(self.world_size):
                 ranks.put(rank)

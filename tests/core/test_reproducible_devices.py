@@ -3,8 +3,9 @@
 ``ShardedStep`` drives a small CNN with BatchNorm and dropout through three SGD-with-momentum steps of
 ``G`` rows cut into ``V`` shards: one process runs every shard; 2 gloo ranks run the plan's halves. The
 parameters, BatchNorm buffers, momentum and the steps' logged means must be bitwise equal. The CPU case
-runs in ``make test``; the CUDA case, 2 ranks sharing ``cuda:0`` over gloo (nccl refuses two ranks on one
-GPU) against one process on it, is marked ``gpu`` (``make gpu-check``).
+runs in ``make test`` (one process: the test's own; the 2 ranks: the session's gloo pool); the CUDA case,
+2 ranks sharing ``cuda:0`` over gloo (nccl refuses two ranks on one GPU) against one process on it, is
+marked ``gpu`` (``make gpu-check``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.nn.functional import cross_entropy
 from ddp_plugins.core.plan import GlobalPlan
 from ddp_plugins.core.reproducible import ShardedStep
 from ddp_plugins.testing import spawn
+from tests.helpers.rng import Isolated
 
 V, G, STEPS = 8, 32, 3
 
@@ -31,7 +33,19 @@ def _model(device: torch.device) -> nn.Module:
 
 
 def _train(rank: int, world_size: int, device: str, shards: int = V) -> bytes:
-    """This rank's state after the steps, with the steps' combined losses, as bytes (CPU copies)."""
+    """This rank's state after the steps, with the steps' combined losses, as bytes (CPU copies); on one
+    CPU thread, as the Lightning mode runs (a convolution's CPU kernels sum in another order on more);
+    the process's global RNGs and threads as they were."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Isolated():
+            return _train_isolated(rank, world_size, device, shards)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_isolated(rank: int, world_size: int, device: str, shards: int) -> bytes:
     rows_per_shard = G // shards
     where = torch.device(device)
     model = _model(where).train()
@@ -72,13 +86,24 @@ def _assert_same_bits(got: dict, one: dict, where: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got["losses"], one["losses"], strict=True)), f"{where}: losses"
 
 
+def _one_process(device: str, shards: int = V) -> bytes:
+    """One process's run: this test process on the CPU (no process group here), a spawned one on a GPU."""
+    if device == "cpu":
+        return _train(0, 1, device, shards)
+    return spawn(_train, device, shards, world_size=1, timeout=120)[0]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
-def test_two_ranks_give_one_process_bits(device):
-    one = _loaded(spawn(_train, device, world_size=1, timeout=120)[0])
-    ranks = [_loaded(r) for r in spawn(_train, device, world_size=2, timeout=120)]
+def test_two_ranks_give_one_process_bits(device, request):
+    one = _loaded(_one_process(device))
+    if device == "cpu":  # the session's two gloo ranks (tests/conftest.py's dist_pool)
+        results = request.getfixturevalue("dist_pool").run(_train, device, timeout=120)
+    else:
+        results = spawn(_train, device, world_size=2, timeout=120)
+    ranks = [_loaded(r) for r in results]
     assert one["state"]["1.num_batches_tracked"] == STEPS * V, "each shard's BatchNorm update, in shard order"
     for rank, got in enumerate(ranks):
         _assert_same_bits(got, one, f"rank {rank} of 2 on {device}")
     # the comparison can fail: the same steps as one shard of G rows (BatchNorm over G rows) differ
-    whole = _loaded(spawn(_train, device, 1, world_size=1, timeout=120)[0])
+    whole = _loaded(_one_process(device, shards=1))
     assert not torch.equal(whole["state"]["5.weight"], one["state"]["5.weight"])
