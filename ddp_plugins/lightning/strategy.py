@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -509,6 +510,15 @@ class DDPPluginsStrategy(DDPStrategy):
         device, tensor = tensor.device, for_collective(tensor, group)
         with self._waiting("a reduce (sync_dist)"):
             return self._steps.reduce(tensor, group, reduce_op, super().reduce).to(device)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        # Lightning restores a checkpoint before `setup` converts the module to the precision's dtype: a
+        # 64-true checkpoint loaded into float32 parameters lost its low bits (1e-8 relative), and the resumed
+        # run was not the uninterrupted one. Converted first here; setup's conversion then changes nothing.
+        if isinstance(self.precision_plugin, DoublePrecision) and self.lightning_module is not None:
+            self.precision_plugin.convert_module(self.lightning_module)
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
