@@ -18,7 +18,9 @@ fits the first epoch, then resumes a new Trainer from its last checkpoint; in ``
 gets a real SIGTERM once global step :data:`MID_STEP` is done, in the middle of the first epoch,
 PreemptionCheckpoint stops every rank at the next step with its checkpoint, and a new Trainer resumes
 from it; ``resume-end`` does the same with the signal one step before the first epoch's last, so the
-stop lands on that last step (its checkpoint written after the epoch's validation and end).
+stop lands on that last step (its checkpoint written after the epoch's validation and end);
+``resume-n`` stops as ``resume-mid`` does and resumes on another number of ranks (:func:`other_ranks`),
+where the plan allows it (a per-rank batch is refused in one line: its rows depend on N).
 What the ranks did past that checkpoint is dropped from the records, as the resume drops it (and
 PreemptionCheckpoint cuts metrics.csv back to it): the whole run is checked.
 """
@@ -43,6 +45,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from ddp_plugins.core import Preempted
 from ddp_plugins.core.plan import GlobalPlan
 from ddp_plugins.lightning.allreduce_counter import AllReduceCounter
+from ddp_plugins.lightning.csv_logger import ResumableCSVLogger
 from ddp_plugins.lightning.preemption import PreemptionCheckpoint
 from ddp_plugins.lightning.sequential_evaluation import SequentialEvaluation
 from ddp_plugins.lightning.strategy import DDPPluginsStrategy
@@ -52,7 +55,7 @@ SEED, EPOCHS, VAL_ROWS, PER_RANK = 7, 2, 21, 4
 # resume-mid's signal, after step 1: the stop lands after step 2, in the middle of every cell's epoch of 3 or 4
 # steps; resume-end's comes after the first epoch's last step but one
 MID_STEP = 1
-RESUMES = ("resume", "resume-mid", "resume-end")
+RESUMES = ("resume", "resume-mid", "resume-end", "resume-n")
 DTYPES = {"32-true": torch.float32, "64-true": torch.float64, "bf16-mixed": torch.float32}
 
 
@@ -209,18 +212,29 @@ def trainer(
     )  # fmt: skip
 
 
-def run(out_dir: str, cell: dict) -> dict[str, Any]:
+def run(out_dir: str, cell: dict, keep: str | None = None, resume_from: str | None = None) -> dict[str, Any]:
     """The cell's job on this rank: what it trained, logged and counted (a refusal's one line instead),
-    and what its flow after fit evaluated, logged and left in metrics.csv."""
+    and what its flow after fit evaluated, logged and left in metrics.csv.
+
+    ``resume-n`` runs in two calls, with its checkpoints and metrics.csv in ``keep`` (they outlive each
+    call's folder): without ``resume_from``, the fit stopped by the signal, what it kept and its checkpoint
+    (``"resume_from"``); with it, on :func:`other_ranks`, the resume to the end."""
     pl.seed_everything(SEED)
     model, memory = _Model(cell), _Memory()
     counter = AllReduceCounter(log=False)
     exact = SequentialEvaluation(metrics={"exact_acc": MulticlassAccuracy(num_classes=3, average="micro")})
-    flow, ckpt_dir = cell["flow"], os.path.join(out_dir, "checkpoints")
-    loggers: list[Logger] = [memory] if flow == "fit" else [memory, CSVLogger(out_dir, name="csv", version="")]
+    flow, folder = cell["flow"], keep or out_dir
+    ckpt_dir = os.path.join(folder, "checkpoints")
+    # a resume in a new process (resume-n) continues metrics.csv with the pack's CSV logger: Lightning's
+    # starts the file again; in one process (the other flows) Lightning's own keeps its rows
+    csv_logger = ResumableCSVLogger if flow == "resume-n" else CSVLogger
+    loggers: list[Logger] = [memory] if flow == "fit" else [memory, csv_logger(folder, name="csv", version="")]
     rounds: list = []
     try:
-        resume_from = None
+        if flow == "resume-n" and resume_from is None:  # stopped after step MID_STEP, resumed by the next call
+            path = _stopped(cell, model, loggers, counter, [exact, _SigtermAt(MID_STEP)], ckpt_dir, memory)
+            return {"seen": model.seen, "step_values": model.step_values, "logged": list(memory.rows),
+                    "rounds": counter.history, "resume_from": path}  # fmt: skip
         if flow == "resume":  # the first epoch, then a new Trainer resumes from its last checkpoint to the end
             trainer(cell, loggers, [counter, exact], ckpt_dir, epochs=1).fit(model)
             resume_from = os.path.join(ckpt_dir, "last.ckpt")
@@ -240,7 +254,7 @@ def run(out_dir: str, cell: dict) -> dict[str, Any]:
     if flow != "fit" and flow not in RESUMES:
         result.update(_flow(fitted, model, exact, memory, flow, ckpt_dir))
     if flow != "fit" and fitted.is_global_zero:  # what metrics.csv holds once the flow ended
-        with open(os.path.join(out_dir, "csv", "metrics.csv"), newline="") as file:
+        with open(os.path.join(folder, "csv", "metrics.csv"), newline="") as file:
             result["csv"] = list(csv.DictReader(file))
     return result
 
@@ -266,7 +280,7 @@ def _stopped(
     else:
         raise AssertionError(f"{cell['flow']}: the fit was not stopped")
     per_epoch = stopped.estimated_stepping_batches // EPOCHS
-    where = 0 < step < per_epoch if cell["flow"] == "resume-mid" else step == per_epoch
+    where = step == per_epoch if cell["flow"] == "resume-end" else 0 < step < per_epoch
     assert where, f"{os.path.basename(path)}: not where {cell['flow']} stops ({per_epoch} steps an epoch)"
     model.seen = [seen for seen in model.seen if seen[1] < step]
     kept = [i for i, at in enumerate(model.value_steps) if at < step]
@@ -293,10 +307,16 @@ def _flow(
     return {"flow_logged": memory.rows[before:], "best": os.path.basename(best), "predictions": predictions}
 
 
+def other_ranks(n: int) -> int:
+    """The number of ranks ``resume-n`` resumes on: the next of 1 to 4 (4 ranks resume on 1)."""
+    return n % 4 + 1
+
+
 def global_steps(ranks: list[dict]) -> list[list[list[int]]]:
-    """The global micro-batches of every optimizer step: the union over the ranks of micro-batch ``m``."""
+    """The global micro-batches of every optimizer step: the union over the ranks of micro-batch ``m``
+    (with ``resume-n``, the ranks before the stop too: rank 0's ``before``)."""
     steps: dict[int, list[list[int]]] = {}
-    for rank in ranks:
+    for rank in [*ranks, *ranks[0].get("before", [])]:
         index: dict[int, int] = {}
         for _, step, ids in rank["seen"]:
             m = index[step] = index.get(step, -1) + 1

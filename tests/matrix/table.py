@@ -27,15 +27,15 @@ PROMISES = {
     "flows": "a Lightning flow after fit (with PreemptionCheckpoint and a CSVLogger) evaluates the checkpoint"
     " it names as one process does, and every row logged before it is still in metrics.csv; a fit resumed"
     " from the last checkpoint of its first epoch, or stopped by a SIGTERM in its middle or on its last step"
-    " and resumed from PreemptionCheckpoint's checkpoint, ends as the uninterrupted run (every promise above)",
+    " and resumed from PreemptionCheckpoint's checkpoint (in its middle also on another number of ranks),"
+    " ends as the uninterrupted run (every promise above)",
 }
 
 # Promises proven outside the matrix, at points (each names its tests); not yet an axis of the matrix.
 OUTSIDE = {
-    "resume": "a resume on another N where the plan allows equals the uninterrupted run (the flow axis resumes"
-    " on the same N, at an epoch's end and in the middle of one):"
-    " tests/app/test_exact_epochs.py, tests/app/test_reproducible.py,"
-    " tests/lightning/test_global_plan.py, tests/lightning/test_epoch_partials.py",
+    "resume on another N in the app": "the app's run stopped on N ranks resumes on another N (the flow axis"
+    " resumes a library cell on another N, `resume-n`): tests/app/test_exact_epochs.py,"
+    " tests/app/test_reproducible.py",
     "fit twice": "a second fit of the same Trainer with PreemptionCheckpoint keeps every row logged:"
     " tests/lightning/test_preemption_evaluation.py; fit then test with the app's configs:"
     " tests/lightning/test_weights_only.py",
@@ -59,8 +59,8 @@ AXES: dict[str, tuple] = {
     # path of the first epoch's checkpoint (SequentialEvaluation's ordered predictions); or the fit stops
     # after its first epoch and a new Trainer resumes from the last checkpoint (fit(ckpt_path=...)); or it
     # stops in the middle of the first epoch (after global step 2), or on its last step, and a new Trainer
-    # resumes from PreemptionCheckpoint's checkpoint
-    "flow": ("fit", "test-best", "validate-last", "predict-path", "resume", "resume-mid", "resume-end"),
+    # resumes from PreemptionCheckpoint's checkpoint; or stops in the middle and resumes on another N
+    "flow": ("fit", "test-best", "validate-last", "predict-path", "resume", "resume-mid", "resume-end", "resume-n"),
 }
 
 # The comparison's tolerance per precision (relative and absolute, torch.testing.assert_close):
@@ -109,6 +109,8 @@ def refusal(cell: dict) -> str | None:
         if app:
             return f"allowed: one that leaves every step at least virtual_shards={VIRTUAL_SHARDS} rows"
         return f"`global_batch_size` should be one that leaves every step at least virtual_shards={VIRTUAL_SHARDS} rows"
+    if cell["flow"] == "resume-n" and cell["batch"] == "per-rank":  # the resume, on another N
+        return "resume: the checkpoint stopped in the middle of an epoch"
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 import time
 
 import pytest
@@ -41,9 +42,23 @@ def record(request):
 
 
 @functools.cache
-def _run(key: str, ranks: int) -> list[dict]:
+def _run(key: str) -> list[dict]:
+    """The cell's ranks' results (cached: a reproducible cell is compared with another N's run of it)."""
     cell = json.loads(key)
-    return run_lightning(job.run, cell, world_size=ranks, timeout=240)
+    if cell["flow"] != "resume-n":
+        return run_lightning(job.run, cell, world_size=cell["ranks"], timeout=240)
+    with tempfile.TemporaryDirectory(prefix="ddp_plugins_resume_n_") as keep:  # the checkpoints, metrics.csv
+        stopped = run_lightning(job.run, cell, keep, world_size=cell["ranks"], timeout=240)
+        if "refused" in stopped[0]:
+            return stopped
+        path = stopped[0]["resume_from"]
+        resumed = run_lightning(job.run, cell, keep, path, world_size=job.other_ranks(cell["ranks"]), timeout=240)
+    if any("refused" in result for result in resumed):
+        return resumed
+    # one run: rank 0 what rank 0 did and logged before the stop and after, the state where it ended
+    first, before = stopped[0], stopped[1:]
+    joined = {key: first[key] + resumed[0][key] for key in ("seen", "step_values", "logged", "rounds")}
+    return [{**resumed[0], **joined, "before": before}, *resumed[1:]]
 
 
 def _close(actual, expected, tol: float, what: str) -> None:
@@ -60,7 +75,7 @@ def test_the_cell_equals_one_process(cell, record, tmp_path, tmp_path_factory):
     if cell["entry"] == "app":
         record.update(check_app_cell(cell, tmp_path, tmp_path_factory))
         return
-    ranks = _run(json.dumps(cell, sort_keys=True), cell["ranks"])
+    ranks = _run(json.dumps(cell, sort_keys=True))
     refused = refusal(cell)
     if refused is not None:
         for rank, result in enumerate(ranks):
@@ -94,7 +109,7 @@ def test_the_cell_equals_one_process(cell, record, tmp_path, tmp_path_factory):
 def _check_bits(cell: dict, ranks: list[dict]) -> None:
     """The reproducible mode: bitwise the run of the same cell on another number of ranks."""
     other = 2 if cell["ranks"] == 1 else 1
-    (reference, *_) = _run(json.dumps({**cell, "ranks": other}, sort_keys=True), other)
+    (reference, *_) = _run(json.dumps({**cell, "ranks": other}, sort_keys=True))
     for key in ("state", "momentum", "logged", "flow_logged", "best", "predictions"):
         assert _bits(ranks[0].get(key)) == _bits(reference.get(key)), f"{key}: not the bits of {other} rank(s)"
 
