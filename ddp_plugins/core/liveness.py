@@ -60,8 +60,8 @@ class RankState(str, enum.Enum):
     """Where a rank is in its life, as its record says: judged while running, no more once it left or raised."""
 
     RUNNING = "running"
-    LEFT = "left"
-    RAISED = "raised"
+    LEFT = "left"  # its fit ended
+    RAISED = "raised"  # it raised an error: its own traceback says where
 
 
 class Record(NamedTuple):
@@ -161,7 +161,7 @@ def judge(
         >>> judge([rec(0, 38), rec(1, 37)], [99, 99], [99, 99], now=100, after_s=30, states=[None, "gone"])
         Verdict(ranks=(1,), how='gone', seconds=1)
     """
-    records = [r for r in records if not _left(r)]
+    records = [r for r in records if not _left(r)]  # a rank that left (its fit ended, or it raised): judged no more
     if not records:
         return None
     state = list(states) + [None] * (max(r.rank for r in records) + 1 - len(states))
@@ -447,7 +447,7 @@ class Liveness:
                     self._answer_asks()
             if now - judged < self.interval_s:  # between two judgements: publish new marks, once per throttle
                 if self.marks != self._published_marks and now - self._published_at >= throttle:
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(Exception):  # the judgement sees a store that fails
                         self._publish()
                 self._wake.clear()
                 wait = judged + self.interval_s - time.monotonic()
