@@ -194,8 +194,7 @@ def _gather_with_metadata(
     )
     all_meta: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(all_meta, mine, group=group)
-    failed = [(rank, meta.error) for rank, meta in enumerate(all_meta) if meta.error is not None]
-    if failed:
+    if failed := [(rank, meta.error) for rank, meta in enumerate(all_meta) if meta.error is not None]:
         raise ValueError("; ".join(f"rank {rank}: {message}" for rank, message in failed))
     _check_consistent(all_meta, leaves, pad_value)
     outs: list[Any] = []

@@ -167,8 +167,7 @@ def sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
         factor = 1.0 / float(layer.num_batches_tracked) if layer.momentum is None else layer.momentum
     bn_training = layer.training or (layer.running_mean is None and layer.running_var is None)
     tracked = not layer.training or layer.track_running_stats
-    running_mean = layer.running_mean if tracked else None
-    running_var = layer.running_var if tracked else None
+    running_mean, running_var = (layer.running_mean, layer.running_var) if tracked else (None, None)
 
     group = getattr(layer, "process_group", None)
     world_size = 1
