@@ -130,8 +130,8 @@ class AllReduceCounter(Callback):
 
     def _logs_now(self, trainer: pl.Trainer) -> bool:
         """Whether the Trainer's loggers write step metrics now (every ``log_every_n_steps``, at an epoch's end)."""
-        every = int(getattr(trainer, "log_every_n_steps", 1))
-        if every <= 0:
+        every = int(getattr(trainer, "log_every_n_steps", 1))  # set on the Trainer by its logger connector
+        if every <= 0:  # the loggers never write step metrics
             return False
         step = trainer.global_step + 1  # this optimizer step, counted as the loggers count (resumes included)
         last_step = trainer.max_steps > 0 and step >= trainer.max_steps

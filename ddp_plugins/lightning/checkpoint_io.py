@@ -45,7 +45,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         kwargs = {} if map_location is None else {"map_location": map_location}
-        if weights_only is False:
+        if weights_only is False:  # the user trusts the file
             return super().load_checkpoint(path, weights_only=False, **kwargs)
         with safe_loading(path):
             return super().load_checkpoint(path, weights_only=True, **kwargs)

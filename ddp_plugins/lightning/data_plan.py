@@ -104,7 +104,7 @@ def _plan_loader(
             f" window of {accumulate}; resume from a checkpoint taken at an optimizer step."
         )
     batches = PlanBatchSampler(plan, rank, world_size, accumulate, epoch=epoch, start_step=start // accumulate)
-    sampler = ResumableSampler(batches, epoch=epoch, seed=_base_seed(), rank=rank)
+    sampler = ResumableSampler(batches, epoch=epoch, seed=_base_seed(), rank=rank)  # the generator's epochs
     kwargs = {name: getattr(dataloader, name) for name in _KEPT_LOADER_ARGS}
     if kwargs["generator"] is None:  # else making an iterator draws the workers' seed from the global stream
         kwargs["generator"] = sampler.generator
@@ -159,8 +159,8 @@ class PlannedLoader:
         self.global_batch_size = global_batch_size
         self.drop_last = drop_last
         self.virtual_shards = virtual_shards
-        self.plan: GlobalPlan | None = None
-        self.accumulate = 1
+        self.plan: GlobalPlan | None = None  # the current training loader's
+        self.accumulate = 1  # micro-batches per optimizer step of the plan
 
     def make_plan(self, dataloader: Any, trainer: Any, world_size: int) -> GlobalPlan | None:
         """The plan of a new training loader (``None`` without ``global_batch_size``)."""
@@ -211,8 +211,8 @@ class UnevenShards:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.sources: dict[Callable[[], int], None] = {}  # an ordered set
-        self.loader: EvenSteps | None = None
-        self._agreed = 0
+        self.loader: EvenSteps | None = None  # the current training loader, when it steps shards together
+        self._agreed = 0  # the flag agreed with the current batch's counts
 
     def step_together(self, dataloader: Any, trainer: Any, length: int | None, start: int) -> EvenSteps:
         """``dataloader`` in step with the other ranks' (``length``: the agreed batches), ``start`` batches in."""

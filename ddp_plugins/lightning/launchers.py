@@ -37,14 +37,14 @@ __all__ = [
 _CHILD_GRACE_S = 2.0  # for a child rank to exit on its own once rank 0 failed, before it is killed
 _PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_WATCH_S = 1.0
+_WATCH_S = 1.0  # how often the rank watcher looks at the child ranks
 _STARTUP_GRACE_S = 3.0  # for rank 0 to end its start-up alike after a child rank refused or exited 0
-_DRAIN_S = 1.0
-_TAIL_BYTES = 4096
+_DRAIN_S = 1.0  # seconds to wait for the last stderr bytes of a child rank that exited
+_TAIL_BYTES = 4096  # the end of a child rank's start-up stderr kept for its last line
 _REFUSAL_PREFIX = "error: "  # the app's "error: <key> ..., allowed: ..."
 # JSON in a child rank's environment, undone after start-up: "dies_with_launcher", "stderr" (an fd to take back)
 _CHILD_STARTUP = "DDP_PLUGINS_CHILD_STARTUP"
-_SPAWN_RESULTS_KEY = "ddp_plugins.spawn_results"
+_SPAWN_RESULTS_KEY = "ddp_plugins.spawn_results"  # callbacks' results, from spawned rank 0
 ChildCommand = Callable[[int], tuple[list[str], str | None]]  # local rank -> (command, working folder)
 _JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 _launched: dict[str, Any] | None = None  # the job this process started child ranks for: job, before, set
@@ -75,7 +75,7 @@ class _StartupObserver:
     def __init__(self, procs: list[Any], tees: list[_StderrTee | None]) -> None:
         self._procs, self._tees = procs, tees
         self._seen: dict[int, float] = {}  # rank: when its exit was first seen
-        self._lines: dict[int, str] = {}
+        self._lines: dict[int, str] = {}  # rank: its last start-up stderr line, read once it exited
 
     def check(self, codes: list[int | None]) -> _Ending | None:
         """The ending the child ranks' exit ``codes`` call for, or ``None`` (watch on)."""
@@ -108,7 +108,7 @@ class _ExitObserver:
     def check(self, codes: list[int | None]) -> _Ending | str | None:
         """The ending the exit ``codes`` call for, :data:`_DONE`, or ``None`` (watch on)."""
         if all(code == 0 or _agreed_code(code) for code in codes):
-            return _DONE
+            return _DONE  # every child ended, or stopped for a preemption signal or refused: rank 0 does the same
         for rank, code in enumerate(codes, 1):
             if code and not _agreed_code(code):
                 pid = self._procs[rank - 1].pid
@@ -218,11 +218,11 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         self.on_failure = on_failure  # told of rank 0's error before the child ranks are stopped
         self.watch_after_startup = watch_after_startup  # False where a liveness room names a failed rank
         self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
-        self.child_command = child_command or _compat.subprocess_cmd
+        self.child_command = child_command or _compat.subprocess_cmd  # default: Lightning's command
         self._reruns_command_line = child_command is None
-        self._tees: list[_StderrTee | None] = []
+        self._tees: list[_StderrTee | None] = []  # each child rank's stderr while it starts
         self._startup: _StartupSignals | None = None  # SIGTERM and SIGINT held while the ranks start
-        self._halt: threading.Event | None = None
+        self._halt: threading.Event | None = None  # set: the rank watcher stops
         self._ranks_met: threading.Event | None = None  # set: the start-up is done
 
     @override
@@ -305,7 +305,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         code = 128 + signum
         message = f"{signal.Signals(signum).name} while the ranks were starting: stopped child ranks"
         print(f"[ddp_plugins] {message} {[proc.pid for proc in procs]}; exit code {code}.", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # stderr was flushed by print
             sys.stdout.flush()
         os._exit(code)
 
@@ -352,7 +352,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             told: dict[str, Any] = {"dies_with_launcher": dies_with_launcher is not None}
             command, cwd = self.child_command(local_rank)
             try:
-                stderr = os.dup(2)
+                stderr = os.dup(2)  # the launcher's stderr, for the tee to write to and the child to take back
             except OSError:  # none to pass on
                 env_copy[_CHILD_STARTUP] = json.dumps(told)
                 self.procs.append(subprocess.Popen(command, env=env_copy, cwd=cwd, preexec_fn=dies_with_launcher))

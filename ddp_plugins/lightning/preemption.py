@@ -85,7 +85,7 @@ class PreemptionCheckpoint(Callback):
         self._counted = 0  # the strategy's checkpoint_paths already counted
         self._stop: Preempted | None = None
         self._due: tuple[int, bool] | None = None  # (signal, step checkpoint) due at the epoch's end
-        self._partials = EpochPartials()
+        self._partials = EpochPartials()  # the interrupted epoch's running sums, added back after a resume
         self.resumed_from: str | None = None
 
     @override
@@ -184,7 +184,7 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._partials.after_batch(trainer)  # names the resumed epoch logged late
-        if self._due is not None:
+        if self._due is not None:  # the epoch's last step, deferred until validation is done
             due, self._due = self._due, None
             # the epoch's metrics first, on every rank: a collective that rank 0's progress bar may have run
             trainer.callback_metrics  # noqa: B018 - read for its effect: the epoch's values computed
@@ -254,7 +254,7 @@ class PreemptionCheckpoint(Callback):
         parts = state.get(PER_RANK)
         if isinstance(parts, dict) and trainer.world_size == 1:  # one rank's, under a strategy that does not gather
             parts = [parts]
-        if isinstance(parts, list):
+        if isinstance(parts, list):  # every rank's
             self._partials.load(parts, trainer)
         if not trainer.is_global_zero:
             return
@@ -277,7 +277,7 @@ class PreemptionCheckpoint(Callback):
             paths, self._counted = strategy.checkpoint_paths[self._counted :], len(strategy.checkpoint_paths)
         if not paths or (rows := _logged_rows(trainer)) is None:  # None on every rank but 0
             return
-        for folder in dict.fromkeys(Path(path).parent for path in paths):
+        for folder in dict.fromkeys(Path(path).parent for path in paths):  # one ledger per folder
             ledger_path = folder / ROWS_LEDGER
             ledger = {name: n for name, n in read_json(ledger_path).items() if (folder / name).exists()}
             ledger.update((Path(path).name, rows) for path in paths if Path(path).parent == folder)

@@ -146,7 +146,7 @@ def _rank_states(loaded: dict[str, Any]) -> list[Any]:
     """Every rank's states from a checkpoint: gathered by the strategy, or one rank's (not gathered)."""
     # "rng_states": checkpoints that keep the states without a per-rank slot
     states = loaded.get(PER_RANK, loaded.get("rng_states"))
-    if isinstance(states, dict):
+    if isinstance(states, dict):  # saved by a strategy that does not gather: one rank's states only
         return [states] if loaded.get("world_size") == 1 else []
     return list(states or [])
 

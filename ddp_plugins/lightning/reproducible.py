@@ -33,7 +33,7 @@ from ddp_plugins.lightning.steps import (
 
 __all__ = ["FINGERPRINT_KEY", "ReproducibleSteps", "state_fingerprint"]
 
-FINGERPRINT_KEY = "ddp_plugins_state_fingerprint"
+FINGERPRINT_KEY = "ddp_plugins_state_fingerprint"  # in every checkpoint the strategy saves
 
 
 def state_fingerprint(state_dict: Any, optimizer_states: Any) -> str:
@@ -181,7 +181,7 @@ class ReproducibleSteps(PlannedSteps):
         self._step: ShardedStep | None = None
         self._eval: list[tuple[int, dict[str, Tensor]]] = []  # (real rows, values) per evaluation batch
         self._local = False  # the user's step runs: a logged value is this shard's or batch's, combined after it
-        self._threads: int | None = None
+        self._threads: int | None = None  # the CPU threads before setup set one
 
     def layer_sync(self, plugin: Any) -> Any:
         if plugin is not None:

@@ -178,8 +178,8 @@ class ResumeRecord:
     """The training data's layout a checkpoint records, and where a run resumed from one starts."""
 
     def __init__(self) -> None:
-        self.record: dict[str, Any] | None = None
-        self._resumed: dict[str, Any] | None = None
+        self.record: dict[str, Any] | None = None  # the current training loader's layout
+        self._resumed: dict[str, Any] | None = None  # the record of the checkpoint loaded last
         self._restored = False  # a checkpoint was loaded and the training loader not made since
         self.resumed = False  # the current training loader is the first one after a checkpoint was loaded
         self._quiet: tuple[Any, ...] | None = None  # our warnings.filters entry

@@ -220,7 +220,7 @@ class SequentialEvaluation(Callback):
             return None
         local = concat_batches(batches, self.pad_value, _STEP[stage])
         rows = num_rows(local, _STEP[stage])
-        expected = min(sampler.num_samples, len(batches) * batch_size)
+        expected = min(sampler.num_samples, len(batches) * batch_size)  # the rows it yields
         if rows != expected:
             raise ValueError(
                 f"`{_STEP[stage]}` returned {rows} rows for the {expected} samples of this rank; SequentialEvaluation"

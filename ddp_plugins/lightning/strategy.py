@@ -189,15 +189,15 @@ class DDPPluginsStrategy(DDPStrategy):
         self._step_buffers: dict[str, torch.Tensor] | None = None  # as the step under way began, for the rescue
         self._held_buffers: list[str] | None = None
         self._timeout_s, self._rendezvous_s = float(timeout_s), float(rendezvous_s or timeout_s)
-        self._env_before: dict[str, str | None] = {}
+        self._env_before: dict[str, str | None] = {}  # the user's values of what setup_distributed may set
         self.checkpoint_paths: list[str] = []  # contracts.SavesCheckpoints
-        self.comm_hook = comm_hook
+        self.comm_hook = comm_hook  # the hook's name ("none" when a callable was given or none at all)
         self._powersgd = {"powersgd_rank": powersgd_rank, "powersgd_start_iter": powersgd_start_iter}
         self.global_batch_size = global_batch_size
         self.virtual_shards = self._steps.virtual_shards  # contracts.ShardsEachStep
         self._planned = data_plan.PlannedLoader(global_batch_size, drop_last, self._steps.virtual_shards)
-        self._uneven = data_plan.UnevenShards(uneven_data)
-        self._resume = resume.ResumeRecord()
+        self._uneven = data_plan.UnevenShards(uneven_data)  # shards in step; the stop flags ride in their round
+        self._resume = resume.ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
         # rows of the micro-batch (None: no plan nor uneven shards); manual optimization: loss * loss_weight / K
         self.batch_rows: data_plan.BatchRows | None = None
         if comm_hook != "none":  # now, for callbacks to wrap in `setup`; the state is built per fit in configure_ddp
@@ -229,7 +229,7 @@ class DDPPluginsStrategy(DDPStrategy):
         # torch's TorchSyncBatchNorm runs on accelerators only: ours replaces it (a subclass of it is kept)
         sync = SyncBatchNormPlugin() if type(self._layer_sync) is TorchSyncBatchNorm else self._layer_sync
         self._layer_sync = self._steps.layer_sync(sync)
-        if self._backend == "nccl" and (per_gpu := self._ranks_per_gpu()) > 1:
+        if self._backend == "nccl" and (per_gpu := self._ranks_per_gpu()) > 1:  # NCCL's "invalid usage"
             raise ArgumentValueError(
                 "backend", "'gloo' or 'auto' when ranks share a GPU",
                 problem=f"got 'nccl' with {per_gpu} ranks on each of this machine's {torch.cuda.device_count()}"
@@ -239,13 +239,13 @@ class DDPPluginsStrategy(DDPStrategy):
         if self.accelerator is not None and self.parallel_devices:
             check_comm_hook(self.comm_hook, self._get_process_group_backend())
         if self._checkpoint_io is None:  # else one given in `Trainer(plugins=...)`
-            self._checkpoint_io = AtomicCheckpointIO()
+            self._checkpoint_io = AtomicCheckpointIO()  # a checkpoint file is whole or absent
 
     def _ranks_per_gpu(self) -> int:
         """This host's ranks per GPU (0 off CUDA); every rank is this host's on a loopback main address."""
         if self.root_device.type != "cuda":
             return 0
-        if (gpus := torch.cuda.device_count()) == 0:
+        if (gpus := torch.cuda.device_count()) == 0:  # CUDA not visible to this process: nothing to tell
             return 1
         env = self.cluster_environment
         return math.ceil(self.num_processes * (self.num_nodes if env and is_loopback(env.main_address) else 1) / gpus)
@@ -283,7 +283,7 @@ class DDPPluginsStrategy(DDPStrategy):
             self._make_process_group()
         except (dist.DistStoreError, dist.DistNetworkError) as err:
             raise rendezvous_error(err, env.main_address, env.main_port, self.world_size, self._rendezvous_s) from None
-        if self._rendezvous_s != self._timeout_s:
+        if self._rendezvous_s != self._timeout_s:  # the ranks have met: collectives get their own timeout
             _compat.set_group_timeout(self._timeout_s)
         name_after, end_after = self._stall
         if name_after is not None and self.world_size > 1:
@@ -291,7 +291,7 @@ class DDPPluginsStrategy(DDPStrategy):
                 _compat.default_store(), self.global_rank, self.world_size, name_after, end_after,
                 rescue=self._save_last_completed_step, end_running=self._stall_end_running,
                 collective_timeout_s=self._timeout_s, defers=self._launcher_ends,
-                folder=lambda: getattr(self._trainer(), "default_root_dir", None),
+                folder=lambda: getattr(self._trainer(), "default_root_dir", None),  # the run's folder
             ).start()  # fmt: skip
 
     def _launcher_ends(self, verdict: Verdict, records: Sequence[Record]) -> bool:
@@ -312,7 +312,7 @@ class DDPPluginsStrategy(DDPStrategy):
         folder = Path(dirpath or Path(trainer.default_root_dir) / "checkpoints")
         checkpoint = _compat.dump_checkpoint(trainer)
         state = checkpoint.get("state_dict", {})
-        for name, value in (self._step_buffers or {}).items():
+        for name, value in (self._step_buffers or {}).items():  # the step under way's forward may have moved them
             if name in state:
                 state[name] = value
         self._add_records(checkpoint)
@@ -335,7 +335,7 @@ class DDPPluginsStrategy(DDPStrategy):
             rank, size, env = self.global_rank, self.world_size, self.cluster_environment
             assert env is not None
             store = restart_scoped_store(timedelta(seconds=self._rendezvous_s))
-            if store is None:
+            if store is None:  # where Lightning's env:// rendezvous looks
                 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
             logging.getLogger("lightning.fabric.utilities.distributed").info(  # Lightning's own line
                 f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{size}"
@@ -477,7 +477,7 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         result = super().optimizer_step(*args, **kwargs)
-        self._step_buffers = None
+        self._step_buffers = None  # the step completed: the module's own buffers are the step's
         return result
 
     @override
@@ -509,7 +509,7 @@ class DDPPluginsStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self.gather_per_rank_state(checkpoint)  # every rank gets here in step: no state_dict communicates
-        if self.is_global_zero:
+        if self.is_global_zero:  # the rank that writes it (DDPStrategy.save_checkpoint)
             self._add_records(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self.checkpoint_paths.append(str(filepath))
@@ -549,7 +549,7 @@ class DDPPluginsStrategy(DDPStrategy):
         super().teardown()
         if self.comm_hook == "powersgd":
             self._ddp_comm_state = None  # a fresh PowerSGD state for the next fit
-        for key, value in self._env_before.items():
+        for key, value in self._env_before.items():  # the environment gets the user's values back
             os.environ.pop(key, None)
             if value is not None:
                 os.environ[key] = value

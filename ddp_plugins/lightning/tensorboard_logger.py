@@ -134,7 +134,7 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
             writer = self.experiment
             if type(writer).__module__.split(".")[0] == "tensorboardX":
                 from tensorboardX.proto.event_pb2 import Event, SessionLog
-            else:
+            else:  # torch.utils.tensorboard, which Lightning prefers when `tensorboard` is installed
                 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
             start = SessionLog(status=SessionLog.START)
             writer.file_writer.add_event(Event(step=int(step), wall_time=time.time(), session_log=start))
