@@ -1,11 +1,8 @@
 """ddp_plugins: PyTorch Lightning plugins that make DDP training equal single-process math.
 
-The most used names of :mod:`ddp_plugins.core` (plain torch) and :mod:`ddp_plugins.lightning` (the
-Lightning adapters); ``import ddp_plugins`` does not import Lightning: an adapter name loads it on
-first use, and the strategy names (``strategy="ddp_plugins"``, ``"ddp_plugins_spawn"``,
-``"ddp_plugins_notebook"``, as a Hydra trainer config writes them) are registered with Lightning as
-soon as Lightning is imported, before or after. ``docs/design.md`` maps the modules and follows a
-command line to the DDP call.
+The most used names of :mod:`ddp_plugins.core` and :mod:`ddp_plugins.lightning`. An adapter name loads Lightning
+on first use; the strategy names (``strategy="ddp_plugins"``, ...) register once Lightning is imported, before or after.
+See docs/design.md, "Layout".
 
 Example::
 
@@ -46,8 +43,7 @@ from ddp_plugins.core import (
 
 __version__ = "0.3.1"
 
-# Adapter names, loaded (with Lightning) on first access.
-_ADAPTERS = {
+_ADAPTERS = {  # loaded (with Lightning) on first access
     "AccumulationNoSync": "ddp_plugins.lightning.accumulation",
     "AllReduceCounter": "ddp_plugins.lightning.allreduce_counter",
     "CommTimeline": "ddp_plugins.lightning.comm_timeline",
@@ -107,10 +103,8 @@ def _register_strategy_names() -> None:
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
     """Registers the strategy names once ``lightning.pytorch`` has been imported, whoever imports it.
 
-    Written by hand: Lightning resolves strategy names from a registry its own modules fill and reads no
-    entry points for them, and the torch-only core must not import Lightning to register them early.
-    It finds nothing itself: it asks the other finders, and changes only how that one module is executed.
-    """
+    By hand: Lightning reads no entry points for strategy names, and the core must not import Lightning early.
+    It finds nothing itself: it wraps the other finders' spec of that one module."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != _LIGHTNING:

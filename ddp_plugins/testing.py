@@ -60,8 +60,7 @@ def free_port() -> int:
 
 
 def loopback_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """``base`` (default: ``os.environ``) pinned to loopback gloo and one thread per rank, plus ``extra``;
-    launcher variables (ranks, world size, port) are dropped unless given in ``extra``.
+    """``base`` (default: ``os.environ``) on loopback gloo, one thread, ``extra`` added, launcher variables dropped.
 
     Example::
 
@@ -159,17 +158,13 @@ def _ready(rank: int, world_size: int) -> int:
 
 
 def _call(fn: Callable[..., Any], args: tuple) -> tuple[int, Any]:
-    # Each worker takes exactly one of the world_size tasks: a worker cannot pick up a second
-    # task before every rank has entered this barrier.
-    dist.barrier()
+    dist.barrier()  # so that no worker takes a second of the world_size tasks
     rank = dist.get_rank()
     return rank, fn(rank, dist.get_world_size(), *args)
 
 
 class DistributedPool:
-    """``world_size`` processes in one gloo group, reused across many checks; a failure or a hang past
-    ``timeout`` raises and tears the pool down (the next call starts a fresh group). The ranks are forked
-    by a fork server that imported torch and the first ``fn``'s module once (``fn``: importable, as for spawn).
+    """``world_size`` processes in one gloo group reused across checks (``fn``: importable); a failure or hang ends it.
 
     Example::
 
@@ -183,22 +178,18 @@ class DistributedPool:
         check_int("world_size", world_size, 1)
         check_number("timeout", timeout, 0, exclusive_minimum=True)
         check_number("startup_timeout", startup_timeout, 0, exclusive_minimum=True)
-        self.world_size = world_size
-        self.timeout = timeout
-        self.startup_timeout = startup_timeout
-        self.pg_timeout = pg_timeout
+        self.world_size, self.timeout = world_size, timeout
+        self.startup_timeout, self.pg_timeout = startup_timeout, pg_timeout
         self._pool: Any = None
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """``fn(rank, world_size, *args)`` on every rank, the results ordered by rank.
 
         Raises:
-            AssertionError: the ranks did not finish within ``timeout`` (default: the pool's), or
-                did not take one call each.
+            AssertionError: the ranks did not finish within ``timeout`` or did not take one call each.
         """
         if self._pool is None:
-            # forked by a fork server that imports torch and fn's module once (spawn imported them per rank)
-            ctx = mp.get_context("forkserver")
+            ctx = mp.get_context("forkserver")  # imports torch and fn's module once (spawn: once per rank)
             ctx.set_forkserver_preload(["torch", *([fn.__module__] if fn.__module__ != "__main__" else [])])
             ranks = ctx.Queue()
             for rank in range(self.world_size):
@@ -235,8 +226,7 @@ class DistributedPool:
 def run_command(
     cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group (default environment: :func:`loopback_env`), capturing its
-    output; at the timeout the whole group is killed.
+    """Run ``cmd`` in its own process group (default env: :func:`loopback_env`), output captured, killed at timeout.
 
     Raises:
         AssertionError: it did not finish within ``timeout`` seconds (the output's tail is shown).
@@ -282,10 +272,8 @@ def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess
     return result
 
 
-#: Seconds the other ranks get to end by themselves (with their own errors) after one failed.
-_FAILURE_GRACE_S = 5.0
-#: What the rank server imports once, before it forks any rank.
-_PRELOAD = ("torch", "lightning.pytorch", "torchmetrics", "ddp_plugins.lightning")
+_FAILURE_GRACE_S = 5.0  # seconds the other ranks get to end by themselves (with their own errors) after one failed
+_PRELOAD = ("torch", "lightning.pytorch", "torchmetrics", "ddp_plugins.lightning")  # imported before any fork
 
 
 def run_lightning(
@@ -297,13 +285,11 @@ def run_lightning(
 ) -> list[Any]:
     """Run ``target(out_dir, *args)`` on ``world_size`` ranks of a Lightning DDP job, results by rank.
 
-    ``target``: a module-level function that builds its own ``Trainer(accelerator="cpu", devices=world_size)``
-    and returns a picklable value. The ranks are forked, with torchrun's variables, from a rank server
-    that imported Lightning once.
+    ``target``: a module-level function that builds its ``Trainer(accelerator="cpu", devices=world_size)`` and
+    returns a picklable value; the ranks are forked, with torchrun's variables, from a server that imported Lightning.
 
     Raises:
-        AssertionError: a rank exited non-zero (the others are stopped) or the ranks did not all
-            finish within ``timeout`` seconds (all are killed, after each printed its stacks).
+        AssertionError: a rank exited non-zero, or the ranks did not all finish within ``timeout`` seconds.
 
     Example::
 
@@ -373,12 +359,10 @@ class _ServerProcess:
         type(self)._instance = None
 
     def line(self, deadline: float, what: str) -> str | None:
-        """The server's next line, or None at the deadline (``what``: the request, for an error).
-
-        ``os.read`` into our own buffer: a buffered ``readline`` may take two lines, then ``select`` waits."""
+        """The server's next line, or None at the deadline (``what``: the request, for an error)."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        while b"\n" not in self._pending:
+        while b"\n" not in self._pending:  # os.read: a buffered readline may take two lines, then select waits
             ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
                 return None
@@ -393,8 +377,7 @@ class _ServerProcess:
 
 
 class _RankServer(_ServerProcess):
-    """The server :func:`run_lightning` forks ranks from: a JSON request in; ``pids P0 P1 ...``, then
-    ``exit RANK CODE`` as each rank (leading its own process group) ends."""
+    """The server :func:`run_lightning` forks ranks from: a request in; ``pids ...``, then ``exit RANK CODE``."""
 
     module = "ddp_plugins.testing"
 

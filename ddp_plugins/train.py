@@ -1,8 +1,6 @@
 """``python -m ddp_plugins.train``: the training app's entry point (see :mod:`ddp_plugins.app.train`).
 
-A module of its own so that the command stays short and child ranks re-run it by this name. It
-imports the app only when it runs: a DataLoader worker re-imports the main module by name, and
-should not import Lightning for it.
+Child ranks re-run it by this name; the app is imported in :func:`main`: loader workers re-import it without Lightning.
 
 Example::
 

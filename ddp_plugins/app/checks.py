@@ -1,5 +1,4 @@
-"""The objects a composed config describes, built without starting anything; each refusal is restated
-as one :class:`ConfigError` naming the config key."""
+"""The objects a composed config describes, built without starting anything; refusals as one :class:`ConfigError`."""
 
 from __future__ import annotations
 

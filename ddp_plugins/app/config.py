@@ -1,6 +1,4 @@
-"""The app's config: its schema, composing it as Hydra's command line does, and the ``auto`` choices.
-
-Every refusal is a :class:`ConfigError`, one line naming the config key."""
+"""The app's config: its schema, composing it as Hydra's command line does, and the ``auto`` choices."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ __all__ = [
 CONFIG_MODULE = "ddp_plugins.conf"
 CONFIG_NAME = "train"
 SCHEMA_NAME = "train_schema"
-# What `resolve_precision` hands to `lightning.pytorch.Trainer(precision=...)`.
-Precision = Literal["32-true", "64-true", "16-mixed", "bf16-mixed"]
+Precision = Literal["32-true", "64-true", "16-mixed", "bf16-mixed"]  # what resolve_precision returns
 PRECISIONS = ("auto", *typing.get_args(Precision))
 
 
@@ -137,8 +134,7 @@ def to_plain_dict(node: Any, *, resolve: bool) -> dict[str, Any]:
 
 
 def _schema_allowed(full_key: str) -> str | None:
-    """What :class:`TrainConfig` allows at ``full_key``, in words (``checkpoint.keep`` -> ``an integer``);
-    None off the schema (under the untyped groups)."""
+    """What :class:`TrainConfig` allows at ``full_key``, in words (``an integer``); None off the schema."""
     hint: Any = TrainConfig
     metadata: Mapping[str, Any] = {}
     for part in full_key.split("."):
@@ -215,8 +211,7 @@ def compose_config(
         hydra_node: keep Hydra's own ``hydra`` node (run folder, job name) in the result.
 
     Raises:
-        ConfigError: a value of the wrong type for the schema (named by its key), or an override
-            Hydra cannot apply (unknown key, bad syntax), as one line.
+        ConfigError: a value of the wrong type for the schema, or an override Hydra cannot apply.
 
     Example::
 
@@ -232,8 +227,7 @@ def compose_config(
     name = flags.get("--config-name", flags.get("-cn", CONFIG_NAME))
     path = flags.get("--config-path", flags.get("-cp"))
     extra_dir = flags.get("--config-dir", flags.get("-cd"))
-    # The search path Hydra's own command line builds: a `hydra.searchpath` override instead
-    # would not find a primary config that only --config-dir has.
+    # Hydra's command line's search path: a `hydra.searchpath` override would miss a primary config in --config-dir
     primary = f"file://{Path(path).resolve()}" if path else f"pkg://{CONFIG_MODULE}"
     search_path = _compat.hydra_config_search_path(primary)
     if extra_dir:
@@ -256,13 +250,11 @@ def cuda_in_use(accelerator: str) -> bool:
     return accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
 
 
-CPU_PROCESSES = 2
-"""What ``trainer.devices: auto`` starts on a machine without CUDA: 2 processes over gloo."""
+CPU_PROCESSES = 2  # what `trainer.devices: auto` starts on a machine without CUDA (over gloo)
 
 
 def resolve_devices(devices: Any, accelerator: str = "auto") -> Any:
-    """``trainer.devices``: ``auto`` -> the launcher's processes per node (torchrun, an ``srun`` step),
-    else one rank per GPU, else :data:`CPU_PROCESSES`; other values unchanged.
+    """``auto`` -> the launcher's processes per node, else one rank per GPU, else :data:`CPU_PROCESSES`.
 
     Example::
 
@@ -285,8 +277,7 @@ def trainer_args(trainer: Any) -> dict[str, Any]:
 
 
 def resolve_precision(precision: str, accelerator: str = "auto", reproducible: bool = False) -> Precision:
-    """The app's one precision check: ``auto`` -> ``bf16-mixed`` on a bf16 GPU outside the reproducible
-    mode, else ``32-true``.
+    """The app's one precision check: ``auto`` -> ``bf16-mixed`` on a bf16 GPU unless reproducible, else ``32-true``.
 
     Raises:
         ConfigError: an unknown precision, ``16-mixed`` on CPU, ``bf16-mixed`` on a GPU without it.

@@ -49,11 +49,9 @@ def hydra_quote(value: str) -> str:
 
 
 def job_subprocess_cmd(local_rank: int) -> tuple[list[str], str | None]:
-    """The command and working folder that start child rank ``local_rank`` of the current Hydra job.
+    """The command and folder that start child rank ``local_rank`` of this Hydra job (the strategy's ``child_command``).
 
-    The strategy's ``child_command``: Lightning's own re-runs the whole command line, so under
-    ``--multirun`` each child rank would re-run the sweep. Outside Hydra, Lightning's command.
-    """
+    Lightning's own would re-run the whole command line (a sweep under ``--multirun``); outside Hydra it is used."""
     if not HydraConfig.initialized():
         return _compat.subprocess_cmd(local_rank)
     import __main__  # here: the module `python -m` or a warm start made __main__, not the one at import

@@ -49,8 +49,7 @@ __all__ = [
     "single_run_config",
 ]
 
-# Processes per CPU core that `trainer.devices` may ask for on a CPU: more only thrashes.
-CPU_PROCESSES_PER_CORE = 2
+CPU_PROCESSES_PER_CORE = 2  # processes per core `trainer.devices` may ask for on a CPU: more only thrashes
 _HYDRA_INFO_FLAGS = ("-h", "--help", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--version")
 
 
@@ -195,8 +194,7 @@ def _check_top_level(resolved: dict[str, Any], raw: dict[str, Any]) -> None:
 
 
 def check_resume(resume: Any, weights_only: bool = True) -> str:
-    """``resume``: ``"auto"``, ``"never"`` or the path of a checkpoint that verifies and loads: with
-    ``weights_only=True``, unless the config's ``weights_only`` is false (the user trusts the file).
+    """``resume``: ``"auto"``, ``"never"`` or the path of a checkpoint that verifies and loads (with ``weights_only``).
 
     Example::
 
@@ -233,11 +231,10 @@ def checkpoint_position(path: str | os.PathLike, weights_only: bool = True) -> t
 
 
 def load_checkpoint_safely(path: str | os.PathLike, weights_only: bool = True) -> Any:
-    """``torch.load(path, weights_only=True)`` with the pack's :data:`~ddp_plugins.lightning.safe_loading.SAFE_GLOBALS`,
-    memory-mapped on the CPU; a refusal is a one-line ``ValueError``. ``weights_only=False`` (the config's
-    ``weights_only=false``: the user trusts the file) loads anything."""
-    # mmap needs torch.save's zip format: any other file (a legacy pickle, a YAML file) is read whole,
-    # so that torch's message says why it does not load, not that it cannot be memory-mapped
+    """``torch.load(path, weights_only=True)`` with :data:`~ddp_plugins.lightning.safe_loading.SAFE_GLOBALS`.
+
+    Memory-mapped on the CPU; a refusal is a one-line ``ValueError``; ``weights_only=False`` loads anything."""
+    # mmap needs torch.save's zip format: another file is read whole, so torch's message says why it fails
     what = "" if zipfile.is_zipfile(path) else "not a zip archive written by torch.save, "
     try:
         with safe_loading(path) if weights_only else contextlib.nullcontext():

@@ -1,7 +1,6 @@
-"""``python -m ddp_plugins.train [group=option ...] [key=value ...]`` trains the configured model with
-DDP and prints the final validation accuracy; checkpoints, metrics and the resolved config go to
-the Hydra run folder.
-"""
+"""``python -m ddp_plugins.train [group=option ...] [key=value ...]``: DDP training of the configured model.
+
+Prints the final validation accuracy; checkpoints, metrics and the resolved config go to the Hydra run folder."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def build_trainer(cfg: DictConfig, output_dir: str | os.PathLike, callbacks: lis
     strategy = instantiate(cfg.strategy, child_command=job_subprocess_cmd)  # child ranks re-run this job only
     plugin_callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     folder = Path(output_dir) / "checkpoints"
-    # The best accuracy's checkpoint, and last.ckpt rewritten at every epoch end (a hard kill loses at most
-    # the epoch under way); save_last=True would follow the best one, rewritten only when it improves.
+    # last.ckpt at every epoch end: a kill loses at most one epoch (save_last=True: only when the best improves)
     best = ModelCheckpoint(dirpath=folder, monitor=_accuracy_key(cfg), mode="max")
     latest = ModelCheckpoint(dirpath=folder, filename="last", monitor=None, enable_version_counter=False)
     return pl.Trainer(
@@ -90,14 +88,11 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     if cfg.precision.name == "64-true":
-        # Lightning restores a checkpoint's weights before its precision plugin converts the
-        # model: into float32 parameters they would be rounded (a resumed float64 run would differ)
-        model = model.double()
+        model = model.double()  # before a resume restores its weights: float32 parameters would round them
     resume = str(cfg.get("resume", "auto"))
     weights_only = cfg.get("weights_only", True) is not False  # false: the user trusts their checkpoints
     _prepare_checkpoint_folder(Path(output_dir) / "checkpoints", resume)
-    # Everything the config and the checkpoint decide is decided here, before the Trainer (its banner)
-    # and before any other rank starts: a refusal is one line, a finished run says so.
+    # decided before the Trainer (its banner) and the other ranks start: a refusal is one line, a finished run says so
     ckpt_path = resume_path(resume, output_dir, weights_only=weights_only)
     point = _check_resume_checkpoint(ckpt_path, model, datamodule, cfg) if ckpt_path is not None else None
     if point is not None and point.finished:
@@ -130,11 +125,9 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> float | None:
 
 
 def resume_path(resume: str, output_dir: str | os.PathLike, weights_only: bool = True) -> str | None:
-    """The checkpoint a run continues from: ``resume`` itself, the newest *verified* checkpoint of
-    the run folder's ``checkpoints/`` for ``"auto"`` (None when it has none), None for ``"never"``.
+    """The checkpoint to continue from: ``resume``, the newest verified one for ``"auto"``, None for ``"never"``/none.
 
-    Under ``"auto"`` a damaged or unverified checkpoint is skipped with one line naming it and why.
-    ``weights_only``: how a checkpoint is read to compare it with a preemption checkpoint of the same step.
+    ``"auto"`` skips (and warns about) damaged or unverified files; ``weights_only``: how they are read.
 
     Example::
 
@@ -148,8 +141,7 @@ def resume_path(resume: str, output_dir: str | os.PathLike, weights_only: bool =
         return resume
     folder = Path(output_dir) / "checkpoints"
     found, skipped = checkpoints.newest_valid_checkpoint(folder)
-    if found is None and skipped:
-        # Every checkpoint is damaged or unverified: starting over would overwrite them without a word
+    if found is None and skipped:  # starting over would silently overwrite these damaged or unverified files
         names = "; ".join(f"{path.name}: {reason.split(':')[0]}" for path, reason in skipped)
         raise ConfigError(
             "resume",
@@ -166,11 +158,7 @@ _PREEMPTED = re.compile(r"step-(\d+)-preempted\.ckpt")
 
 
 def _the_stop_at_the_same_step(found: Path, weights_only: bool = True) -> Path:
-    """A preemption checkpoint of the same global step as ``found``, if there is a valid one, else ``found``.
-
-    At an epoch's last step the stop checkpoint and the epoch-end ``last.ckpt`` hold the same point,
-    written one after the other; the stop's file is the record of the stop, so it is preferred.
-    """
+    """A valid preemption checkpoint of ``found``'s step (preferred: it records the stop), else ``found``."""
     if _PREEMPTED.fullmatch(found.name):
         return found
     stops = {p: int(m.group(1)) for p in found.parent.iterdir() if (m := _PREEMPTED.fullmatch(p.name))}
@@ -185,8 +173,7 @@ def _the_stop_at_the_same_step(found: Path, weights_only: bool = True) -> Path:
 
 
 def _prepare_checkpoint_folder(folder: Path, resume: str) -> None:
-    """Refuse ``resume=never`` where an earlier run left checkpoints (its files would mix with the new
-    run's, and ``auto`` would later resume either); remove what a killed writer left behind."""
+    """Refuse ``resume=never`` over an earlier run's checkpoints (they would mix); remove a killed writer's files."""
     if resume == "never" and any(folder.glob("*.ckpt")):
         raise ConfigError(
             "resume",
@@ -213,14 +200,11 @@ class ResumePoint(NamedTuple):
 
 
 def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictConfig) -> ResumePoint:
-    """Where the checkpoint to resume from stands, after checking that it fits ``model`` and the config
-    (loaded once, with ``weights_only=True`` unless the config's ``weights_only`` is false); a refusal is one
-    line on every rank, not a traceback per rank.
+    """Where the checkpoint to resume from stands, once checked against ``model`` and the config.
 
     Raises:
         ConfigError: the checkpoint does not load safely or does not fit the model or the config.
-        ResumeMismatch: this run would train some of the stopped epoch's rows twice or never (the
-            ranks would refuse it: :func:`resume_start`).
+        ResumeMismatch: this run would train some of the stopped epoch's rows twice or never.
     """
     try:
         checkpoint = load_checkpoint_safely(path, weights_only=cfg.get("weights_only", True) is not False)
@@ -274,8 +258,7 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
         isinstance(max_steps, int) and max_steps > 0 and step >= max_steps
     )
     now = _expected_record(cfg, datamodule) if isinstance(record, dict) and record and not finished else None
-    if now is not None:
-        # what the ranks would refuse once started (ResumeMismatch), decided here from the numbers alone
+    if now is not None:  # what the ranks would refuse (ResumeMismatch), decided from the numbers alone
         progress = (checkpoint["loops"].get("fit_loop") or {}).get("epoch_loop.batch_progress") or {}
         current = progress.get("current") or {}
         done = int(current.get("processed", 0))
@@ -283,8 +266,7 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
             record, now, epoch, done, last_batch=bool(progress.get("is_last_batch")),
             in_batch_end=int(current.get("completed", done)) < done,
         )  # fmt: skip
-    # A file with a digest was verified on the way here (resume_path or the up-front check): no second hash.
-    # Said after every refusal above, so that a refusal stays one line.
+    # a file with a digest was verified on the way here; warned after every refusal, so a refusal stays one line
     digest = checkpoints.digest_path(path)
     if get_rank() == 0 and not digest.is_file():
         log.warning("resume: %s is not verified (%s: %s missing)", path, checkpoints.NO_DIGEST, digest.name)
@@ -292,8 +274,7 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
 
 
 def _expected_record(cfg: DictConfig, datamodule: Any) -> dict[str, Any] | None:
-    """The data record this run's ranks will write, from the config and the data's row count; None where
-    the config leaves it open (an accumulation schedule, an unknown row count, GPU indices)."""
+    """The data record the ranks will write; None if left open (an accumulation schedule, unknown rows, GPU indices)."""
     rows = getattr(datamodule, "train_rows", None)
     trainer = trainer_args(cfg.trainer)
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
@@ -315,9 +296,9 @@ def _expected_record(cfg: DictConfig, datamodule: Any) -> dict[str, Any] | None:
 
 
 def _final_accuracy(path: Path, point: ResumePoint, key: str, weights_only: bool = True) -> float | None:
-    """The accuracy a finished run ended with: ``last.ckpt``'s record when it holds the same step as
-    ``path`` (a stop at the last step is written before the epoch's ``ModelCheckpoint`` updates its
-    score; ``last.ckpt`` is written after it), else ``path``'s own."""
+    """The accuracy a finished run ended with: ``last.ckpt``'s if it holds ``path``'s step, else ``path``'s own.
+
+    A stop at the last step is written before the epoch's ``ModelCheckpoint`` updates its score."""
     last = path.with_name("last.ckpt")
     if last != path and checkpoints.verify_checkpoint(last) is None:
         with contextlib.suppress(ValueError, AttributeError):
@@ -402,8 +383,7 @@ def run_folder_lock(folder: str | os.PathLike) -> Iterator[None]:
 
 
 def _reset_job_state(env_before: dict[str, str]) -> None:
-    """Leave the process as the next job of a sweep expects it: no process group, the environment
-    as it was before the job (launcher variables, network presets and ports must not leak)."""
+    """Leave the process as a sweep's next job expects it: no process group, no launcher/network variable leaked."""
     end_launched_job()
     restore_env(env_before)
 
@@ -438,15 +418,13 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     finally:
         if "LOCAL_RANK" not in env_before:  # the job's launcher, not one of its child ranks
             _reset_job_state(env_before)
-        # Hydra's `run_job` makes an exception the job's result (exit 0); a SystemExit keeps its code; else unknown
+        # Hydra's `run_job` makes an exception the job's result (exit 0); a SystemExit keeps its code
         error = sys.exc_info()[1]
         code = 0 if error is None or isinstance(error, Exception) else None
         if isinstance(error, SystemExit):
             code = system_exit_code(error)
         if not owns_exit() and code is not None:
-            # Run by another entry point (a submitit task): skip finalization all the same, as
-            # the gloo abort at exit would turn a finished job into a failed Slurm task.
-            exit_at_interpreter_exit(code)
+            exit_at_interpreter_exit(code)  # e.g. a submitit task: the gloo exit abort would fail it
 
 
 def _main() -> None:
@@ -456,8 +434,7 @@ def _main() -> None:
             precheck(argv)
             cfg = single_run_config(argv) if get_rank() == 0 else None
             if cfg is not None:
-                # Locked and checked before Hydra writes .hydra/ there (a refused run writes
-                # nothing), and handed to Hydra resolved, so that both name the same folder.
+                # locked and checked before Hydra writes .hydra/; handed to Hydra resolved (the same folder)
                 folder = str(cfg.hydra.run.dir)
                 hold_run_folder(folder)
                 _prepare_checkpoint_folder(Path(folder) / "checkpoints", str(cfg.get("resume", "auto")))

@@ -1,11 +1,5 @@
-"""The torch-only core
-====================
-
-Collectives, SyncBatchNorm, samplers and the global plan, communication hooks, the timeline of
-steps and collectives with hang dumps, seeding, preemption, checkpoints and the clean process exit,
-usable without Lightning: from a raw ``torch.distributed``
-loop, with Lightning Fabric, and by the adapters in :mod:`ddp_plugins.lightning`.
-"""
+"""The torch-only core: collectives, SyncBatchNorm, samplers and the global plan, comm hooks, the timeline, liveness,
+seeding, preemption, checkpoints and the clean exit, for a raw ``torch.distributed`` loop, Fabric, and the adapters."""
 
 from ddp_plugins.core.checkpoints import gather_per_rank, latest_checkpoint
 from ddp_plugins.core.checks import (
@@ -18,12 +12,7 @@ from ddp_plugins.core.checks import (
     check_number,
 )
 from ddp_plugins.core.collectives import distributed_concat
-from ddp_plugins.core.comm_hooks import (
-    COMM_HOOKS,
-    CountingCommHook,
-    build_comm_hook,
-    check_comm_hook,
-)
+from ddp_plugins.core.comm_hooks import COMM_HOOKS, CountingCommHook, build_comm_hook, check_comm_hook
 from ddp_plugins.core.files import save_atomic
 from ddp_plugins.core.liveness import Liveness, Record, Verdict, judge
 from ddp_plugins.core.plan import EmptyShareCollate, EvenSteps, GlobalPlan, PlanBatchSampler

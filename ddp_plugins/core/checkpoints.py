@@ -35,8 +35,7 @@ PER_RANK = "per_rank"
 
 
 def gather_per_rank(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Replace every callback's :data:`PER_RANK` part with the list of all ranks' parts (in place): one
-    ``all_gather_object`` that every rank calls at the same point.
+    """Replace each callback's :data:`PER_RANK` part by all ranks' (in place): one ``all_gather_object`` on every rank.
 
     Example::
 
@@ -118,19 +117,16 @@ def _newest_first(folder: str | os.PathLike) -> list[Path]:
 
 
 DIGEST_SUFFIX = ".sha256"
-# The sidecars' hidden folder: Lightning scans checkpoint names (a sidecar `hpc_ckpt_1.ckpt.sha256` beside
-# the file was hpc version 1256 to `fit(ckpt_path="hpc")`; `-v<N>` counters, `last` links read names too).
+# hidden: Lightning parses the names beside checkpoints (`hpc_ckpt_1.ckpt.sha256` was hpc version 1256; `-v<N>`, `last`)
 _DIGEST_FOLDER = ".sha256"
-# why a file that verifies is passed over: its digest was not written by this pack
 _UNNUMBERED = "its digest has no write number (made by hand?): its place among the checkpoints is unknown"
 NO_DIGEST = "no digest"  # how verify_checkpoint's reason begins for a file without a sidecar
-# The sidecar's second line: a comment to `sha256sum -c`, which still checks the file
+# the sidecar's second line: a comment to `sha256sum -c`, which still checks the file
 _WRITE_NUMBER = re.compile(r"^# write (\d+)$", re.MULTILINE)
 
 
 def digest_path(path: str | os.PathLike) -> Path:
-    """The SHA-256 sidecar of a checkpoint file (a link's: its target's): ``.sha256/<name>.sha256`` in its
-    folder, or an earlier version's ``<name>.sha256`` beside the file where only that one exists.
+    """A checkpoint's (a link's target's) sidecar: ``.sha256/<name>.sha256``, or an older one beside it if only that.
 
     Example::
 
@@ -146,8 +142,7 @@ def digest_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.is_symlink():
         path = Path(os.path.realpath(path))
-    sidecar = _sidecar_home(path)
-    legacy = _legacy_sidecar(path)
+    sidecar, legacy = _sidecar_home(path), _legacy_sidecar(path)
     return legacy if not sidecar.exists() and legacy.exists() else sidecar
 
 
@@ -175,8 +170,7 @@ def _sha256(path: Path) -> str:
 
 
 def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` ``obj`` to ``path`` atomically, its SHA-256 and :func:`write_number` in :func:`digest_path`
-    (``sha256sum -c``'s format) before the rename.
+    """``torch.save`` atomically; SHA-256 and :func:`write_number` go to :func:`digest_path` before the rename.
 
     Example::
 
@@ -211,10 +205,7 @@ def _no_space(error: BaseException | None) -> bool:
 
 
 def remove_checkpoint_file(path: str | os.PathLike) -> None:
-    """Remove a checkpoint and its digest, of this version or an earlier one (any may be missing).
-
-    A symbolic link goes without its target's digest.
-    """
+    """Remove a checkpoint and its digest, of any version (any may be missing; a link's target keeps its own)."""
     path = Path(path)
     path.unlink(missing_ok=True)
     _sidecar_home(path).unlink(missing_ok=True)
@@ -255,8 +246,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
 
 
 def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest ``*.ckpt`` of ``folder`` that passes :func:`verify_checkpoint`, and the newer
-    ones skipped, each with the reason (unnumbered files modified after the one found included).
+    """The newest ``*.ckpt`` passing :func:`verify_checkpoint`, and the newer ones skipped (unnumbered too), with why.
 
     Example::
 
@@ -274,7 +264,7 @@ def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, lis
     for index, path in enumerate(ordered):
         reason = verify_checkpoint(path)
         if reason is None:
-            # Files without a digest sort after every numbered one: still name those written after this one
+            # unnumbered files sort after numbered ones: still name those written after this one
             after = path.stat().st_mtime_ns
             for other in ordered[index + 1 :]:
                 if write_number(other) is None and other.stat().st_mtime_ns > after:
@@ -285,8 +275,7 @@ def newest_valid_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, lis
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
-    """Remove the temporary files a killed writer left in ``folder`` and digests without their
-    checkpoint; returns what was removed. Call it only while no other process writes there.
+    """Remove a killed writer's temporaries and orphan digests (while nobody writes there); returns what went.
 
     Example::
 
@@ -300,8 +289,7 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     removed = []
     folder = Path(folder)
     for path in [*folder.glob("*"), *(folder / _DIGEST_FOLDER).glob("*")]:  # hidden files too; none without the folder
-        name = path.name[: -len(DIGEST_SUFFIX)]
-        checkpoint = folder / name
+        checkpoint = folder / path.name[: -len(DIGEST_SUFFIX)]
         orphan = path.name.endswith(".ckpt" + DIGEST_SUFFIX) and not checkpoint.exists()
         if (is_temporary(path) or orphan) and path.is_file():
             path.unlink(missing_ok=True)

@@ -1,5 +1,4 @@
-"""The pack's argument validators: a wrong type raises :class:`ArgumentTypeError`, a wrong value
-:class:`ArgumentValueError`, both naming the argument."""
+"""Argument validators: :class:`ArgumentTypeError` for a wrong type, :class:`ArgumentValueError` for a wrong value."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ _UNSET: Any = _Unset()
 class ArgumentError(Exception):
     """A bad argument: ``argument`` (its name), ``got`` (what was received), ``allowed`` (what is).
 
-    The message reads "`<argument>` should be <allowed>, <problem>." plus an optional ``hint``;
-    ``problem`` is "got <got>" unless given.
+    The message: "`<argument>` should be <allowed>, <problem>." and ``hint``; ``problem`` defaults to "got <got>".
 
     Example::
 
@@ -94,8 +92,7 @@ def check_int(
     allow_none: bool = False,
     allowed_words: tuple[str, ...] = (),
 ) -> Any:
-    """``value`` as an ``int`` when it is an integer in ``[minimum, maximum]`` (``bool`` is not an integer),
-    or one of ``allowed_words`` (such as ``"auto"``) as it is.
+    """``value`` as an ``int`` in ``[minimum, maximum]`` (no ``bool``), or one of ``allowed_words`` (``"auto"``) as is.
 
     Example::
 
@@ -134,9 +131,7 @@ def check_number(
     allow_none: bool = False,
     what: str = "",
 ) -> Any:
-    """``value`` when it is a finite real number within the bounds (``bool`` is not a number).
-
-    ``what`` names the unit in the message, e.g. ``"seconds"``.
+    """``value`` when it is a finite real number within the bounds (not a ``bool``); ``what`` names its unit.
 
     Example::
 

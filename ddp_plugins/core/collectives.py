@@ -33,22 +33,15 @@ def distributed_concat(
 ) -> Any:
     """All-gather ``data`` from every rank, concatenate along dim 0 in rank order, truncate.
 
-    ``data`` is a tensor, a list of Python rows (ids, strings, tensor-free dicts or tuples), or a
-    nested dict / tuple / list of those. Ranks may hold different numbers of rows, including none;
-    every rank gets the full result on the devices the tensors came from.
-
-    Tensors that agree in structure and dtypes take one round when they fit the group's buffer (the
-    shapes travel with the data; the protocol is described above ``_FITS``), else a round of shapes,
-    then the data. Python rows, ranks that disagree and ``local_error`` add one exchange of every
-    rank's full metadata, whose errors name every rank's shapes.
+    ``data`` is a tensor, a list of Python rows (ids, strings, tensor-free dicts or tuples), or a nested dict /
+    tuple / list of those; ranks may hold different numbers of rows, even none; all get the result, on its devices.
+    By hand: torchmetrics' ``gather_all_tensors`` takes one tensor, and the core imports no torchmetrics
+    (docs/design.md, "Exact distributed evaluation"). The protocol: above ``_FITS``.
 
     Args:
-        num_total_examples: keep only the first this many rows of the result (drops the padding of
-            :class:`SequentialDistributedSampler`); ``None`` keeps everything.
-        pad_value: when given, tensors whose trailing dimensions differ across ranks (variable
-            length sequences) are padded to the largest with this value; when ``None`` they raise.
-        local_error: a failure this rank found while preparing ``data`` (``data`` is then ignored):
-            every rank raises it together instead of the others waiting in the gather.
+        num_total_examples: keep the first this many rows (drops a :class:`SequentialDistributedSampler`'s padding).
+        pad_value: pad tensors whose trailing dimensions differ across ranks with this; ``None``: they raise.
+        local_error: a failure this rank found preparing ``data`` (then ignored), raised by every rank together.
 
     Raises:
         ValueError: structures, dtypes or trailing shapes differ across ranks (raised on every rank).
@@ -201,8 +194,7 @@ def _gather_with_metadata(
     )
     all_meta: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(all_meta, mine, group=group)
-    failed = [(rank, meta.error) for rank, meta in enumerate(all_meta) if meta.error is not None]
-    if failed:
+    if failed := [(rank, meta.error) for rank, meta in enumerate(all_meta) if meta.error is not None]:
         raise ValueError("; ".join(f"rank {rank}: {message}" for rank, message in failed))
     _check_consistent(all_meta, leaves, pad_value)
     outs: list[Any] = []
@@ -215,18 +207,12 @@ def _gather_with_metadata(
 
 
 # The tensor round: every distributed call opens with one all-gather of equal-size byte buffers, one per rank:
-#
-#     [ _Header: status, fingerprint, needed ][ every leaf's shape ][ every leaf's bytes, if status is _FITS ]
-#       int64 words                             int64 words           each from a multiple of _ALIGN
-#
-# - fingerprint: of the structure, dtypes and numbers of dims. Ranks whose fingerprints agree differ at most
-#   in their shapes, so each reads the others' shapes with its own numbers of dims.
-# - status: _FITS, the bytes follow; _SHAPES, they did not fit, one gather per tensor follows;
-#   _FULL (Python rows, an error, a sparse or quantized tensor) or disagreeing fingerprints: the caller
-#   falls back to _gather_with_metadata.
-# - The one buffer rule: a group's buffer is the largest ``needed`` of its previous call rounded up to a
-#   power of two, from _MIN_BYTES to _MAX_BYTES; _MIN_BYTES after a call that needed more (its data went
-#   in a second round). Every rank reads the same headers, so every rank picks the same size.
+#     [ _Header (int64) ][ every leaf's shape (int64) ][ every leaf's bytes if _FITS, each at a multiple of _ALIGN ]
+# Agreeing fingerprints (structure, dtypes, numbers of dims) differ at most in shapes, so each rank reads the others'
+# shapes with its own numbers of dims. _FITS: the bytes follow; _SHAPES: they did not fit, one gather per tensor
+# follows; _FULL (rows, an error, a sparse or quantized tensor) or disagreeing fingerprints: _gather_with_metadata.
+# Buffer size: the previous call's largest ``needed`` rounded up to a power of two in [_MIN_BYTES, _MAX_BYTES],
+# _MIN_BYTES if more was needed; every rank reads the same headers, so every rank picks the same size.
 _FITS, _SHAPES, _FULL = 0, 1, 2
 _ALIGN = 16  # every leaf starts at a multiple of this byte, so its bytes view as any dtype
 _MIN_BYTES, _MAX_BYTES = 4096, 1 << 20
@@ -357,8 +343,7 @@ def _new_buffers(size: int, device: torch.device, world: int) -> _GroupBuffers:
 
 
 def _all_gather_single(out: Tensor, local: Tensor, group: Any) -> None:
-    # looked up at each call (count_collectives wraps it); its older name where a torch lacks it (the GPU
-    # machine's torch is older than the floor the CPU suite pins)
+    # looked up at each call (count_collectives wraps it); the older name for an older torch (the GPU machine's)
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather_single(out, local, group=group)
 

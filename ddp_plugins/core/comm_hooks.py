@@ -22,9 +22,8 @@ def check_comm_hook(comm_hook: Any, backend: str | None = None, device: Any = No
     """Check a DDP communication hook name, and that ``backend`` and ``device`` (when known) can run it.
 
     Raises:
-        ArgumentValueError: an unknown name, ``bf16`` without NCCL 2.10+ (torch registers it on nccl only),
-            or ``powersgd`` for a CPU model on a machine with CUDA (torch's hook synchronizes the bucket's
-            device as a CUDA device).
+        ArgumentValueError: an unknown name, ``bf16`` without NCCL 2.10+, or ``powersgd`` for a CPU model on a
+            machine with CUDA (torch's hook synchronizes the bucket's device as a CUDA device).
 
     Example::
 
@@ -59,8 +58,7 @@ def build_comm_hook(
     Args:
         name: one of :data:`COMM_HOOKS`; ``"none"`` (DDP's default all-reduce) returns ``(None, None)``.
         powersgd_rank: PowerSGD's ``matrix_approximation_rank`` (>= 1).
-        powersgd_start_iter: PowerSGD's ``start_powerSGD_iter`` (>= 2: its error feedback needs two
-            warm-up iterations).
+        powersgd_start_iter: PowerSGD's ``start_powerSGD_iter`` (>= 2: its error feedback needs two warm-ups).
 
     Example::
 
@@ -82,9 +80,8 @@ def build_comm_hook(
 def _powersgd_hook(state, bucket):
     """torch's ``powerSGD_hook``; on backends other than NCCL it returns once the bucket is reduced.
 
-    PowerSGD issues its later all-reduces from future callbacks, which gloo runs on its own threads:
-    they could interleave differently on each rank with other collectives (SyncBatchNorm's), and
-    gloo aborts on the mismatch. Waiting keeps one order. No annotations: DDP compares them.
+    Its later all-reduces, from future callbacks on gloo's threads, could interleave differently per rank: an abort
+    (docs/design.md, "Gradient accumulation and communication"). No annotations: DDP compares them.
     """
     check_comm_hook("powersgd", device=bucket.buffer().device)
     future = powerSGD_hook.powerSGD_hook(state, bucket)
@@ -100,11 +97,9 @@ _POWERSGD = (_powersgd_hook, powerSGD_hook.powerSGD_hook)
 class CountingCommHook:
     """A DDP communication hook that counts what another hook sends, then returns its result.
 
-    ``calls`` and ``bytes`` count the all-reduces per bucket and the bytes they send: one of the
-    bucket for torch's all-reduce, one of 2-byte elements for fp16/bf16, and for PowerSGD once
-    compressing its three (the uncompressed tensors, P and Q, from its state's
-    ``total_numel_after_compression``). Any other hook counts as one all-reduce of the bucket: what
-    it really sends is not seen. ``rounds`` counts synchronized backward passes.
+    By hand: torch has no per-hook traffic counter. ``calls`` and ``bytes`` count the all-reduces and their bytes:
+    the bucket for torch's all-reduce, 2-byte elements for fp16/bf16, PowerSGD's three once it compresses (from
+    ``total_numel_after_compression``); any other hook as one of the bucket. ``rounds``: synchronized backwards.
 
     Args:
         hook: the hook to wrap, ``hook(state, bucket) -> Future``; ``None`` means torch's ``allreduce_hook``.

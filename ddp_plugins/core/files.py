@@ -44,8 +44,8 @@ def open_atomic(
 ) -> Iterator[IO[Any]]:
     """Open ``path`` (``mode`` ``"wb"`` or ``"w"``) for writing so that it is never seen half-written.
 
-    The block writes a hidden temporary file in the same folder, fsynced, passed to ``before_rename``
-    (a digest of the bytes, say) and renamed over ``path``; on failure ``path`` is untouched.
+    A hidden temporary in the same folder, fsynced, passed to ``before_rename``, renamed; on failure ``path`` is
+    untouched. By hand: Lightning's fsspec save writes to the system temp folder and never fsyncs.
 
     Example::
 

@@ -1,5 +1,6 @@
-"""One liveness room for a job: one progress record per rank, one judge, a stall named within
-``name_after_s`` and the job ended after ``end_after_s``. Rationale: docs/design.md ("one liveness room")."""
+"""One liveness room per job: a progress record per rank, one judge, a stall named, then ended.
+
+By hand: a collective's timeout names no rank. See docs/design.md, "When a rank fails or stops"."""
 
 from __future__ import annotations
 
@@ -41,8 +42,7 @@ _VERDICT, _LEFT = f"{_KEY}verdict", f"{_KEY}left"
 _ASKS, _ANSWER = f"{_KEY}asks", f"{_KEY}answer/"  # failed collectives asked about; the observer's answers
 _NEVER = float("-inf")
 _LIVE = frozenset({"behind", "silent", "busy"})  # verdicts on a rank whose process may be running
-# what a room ends at its end limit by default: a process provably stopped or gone, or a store that does
-# not answer (its host is stopped: a store served by a C++ thread answers while Python is busy)
+# ended at end_after_s by default: stopped or gone, or a silent store (its C++ thread answers while Python is busy)
 _PROVEN = frozenset({"gone", "stopped", "store"})
 _NAMING_S = 5.0  # the most a failed collective's rank waits for its room's thread to say the line it began
 _HOW = {
@@ -144,9 +144,8 @@ def judge(
 ) -> Verdict | None:
     """The verdict on the ranks' records (``None``: nothing to name), from one observer's clock.
 
-    ``seen_at[r]``: when rank ``r``'s ``seq`` last changed; ``progressed_at[r]``: when its ``marks``
-    did; ``states[r]``: its :func:`process_state`, where the observer can see it. The rules (gone,
-    silent, behind, one long step): docs/design.md ("When a rank fails or stops").
+    ``seen_at[r]`` / ``progressed_at[r]``: when rank ``r``'s ``seq`` / ``marks`` last changed; ``states[r]``: its
+    :func:`process_state`, where visible. The rules: docs/design.md, "When a rank fails or stops".
 
     Example::
 
@@ -202,9 +201,8 @@ def process_state(pid: int) -> str | None:
 class Liveness:
     """The room: name a stalled rank within ``name_after_s``, end the job after ``end_after_s``.
 
-    The training thread calls :meth:`mark` at each phase boundary; a daemon thread publishes this
-    rank's :class:`Record`, and rank 0 :func:`judge` s them all. Who names, who ends and when:
-    docs/design.md ("When a rank fails or stops"); every rank exits with :data:`STALL_EXIT`.
+    The training thread calls :meth:`mark`; a daemon thread publishes this rank's :class:`Record` and rank 0
+    :func:`judge` s them all; an ended job exits :data:`STALL_EXIT` on every rank.
 
     Args:
         store: the job's store (the default process group's).
@@ -213,11 +211,9 @@ class Liveness:
         folder: where ``stall.txt`` goes (a callable is asked when it is written); ``None``: none.
         rescue: called by the reporting rank before it ends the job; returns what it saved, or ``None``.
         end_running: end at ``end_after_s`` a stall of ranks whose processes run, too.
-        collective_timeout_s: the group's collective timeout; a collective that failed sooner was not
-            timed out by a rank behind the others (``None``: not known, any failure may be).
+        collective_timeout_s: a collective failing sooner was not timed out by a rank behind (``None``: unknown).
         exit: how a rank ends the job (``os._exit``; a test passes its own).
-        defers: ``defers(verdict, records)`` is true where another watcher (the launcher's, while the
-            ranks start) ends the job for this verdict with more to say; this room then stays silent.
+        defers: ``defers(verdict, records)``: another watcher (the launcher's) ends the job for it; the room is silent.
 
     Example::
 
@@ -309,8 +305,7 @@ class Liveness:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def failed(self, error: BaseException) -> None:
-        """This rank raised ``error``: where another rank caused it, name it and end the job here (no
-        traceback, no rescue: the step is half done); return where this rank's own code raised."""
+        """If another rank caused ``error``, name it and end the job (no rescue: the step is half done); else return."""
         if error is self._own:  # judged already (the launcher asks before it stops the child ranks)
             return
         verdict, records = self.verdict or self._host_gone(), [self._observer] if self._observer else []
@@ -328,13 +323,12 @@ class Liveness:
             line = verdict.line(_by_rank(records, verdict))
             print(f"error: {line}; a collective failed waiting for it ({type(error).__name__}: {_first_line(error)})",
                   file=sys.stderr, flush=True)  # fmt: skip
-        elif self._reports(verdict):  # the room's thread is naming it: its line comes before the job's end
+        elif self._reports(verdict):  # the room's thread is naming it: its line first
             self._named.wait(_NAMING_S)
         self._end(verdict, records)
 
     def _ask(self) -> tuple[Verdict | None, list[Record]]:
-        """Ask the observer for the verdict on this rank's failed collective (one append, one key polled);
-        no answer within three intervals: rank 0 itself is told from its record and ``/proc``."""
+        """The observer's verdict on this rank's failed collective; no answer in 3 intervals: rank 0 judged here."""
         ask = Ask(self.rank, self.waits, self._timed_out(time.monotonic()))
         self._publish()  # what this rank waits in, as the observer judges it
         if self.rank == 0:
@@ -384,8 +378,7 @@ class Liveness:
             self._store(lambda: self.store.set(f"{_ANSWER}{ask.rank}", json.dumps(told)))  # noqa: B023
 
     def _decide(self, asks: list[Ask]) -> list[tuple[Verdict | None, list[Record]]]:
-        """The verdict for each rank whose collective failed (raised, gone or stopped; else, for a rank
-        that waited, silent, or behind if it waited about the collective timeout)."""
+        """The verdict for each rank whose collective failed (raised, gone, stopped; silent or behind if it waited)."""
         records = self._records_now()
         if not records:
             return [(None, [])] * len(asks)
@@ -428,8 +421,6 @@ class Liveness:
         timeout = self.collective_timeout_s
         return timeout is None or now - self._marked_at >= 0.9 * timeout
 
-    # the room's thread
-
     def _store(self, call: Callable[[], Any]) -> Any:
         """One store call, given up after ``name_after_s`` (``TimeoutError``: the store does not answer)."""
         return self._pool.submit(call).result(timeout=self.name_after_s)
@@ -452,7 +443,7 @@ class Liveness:
             now, throttle = time.monotonic(), self.interval_s / 5
             if self.rank == 0 and (self._asks or now - asked >= throttle):  # a question waits one throttle at most
                 asked = now
-                with contextlib.suppress(Exception):  # a store that fails: the judgement sees it
+                with contextlib.suppress(Exception):  # a failing store: the judgement sees it
                     self._answer_asks()
             if now - judged < self.interval_s:  # between two judgements: publish new marks, once per throttle
                 if self.marks != self._published_marks and now - self._published_at >= throttle:
@@ -549,8 +540,7 @@ class Liveness:
     def _observe(
         self, seen_at: list[float], progressed_at: list[float], last: dict
     ) -> tuple[list[Record], Verdict | None, bool]:
-        """Rank 0: every rank's record, the verdict on them, told to the other ranks when it changes; and,
-        where the verdict names rank 0 itself, whether the rank that reports it ended the job."""
+        """Rank 0: the records and verdict (told the others when it changes); whether the reporter ended the job."""
         if self.verdict is not None and 0 in self.verdict.ranks:  # another rank reports: has it ended the job?
             told = json.loads(self._store(lambda: self.store.get(_VERDICT)))
             if told is not None and told["end"]:
@@ -610,7 +600,7 @@ class Liveness:
             ends = "the job goes on (a rank whose process runs is not ended)"
         where = f"; every rank's last record and stack: {dump}" if dump else ""
         named = _by_rank(records, verdict)
-        # a stopped or stalled rank's record is as old as its last publication: say where this rank is
+        # the stalled rank's record is as old as its last publication: say where this rank is
         here = (
             "" if {named[r].phase for r in verdict.ranks} == {self.phase} else f" (rank {self.rank} is in {self.phase})"
         )
@@ -626,16 +616,14 @@ class Liveness:
         self._exit(STALL_EXIT)
 
     def _end_once(self, verdict: Verdict, records: list[Record]) -> None:
-        """The reporter writes the rescue, tells the others and waits until they left the store (their
-        store calls would fail with torch's C++ stack dumps), then kills the stalled ranks on its host."""
+        """The reporter rescues, tells the others, waits until they left the store, kills the stalled ranks here."""
         store_answers = _store_answers(verdict)
         if not self._reports(verdict):
             with contextlib.suppress(Exception):
                 if store_answers:
                     self._store(lambda: self.store.add(_LEFT, 1))
             return
-        # the training thread passed no mark for an interval: it waits for the stalled rank, the state is a step's;
-        # one that passed none yet is still starting: it has computed nothing worth a checkpoint
+        # no mark for an interval: it waits for the stalled rank at a step's state (no mark yet: nothing to save)
         idle = self.marks > 0 and time.monotonic() - self._marked_at > self.interval_s
         try:
             saved = self.rescue() if self.rescue is not None and idle else None
@@ -646,7 +634,7 @@ class Liveness:
         with contextlib.suppress(Exception):
             if store_answers:
                 self._tell(verdict, end=True)
-                # every rank whose room still runs acknowledges: a stalled rank that is only behind too
+                # wait until every running room left the store (its calls would dump C++ stacks); one only behind too
                 others = self.world_size - 1 - (len(verdict.ranks) if verdict.how != "behind" else 0)
                 deadline = time.monotonic() + 3 * self.interval_s + 2
                 while self._store(lambda: self.store.add(_LEFT, 0)) < others and time.monotonic() < deadline:
@@ -658,14 +646,12 @@ class Liveness:
 
 
 def _store_answers(verdict: Verdict) -> bool:
-    """Whether the job's store still answers once ``verdict`` is named: not where it did not answer, nor
-    where its host, rank 0, is gone."""
+    """Whether the job's store still answers once ``verdict`` is named (not if it did not, or rank 0 is gone)."""
     return verdict.how != "store" and not (0 in verdict.ranks and verdict.how == "gone")
 
 
 def _own_client(store: Any) -> Any:
-    """A client of the room's own on ``store`` (``Store.clone``; ``store`` itself where it cannot be
-    cloned), so the room and a rendezvous's blocking ``get`` never wait on each other."""
+    """The room's own client (``Store.clone``, else ``store``): a rendezvous's blocking ``get`` never waits on it."""
     try:
         return store.clone()
     except (AttributeError, NotImplementedError, RuntimeError):
@@ -674,8 +660,7 @@ def _own_client(store: Any) -> Any:
 
 @contextlib.contextmanager
 def waiting(what: str) -> Iterator[None]:
-    """Mark in this process's room (if one runs) that the body waits in a collective every rank enters,
-    for a wait the stack does not show (an async work's ``wait()``).
+    """Mark in this process's room (if any) a wait in a collective the stack does not show (``work.wait()``).
 
     Example::
 

@@ -1,4 +1,8 @@
-"""One global plan per epoch (rows' order, steps of ``G`` rows) whatever the world size; uneven shards."""
+"""One global plan per epoch (rows' order, steps of ``G`` rows) whatever the world size; uneven shards.
+
+By hand: ``DistributedSampler`` pads, and its order depends on the world size. See docs/design.md, "One global plan
+per epoch, and uneven data".
+"""
 
 from __future__ import annotations
 
@@ -51,17 +55,14 @@ class GlobalPlan:
 
     Args:
         global_batch_size: rows per optimizer step over all ranks and micro-batches (``G``).
-        seed: the order of epoch ``e`` is ``torch.randperm`` seeded with ``seed + e``
-            (``DistributedSampler``'s convention).
+        seed: epoch ``e``'s order is ``torch.randperm`` seeded with ``seed + e`` (``DistributedSampler``'s convention).
         shuffle: ``False`` keeps the dataset's order.
         drop_last: leave out the short last step of an epoch (off: it is trained as it is).
-        virtual_shards: the reproducible mode's ``V``: every step is cut into ``V`` shards of
-            rows that do not depend on the world size, and rank ``r`` of ``N`` trains a run of
-            whole shards (``even_split(V, N)``); ``None``: rows are split over the ranks directly.
+        virtual_shards: the reproducible mode's ``V`` shards per step, whole shards per rank (``even_split(V, N)``);
+            ``None``: rows are split over the ranks directly.
 
     Raises:
-        TypeError, ValueError: a count that is not an integer >= 1 (``seed`` >= 0), or a step with
-            fewer rows than ``virtual_shards``.
+        TypeError, ValueError: a count not an integer >= 1 (``seed`` >= 0), or a step with fewer rows than ``V``.
 
     Example::
 
@@ -169,13 +170,12 @@ class GlobalPlan:
         """The ``accumulate`` micro-batches (lists of rows, maybe empty) of ``rank`` in a step."""
         rows = self.step_indices(epoch, step, order)
         counts = self.counts(step, world_size, accumulate)
-        # the step's rows lie micro-batch after micro-batch, each one rank after rank
-        bounds = _bounds([c[m] for m in range(accumulate) for c in counts])
+        bounds = _bounds([c[m] for m in range(accumulate) for c in counts])  # micro-batch by micro-batch, rank by rank
         return [rows[a:b] for a, b in bounds[rank::world_size]]
 
     def loss_weight(self, step: int, micro: int, rank: int, world_size: int, accumulate: int = 1) -> float:
-        """The factor ``world_size * accumulate * rows / step_rows`` on a rank's mean loss (already divided by
-        ``accumulate``) that makes DDP's average the mean over the step's rows (0 for an empty micro-batch)."""
+        """The factor ``N * accumulate * rows / step_rows`` on a rank's mean loss (divided by ``accumulate``) that
+        makes DDP's average the mean over the step's rows (0 for an empty micro-batch)."""
         rows = self.counts(step, world_size, accumulate)[rank][micro]
         return world_size * accumulate * rows / self.step_size(step)
 
@@ -185,12 +185,10 @@ class GlobalPlan:
 
 
 class PlanOrder(Sampler):
-    """Every row of the current epoch in the plan's order: a :class:`PlanBatchSampler`'s ``sampler``
-    (Lightning calls ``set_epoch`` on a loader's ``batch_sampler.sampler``)."""
+    """The current epoch's rows in plan order: a :class:`PlanBatchSampler`'s ``sampler`` (Lightning sets its epoch)."""
 
     def __init__(self, plan: GlobalPlan, epoch: int = 0) -> None:
-        self.plan = plan
-        self.epoch = epoch
+        self.plan, self.epoch = plan, epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -205,9 +203,8 @@ class PlanOrder(Sampler):
 class PlanBatchSampler(Sampler):
     """Rank ``rank``'s micro-batches of every step of a :class:`GlobalPlan`, as a batch sampler.
 
-    Yields ``steps_per_epoch * accumulate`` lists of row indices per epoch on every rank (some
-    may be empty). :meth:`set_epoch` chooses the epoch; ``start_step`` leaves out the first steps
-    of the first iteration only (a resumed epoch), without drawing a random number.
+    ``steps_per_epoch * accumulate`` lists of rows (maybe empty) per epoch on every rank; ``start_step`` skips the
+    first steps of the first iteration only (a resumed epoch), drawing no random number.
 
     Args:
         rank, world_size: this rank and the number of ranks (any: the plan does not depend on it).
@@ -228,10 +225,7 @@ class PlanBatchSampler(Sampler):
         check_int("rank", rank, 0, world_size - 1)
         check_int("accumulate", accumulate, 1)
         check_int("start_step", start_step, 0, plan.steps_per_epoch)
-        self.plan = plan
-        self.rank = rank
-        self.world_size = world_size
-        self.accumulate = accumulate
+        self.plan, self.rank, self.world_size, self.accumulate = plan, rank, world_size, accumulate
         self.sampler = PlanOrder(plan, epoch)
         self.start_step = start_step
 
@@ -256,8 +250,7 @@ class PlanBatchSampler(Sampler):
 class EmptyShareCollate:
     """A ``collate_fn`` that turns an empty list of samples into a batch with zero rows.
 
-    The batch has the structure, dtypes and trailing shapes of ``collate_fn([template])``, each
-    tensor cut to ``[:0]`` (other leaves stay as collated). Picklable, for DataLoader workers.
+    That is ``collate_fn([template])``, each tensor cut to ``[:0]`` (other leaves as collated). Picklable, for workers.
 
     Example::
 
@@ -267,8 +260,7 @@ class EmptyShareCollate:
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], template: Any) -> None:
-        self.collate_fn = collate_fn
-        self.template = template
+        self.collate_fn, self.template = collate_fn, template
 
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
@@ -294,10 +286,9 @@ def first_tensor_rows(batch: Any) -> int:
 class EvenSteps:
     """A rank's batches, in step with every other rank's whatever their counts (uneven shards).
 
-    One ``all_reduce`` per optimizer step (``window`` micro-batches) shares the rows of every rank; all
-    ranks end at the same step, and an exhausted (or empty) shard yields zero-row batches of its data's
-    structure. :attr:`batch_counts` gets ``(this rank's rows, all ranks' rows in the micro-batch and in
-    the step, agreed flag)`` for each batch yielded, in order; the agreed flag is the largest any rank raised.
+    One ``all_reduce`` per optimizer step shares every rank's rows; all ranks end at the same step, an exhausted shard
+    yielding zero-row batches. :attr:`batch_counts` gets ``(rows here, rows in the micro-batch, in the step, largest
+    flag)`` per batch yielded. By hand: torch's ``Join`` counts ranks, not rows, and misses SyncBN's collectives.
 
     Args:
         batches: this rank's batches (a DataLoader of its shard).
@@ -305,10 +296,8 @@ class EvenSteps:
         device: where the counts are reduced; ``None``: :func:`~ddp_plugins.core.ranks.collective_device`.
         length: the agreed number of batches (the longest rank's), or ``None`` when unsized.
         flag: this rank's flag (0 to 64) at each step, agreed across ranks with the counts.
-        window: micro-batches per optimizer step (gradient accumulation), counted in one round;
-            or a callable giving it, read when each epoch's iteration starts (a schedule per epoch).
-        start: batches of the epoch already trained (a resume in the middle of it): each rank
-            skips that many of its own batches, with the same world size as before.
+        window: micro-batches per optimizer step, counted in one round; or a callable read as each epoch starts.
+        start: batches of the epoch already trained (a mid-epoch resume, same world size): each rank skips as many.
 
     Example (one process; the counts are reduced over the default group when one is set up)::
 
@@ -328,12 +317,9 @@ class EvenSteps:
         window: int | Callable[[], int] = 1,
         start: int = 0,
     ) -> None:
-        self.batches = batches
-        self.flag = flag
+        self.batches, self.flag, self.group, self.length = batches, flag, group, length
         self.rows_of = rows_of or first_tensor_rows
-        self.group = group
         self.device = None if device is None else torch.device(device)
-        self.length = length
         self.window = window if callable(window) else check_int("window", window, 1)
         self.start = check_int("start", start, 0)
         self.batch_counts: deque[tuple[int, int, int, int]] = deque()

@@ -1,4 +1,7 @@
-"""Preemption: signal flags, the ranks' agreement on them at a step boundary, the exit, stable run names."""
+"""Preemption: signal flags, the ranks' agreement on them at a step boundary, the exit, stable run names.
+
+By hand: Lightning's handlers checkpoint or communicate inside the handler. See docs/design.md, "Preemption".
+"""
 
 from __future__ import annotations
 
@@ -67,8 +70,7 @@ class Preempted(SystemExit):
 
     def __init__(self, signum: int, checkpoint: str | None = None) -> None:
         super().__init__(exit_code(signum))
-        self.signum = int(signum)
-        self.checkpoint = checkpoint
+        self.signum, self.checkpoint = int(signum), checkpoint
 
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
@@ -160,8 +162,7 @@ class SignalFlag:
 
 
 def agree_on_signal(signum: int, group: Any = None) -> int:
-    """The largest signal number flagged on any rank (0 when none): one ``all_reduce(MAX)`` at the same point on
-    every rank (``signum`` without a process group).
+    """The largest signal flagged on any rank (0: none): one ``all_reduce(MAX)`` every rank makes at the same point.
 
     Example::
 
@@ -175,10 +176,8 @@ def agree_on_signal(signum: int, group: Any = None) -> int:
     return int(flag.item())
 
 
-AUTO_CHECK_SECONDS = 0.5
-"""With ``every="auto"``, :class:`SignalAgreement` exchanges the stop flag about this often."""
-AUTO_CHECK_MAX_STEPS = 1000
-"""... and at least every this many boundaries."""
+AUTO_CHECK_SECONDS = 0.5  # every="auto": SignalAgreement exchanges the stop flag about this often,
+AUTO_CHECK_MAX_STEPS = 1000  # and at least every this many boundaries
 
 
 class SignalAgreement:
@@ -203,8 +202,7 @@ class SignalAgreement:
         self._started: tuple[int, float] | None = None  # boundary and clock of the last scheduled one
 
     def poll(self, signum: int, start: bool = True, pace_us: int = 0) -> int:
-        """The previous exchange's agreed flag (0 if none); then, unless it stops the run or ``start``
-        is false, the exchange of ``signum`` (and ``pace_us``) starts."""
+        """The last exchange's flag (0: none); then ``signum``'s starts unless that flag stops or not ``start``."""
         if not is_distributed():
             return int(signum) if start else 0
         agreed = self._read()
@@ -215,8 +213,7 @@ class SignalAgreement:
         return agreed
 
     def at_boundary(self, signum: int) -> int:
-        """At a step boundary: the agreed flag of the exchange in flight (0 if none); then the next
-        exchange starts if the schedule says so."""
+        """At a step boundary: the agreed flag of the exchange in flight (0: none); the next starts if it is due."""
         self._boundary = boundary = self._boundary + 1
         if not is_distributed():
             return int(signum)
@@ -262,9 +259,7 @@ def _steps_between_checks(pace_us: int) -> int:
         >>> _steps_between_checks(1)
         1000
     """
-    if pace_us <= 0:
-        return 1
-    return max(1, min(AUTO_CHECK_MAX_STEPS, int(AUTO_CHECK_SECONDS * 1_000_000) // pace_us))
+    return 1 if pace_us <= 0 else max(1, min(AUTO_CHECK_MAX_STEPS, int(AUTO_CHECK_SECONDS * 1_000_000) // pace_us))
 
 
 def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
@@ -328,8 +323,7 @@ def restart_scoped_store(timeout: timedelta, env: Mapping[str, str] | None = Non
 
 
 def submitit_signal(env: Mapping[str, str] | None = None) -> signal.Signals | None:
-    """The signal a submitit job gets before its time limit or a preemption (USR2 unless
-    ``SUBMITIT_PREEMPT_SIGNAL`` names another); None outside submitit.
+    """The signal submitit sends before a time limit or preemption (``SUBMITIT_PREEMPT_SIGNAL`` or USR2), else None.
 
     Example::
 

@@ -34,9 +34,8 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def exit_process(code: int = 0) -> NoReturn:
     """End the process with ``code``, skipping interpreter finalization.
 
-    Finalizing can abort a DDP process after its work is done (the gloo abort at exit,
-    ``docs/design.md``). ``atexit`` handlers still run, logging shuts down, streams are flushed, and
-    daemonic children (DataLoader workers) are killed.
+    Finalizing can abort a DDP process after its work is done (docs/design.md, "When a rank fails or stops").
+    ``atexit`` handlers run, logging shuts down, streams are flushed, daemonic children (loader workers) are killed.
 
     Example::
 
@@ -47,7 +46,7 @@ def exit_process(code: int = 0) -> NoReturn:
         (4, 'flushed')
     """
     try:
-        # our DataLoader workers ignore SIGTERM, which multiprocessing's exit handler would send, then wait on forever
+        # our loader workers ignore SIGTERM, which multiprocessing's exit would send, then wait for forever
         for child in multiprocessing.active_children():
             if child.daemon:
                 child.kill()
@@ -102,8 +101,7 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 def start_forkserver() -> None:
     """Start multiprocessing's forkserver and resource tracker deaf to a job's stop signals.
 
-    Slurm signals a whole job step: a killed forkserver failed the next loader while the ranks
-    were stopping ("DataLoader worker exited unexpectedly"). They inherit the blocked mask.
+    Slurm signals a whole job step: a killed forkserver failed the next loader of stopping ranks. They inherit the mask.
     """
     import signal
     from multiprocessing import forkserver, resource_tracker

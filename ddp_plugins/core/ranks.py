@@ -72,8 +72,7 @@ def get_world_size() -> int:
 def collective_device(group: Any = None) -> torch.device:
     """The device whose tensors the group's backend takes: the rank's CUDA device for nccl, else the CPU.
 
-    Where the pack's own tensors (stop flags, plan counts, clock stamps) go before a collective; a
-    per-device backend such as ``cpu:gloo,cuda:nccl`` has nccl.
+    Where the pack's own tensors go before a collective; a per-device backend such as ``cpu:gloo,cuda:nccl`` has nccl.
 
     Example::
 
@@ -88,8 +87,7 @@ def collective_device(group: Any = None) -> torch.device:
 def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """``tensor`` where the group's backend takes it: unchanged when it already does, else moved.
 
-    gloo takes CUDA tensors too, nccl only those. The caller moves the result back with
-    ``.to(tensor.device)``.
+    gloo takes CUDA tensors too, nccl only those. The caller moves the result back with ``.to(tensor.device)``.
 
     Example::
 
@@ -106,9 +104,7 @@ def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 @contextlib.contextmanager
 def rank_zero_first(timeout: float | None = None) -> Iterator[None]:
-    """Run the body on rank 0 first while the other ranks wait, then on the others.
-
-    For work that must happen once before the others read it, such as preparing a data cache.
+    """Run the body on rank 0 first while the other ranks wait (to prepare a data cache, say), then on the others.
 
     Args:
         timeout: seconds a rank waits at each barrier before it raises; ``None``: the group's timeout.
@@ -143,8 +139,8 @@ def setup_rank_logging(
 ) -> logging.Logger:
     """Log ``level`` and above on rank 0 and ``other_ranks_level`` and above on the other ranks.
 
-    Adds (or replaces) one stderr handler on the logger ``name`` (``None``: the root logger); the
-    rank is read when a record is emitted, so it is right before and after the process group starts.
+    Adds (or replaces) one stderr handler on the logger ``name`` (``None``: the root logger); the rank is read
+    per record, so it is right before and after the process group starts.
 
     Example::
 

@@ -1,10 +1,7 @@
 """The reproducible mode: the same bits on any number of ranks (plain torch).
 
-Each rank runs its virtual shards of a step, cut independently of the world size (:meth:`GlobalPlan.shard_sizes
-<ddp_plugins.core.plan.GlobalPlan.shard_sizes>`), one after another (:class:`ShardedStep`); :func:`exact_sum`
-sums what they give in integers, which do not depend on how the shards are grouped. Why by hand
-(DDP sums floats in the ring's order), the technique (ReproBLAS) and the limits: docs/design.md
-("The reproducible mode").
+Each rank runs its virtual shards one after another (:class:`ShardedStep`); :func:`exact_sum` sums them as integers.
+By hand: DDP sums floats in the ring's order. See docs/design.md, "The reproducible mode".
 """
 
 from __future__ import annotations
@@ -34,9 +31,6 @@ _BITS = 52  # |sum of all shards| < 2**53 (float64 holds every such integer): 2*
 
 def fingerprint(*states: Any) -> str:
     """A hash of the exact bytes of modules', optimizers' or state dicts' tensors (and their other values).
-
-    Two runs with the same fingerprint hold the same bits: parameters, buffers and optimizer
-    state, in the same order, dtypes and shapes.
 
     Example::
 
@@ -104,19 +98,16 @@ def exact_sum(
 ) -> tuple[list[Tensor | None], list[Tensor]]:
     """Sum ``weights[s] * shards[s][i]`` over this rank's shards ``s`` and all ranks, the same bits in any grouping.
 
-    Each tensor gets one exponent agreed by all ranks, and its values become integers on that grid
-    (the grid and its rounding: docs/design.md, "The reproducible mode"). A tensor with a NaN or an
-    infinity anywhere sums to NaN.
+    One exponent per tensor, agreed by the ranks (docs/design.md, "The reproducible mode"); a NaN or inf sums to NaN.
 
     Args:
         shards: per local shard, one tensor (or ``None``: no contribution) per entry of ``like``.
         like: the shapes and dtypes of the results.
         weights: a factor per shard, applied in float64 before rounding (``None``: 1).
         group: the process group (the default one; none at all runs on one process).
-        bits: float64 tensors that ride in the same ``all_reduce`` as a plain sum: one that each
-            rank fills only in its own slots (zeros elsewhere) comes back whole, bit-exact.
-        total_shards: the most shards of non-zero weight all ranks together may give; it sets the grid,
-            so never a count of ranks: a plan's shard count, or ``None`` to count them (one more ``all_reduce``).
+        bits: float64 tensors summed plainly in the same ``all_reduce`` (bit-exact where each rank fills its own slots).
+        total_shards: the most non-zero-weight shards of all ranks; sets the grid: a plan's ``V``, never the ranks'
+            count (``None``: counted, one more ``all_reduce``).
 
     Returns:
         The sums (``None`` where no shard of any rank gave a tensor), and ``bits`` reduced.
@@ -163,13 +154,10 @@ def exact_row_sum(
 ) -> RowSums:
     """:func:`exact_sum` of ``weights[s] * rows[s]`` (``rows``: a flat row per local shard, its tensors end to end).
 
-    ``sizes``: the tensors' lengths; ``present``: which tensors this rank's shards gave; ``total_shards``:
-    sets the grid (a plan's ``V``, never a count of ranks). The rows stay on their device, where the sum
-    runs. Returns a :class:`RowSums`. ``maxima``: each row's largest magnitude per tensor, if the caller
-    kept them; ``workspace``: a dict keeping the large buffers (and the results) until the next call;
-    ``layout``: an integer below ``2**52`` naming what the rows hold, the same on every rank, else every
-    rank raises :class:`LayoutMismatch` before the second ``all_reduce``. The stages (:meth:`Grid.of`,
-    :meth:`Grid.integers`, :meth:`Grid.values`) are pure; an ``all_reduce`` (MAX, then SUM) runs between.
+    ``sizes``: the tensors' lengths; ``present``: the tensors this rank gave; ``maxima``: each row's largest magnitude
+    per tensor, if kept; ``workspace``: keeps the large buffers (and results) to the next call; ``layout``: an integer
+    below ``2**52`` naming what the rows hold, else :class:`LayoutMismatch` on every rank. The sum runs on the rows'
+    device; :meth:`Grid.of`, :meth:`Grid.integers`, :meth:`Grid.values` are pure, an ``all_reduce`` between each.
     """
     device = collective_device(group)  # the CPU without a process group
     extra = () if layout is None else (layout, -layout)  # its maximum and minus its minimum: equal if all gave the same
@@ -243,10 +231,8 @@ def _row_maxima(rows: Tensor, sizes: Sequence[int]) -> Tensor:
 
 
 class Grid:
-    """What sets each tensor's rounding grid, in one float64 vector (``packed``) that one ``all_reduce``
-    (MAX) combines over the ranks: per tensor its largest finite ``|weight * value|`` (``maxima``; -1:
-    absent on the rank), then a flag for a NaN or an infinity (``nonfinite``), then the numbers that
-    ride along (``extra``). :meth:`of` builds one rank's; ``Grid(combined, sizes)`` reads the ranks'."""
+    """Each tensor's rounding grid in one float64 vector, combined by ``all_reduce(MAX)``: ``maxima`` (largest finite
+    ``|weight * value|``; -1: absent), ``nonfinite`` flags, then ``extra``. :meth:`of` builds one rank's."""
 
     def __init__(self, packed: Tensor, sizes: Sequence[int]) -> None:
         self.packed, self.sizes, n = packed, list(sizes), len(sizes)
@@ -262,8 +248,7 @@ class Grid:
         cls, rows: Tensor, weights: Sequence[float], sizes: Sequence[int], present: Tensor,
         maxima: Tensor | None = None, extra: Sequence[float] = (),
     ) -> Grid:  # fmt: skip
-        """One rank's grid of ``weights[s] * rows[s]`` (``present``: the tensors it gave; ``maxima``:
-        :func:`_row_maxima` of ``rows``, where the caller kept them as the rows were filled)."""
+        """One rank's grid of ``weights[s] * rows[s]`` (``maxima``: :func:`_row_maxima` of ``rows``, if kept)."""
         grid = cls(torch.zeros(2 * len(sizes) + len(extra), dtype=torch.float64, device=rows.device), sizes)
         top = grid.maxima
         if len(rows):
@@ -282,8 +267,7 @@ class Grid:
     def exponents(self, total_shards: int) -> list[int]:
         """Each tensor's scale ``2**e``: its largest magnitude times ``total_shards`` stays below ``2**53``.
 
-        ``e`` stays within +-900, where ``2**e`` times a row count and ``2**-e`` are normal float64 numbers
-        (a tensor whose largest value is below ``2**-850`` keeps fewer bits, alike on any number of ranks)."""
+        ``|e| <= 900``: ``2**e`` times a row count and ``2**-e`` stay normal (below ``2**-850``: fewer bits, any N)."""
         room = _BITS - max(0, math.ceil(math.log2(max(total_shards, 1))))
         return [min(max(room - math.frexp(m)[1], -900), 900) if m > 0 else 0 for m in self.maxima.tolist()]
 
@@ -291,8 +275,7 @@ class Grid:
         self, rows: Tensor, weights: Sequence[float], total_shards: int, out: Tensor | None = None,
         scaled: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
-        """One rank's sum of its rows on this grid (every rank's, combined): integers in float64, whose
-        sum over the ranks is exact in any order (in ``out``, with ``scaled`` as scratch, where given)."""
+        """One rank's rows summed on the combined grid: float64 integers, exact in any order (``scaled``: scratch)."""
         exponents, flags = self.exponents(total_shards), any(self.nonfinite.tolist())
         sums = torch.empty(sum(self.sizes), dtype=torch.float64, device=rows.device) if out is None else out
         scaled = torch.empty_like(sums) if scaled is None else scaled
@@ -316,9 +299,7 @@ class Grid:
 
 
 class _ShardStats:
-    """The running statistics of a model's BatchNorm layers over the shards of one step: each shard
-    starts from the step's, its update is kept, and all are applied in shard order (docs/design.md,
-    "The reproducible mode")."""
+    """BatchNorm running statistics over a step's shards: each starts from the step's, updates applied in order."""
 
     def __init__(self, module: nn.Module, virtual_shards: int) -> None:
         self.layers = [
@@ -364,12 +345,9 @@ class _ShardStats:
 class ShardedStep:
     """One optimizer step run as virtual shards, reduced exactly: the same bits on any number of ranks.
 
-    Run each of this rank's shards' forward and backward inside :meth:`shard` (BatchNorm statistics,
-    random streams and buffers handled per shard); :meth:`finish` sums every shard of every rank with
-    :func:`exact_sum`, weighted by rows, and :meth:`apply` writes the gradients into ``.grad``. The
-    parameters reduced are those that require a gradient when the step starts. What is fixed per shard
-    and what is refused: docs/design.md ("The reproducible mode"). Raw torch, without a
-    ``DistributedDataParallel`` wrapper (its reducer sums in float); the parameters start equal.
+    Run each shard's forward and backward in :meth:`shard`; :meth:`finish` sums all ranks' shards exactly, by rows;
+    :meth:`apply` sets ``.grad`` of the parameters requiring one at the step's start. No DDP wrapper (its reducer
+    sums floats); the parameters start equal. See docs/design.md, "The reproducible mode".
 
     Args:
         module: the model.
@@ -389,10 +367,7 @@ class ShardedStep:
     """
 
     def __init__(self, module: nn.Module, virtual_shards: int, seed: int = 0, group: Any = None) -> None:
-        self.module = module
-        self.virtual_shards = virtual_shards
-        self.seed = seed
-        self.group = group
+        self.module, self.virtual_shards, self.seed, self.group = module, virtual_shards, seed, group
         named = list(module.named_parameters())
         self._names = [name for name, _ in named]
         self._all = [p for _, p in named]  # every parameter; those that do not train this step take no room
@@ -486,8 +461,7 @@ class ShardedStep:
         self._stats.after(index)
 
     def _room(self, rows: int, width: int) -> Tensor:
-        """The block, with room for ``rows`` shards of ``width`` values (grown, never shrunk, keeping
-        what it holds): the shards a rank runs per step, their gradients and the step's scalars."""
+        """The block, with room for ``rows`` shards of ``width`` values (grown, never shrunk, keeping its values)."""
         have_rows, have_width = self._block.shape
         if rows > have_rows or width > have_width:
             grown = self._block.new_zeros(max(rows, have_rows), max(width, have_width))
@@ -517,7 +491,7 @@ class ShardedStep:
                 " Freeze or unfreeze between steps (a callback's on_train_batch_start or on_train_epoch_start,"
                 " as BackboneFinetuning does)."
             )
-        if self._rng is not None:  # restored once a step (per shard it would cost about 0.1 ms more)
+        if self._rng is not None:  # restored once a step, not per shard
             host, cuda = self._rng
             set_rng_states(host)
             for generator, state in zip(self._generators[1:], cuda, strict=True):

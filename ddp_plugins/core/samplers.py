@@ -21,13 +21,13 @@ __all__ = ["PaddingApartSampler", "ResumableSampler", "SequentialDistributedSamp
 class SequentialDistributedSampler(DistributedSampler):
     """Contiguous, equal-length shards: rank ``r`` gets ``dataset[r * n : (r + 1) * n]`` in order.
 
-    ``n = ceil(len(dataset) / num_replicas)``; the last shard is padded with its last index, and
-    ``num_real_samples`` counts this rank's real samples. Subclasses ``DistributedSampler`` (kept by Lightning).
+    ``n = ceil(len(dataset) / num_replicas)``; the last shard repeats its last index (``num_real_samples``: the real
+    ones). ``DistributedSampler`` interleaves and pads from the start; this subclass of it is kept by Lightning.
 
     Args:
         dataset: a map-style dataset (with ``__len__``).
-        align: each shard's length is a multiple of this (the loader's batch size): every batch holds the
-            same rows on any number of ranks; a rank past the end gets one padding sample, to evaluate too.
+        align: each shard's length is a multiple of this (the batch size), so a batch's rows do not depend on the
+            number of ranks; a rank past the end gets one padding sample.
 
     Example::
 
@@ -67,9 +67,8 @@ class SequentialDistributedSampler(DistributedSampler):
 class PaddingApartSampler(SequentialDistributedSampler):
     """Contiguous shards of whole batches, where a padding row never shares a batch with a real one.
 
-    The dataset's batches of ``batch_size`` rows go to the ranks in order, ``B = ceil(batches /
-    num_replicas)`` to a rank; every rank runs ``B`` batches, and its padding (the dataset's last index)
-    fills whole batches, which :meth:`is_padding` names (why: docs/design.md, "Exact distributed evaluation").
+    The dataset's batches go to the ranks in order, ``B = ceil(batches / num_replicas)`` each; every rank runs ``B``
+    and its padding fills whole batches, named by :meth:`is_padding` (docs/design.md, "Exact distributed evaluation").
 
     Example::
 
@@ -111,17 +110,15 @@ _ORDER_SEED_TAG, _RANK_ORDER_SEED_TAG = 0xD47B, 0xD47C
 class ResumableSampler(Sampler):
     """A sampler that starts its first iteration ``skip`` indices in, at epoch ``epoch``.
 
-    With ``seed`` it owns the DataLoader's :attr:`generator`, reseeded per ``(seed, rank, epoch)``, and
-    the wrapped sampler draws its order on generators of its own (:func:`~ddp_plugins.core.seeding.isolated_rng`),
-    seeded per ``(seed, epoch)`` for a ``DistributedSampler`` and per ``(seed, rank, epoch)`` for any other:
-    a resumed run gets the same order, and the global streams are left alone (docs/design.md, "Checkpoints
-    and resume"). ``len()`` stays the full length: the training loop counts the skipped batches as done.
+    With ``seed`` it owns the DataLoader's :attr:`generator`, reseeded per ``(seed, rank, epoch)``, and the wrapped
+    sampler draws its order in :func:`~ddp_plugins.core.seeding.isolated_rng` per ``(seed, epoch)`` (a
+    ``DistributedSampler``) or ``(seed, rank, epoch)`` (docs/design.md, "Checkpoints and resume"). ``len()`` stays
+    the full length: the training loop counts the skipped batches as done.
 
     Args:
         sampler: the sampler to wrap (``set_epoch`` is passed on when it has one).
         skip: indices to leave out of the first iteration only (batches done x batch size).
-        seed: base seed of :attr:`generator` and of the wrapped sampler's order; ``None`` leaves
-            both to the caller (the sampler draws from the global generators).
+        seed: base seed of :attr:`generator` and of the wrapped sampler's order; ``None``: the global generators.
 
     Example::
 
@@ -131,12 +128,8 @@ class ResumableSampler(Sampler):
     """
 
     def __init__(self, sampler: Any, skip: int = 0, epoch: int = 0, seed: int | None = None, rank: int = 0) -> None:
-        self.sampler = sampler
-        self.skip = int(skip)
-        self.seed = seed
-        self.rank = int(rank)
-        self.generator = torch.Generator()
-        self.epoch = -1
+        self.sampler, self.skip, self.seed, self.rank = sampler, int(skip), seed, int(rank)
+        self.generator, self.epoch = torch.Generator(), -1
         self.set_epoch(epoch)
 
     def set_epoch(self, epoch: int) -> None:
@@ -153,8 +146,7 @@ class ResumableSampler(Sampler):
         return self._isolated(self.seed, skip)
 
     def _isolated(self, seed: int, skip: int) -> Iterator[Any]:
-        """The wrapped sampler's order from its first item on (as a sampler that yields lazily), drawn
-        whole on global generators seeded for this epoch (a lazy sampler draws as it yields)."""
+        """The wrapped sampler's order, drawn whole at the first item on generators seeded for this epoch."""
         if isinstance(self.sampler, DistributedSampler):
             key: tuple[int, ...] = (_ORDER_SEED_TAG, self.epoch)
         else:

@@ -39,13 +39,12 @@ def seed_everything_rank_aware(
 ) -> int:
     """Seed Python, NumPy and torch in this process with a seed derived from ``(seed, rank)``; return that seed.
 
-    ``PL_GLOBAL_SEED`` stays ``seed`` (``DistributedSampler`` must shuffle alike on all ranks). With a
-    Lightning Trainer use :class:`RankAwareSeed`: the DDP strategy reseeds every rank at setup.
+    By hand: ``lightning.seed_everything`` gives every rank the same seed. With a Trainer use
+    :class:`RankAwareSeed` (the DDP strategy reseeds every rank at setup); docs/design.md, "Seeding per rank".
 
     Args:
         seed: the base seed, shared by all ranks, in ``[0, 2**32 - 1]``.
-        workers: set ``PL_SEED_WORKERS`` so the Trainer seeds DataLoader workers per
-            (seed, rank, worker id, epoch).
+        workers: set ``PL_SEED_WORKERS``: the Trainer seeds DataLoader workers per (seed, rank, worker, epoch).
         deterministic: also call :func:`set_deterministic`.
         rank: the global rank; by default :func:`ddp_plugins.core.get_rank`.
 
@@ -85,8 +84,7 @@ def rank_seed(seed: int, *key: int) -> int:
 
 
 def seed_process(base_seed: int, process_seed: int, workers: bool) -> None:
-    """Seed Python, NumPy and torch with ``process_seed``; ``PL_GLOBAL_SEED``, which every rank shares
-    (``DistributedSampler`` and Lightning's ``reset_seed()`` read it), keeps ``base_seed``."""
+    """Seed Python, NumPy and torch with ``process_seed``; ``PL_GLOBAL_SEED``, every rank's, stays ``base_seed``."""
     random.seed(process_seed)
     np.random.seed(process_seed)
     torch.manual_seed(process_seed)  # every CUDA device too
@@ -96,8 +94,7 @@ def seed_process(base_seed: int, process_seed: int, workers: bool) -> None:
 
 @contextlib.contextmanager
 def isolated_rng(seed: int) -> Iterator[None]:
-    """Python's, NumPy's and torch's (CPU) global generators seeded with ``seed`` inside the block,
-    and given back as they were after it: what the block draws never moves the process's streams.
+    """Python's, NumPy's and torch's (CPU) global generators seeded with ``seed`` in the block, restored after it.
 
     Example::
 

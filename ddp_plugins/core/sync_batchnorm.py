@@ -35,9 +35,8 @@ _REQUIRED_ATTRIBUTES = (
 class SyncBatchNorm(_BatchNorm):
     """Batch normalization synchronized over a process group, on any device and backend.
 
-    :class:`torch.nn.SyncBatchNorm`'s arguments, semantics and ``state_dict`` keys, plus ``bias``
-    (``False``: weight only); per-rank batch sizes may differ or be 0. Without a process group, or in a
-    group of one, it is plain batch norm.
+    By hand: :class:`torch.nn.SyncBatchNorm` runs on accelerators only. Its arguments, semantics and ``state_dict``
+    keys, plus ``bias`` (``False``: weight only); per-rank batches may be empty; in a group of one: plain batch norm.
 
     Example::
 
@@ -108,19 +107,21 @@ def convert_sync_batchnorm(
     """Synchronize every batch-norm layer of ``module`` in place: ``BatchNorm2d`` becomes ``SyncBatchNorm2d``,
     a generated subclass of it and :class:`SyncBatchNorm` that keeps its ``forward``, attributes, hooks and tensors.
 
+    By hand: torch's conversion drops a subclass's ``forward`` and cannot revert (docs/design.md,
+    "Synchronized batch norm on any device").
+
     Args:
         module: the model (or a single layer); converted in place and returned.
         process_group: the group to synchronize over; ``None`` means the whole world.
-        group_size: synchronize within consecutive groups of this many ranks (the devices of a
-            node); must divide the world size, and every rank must call the conversion.
+        group_size: synchronize within consecutive groups of this many ranks, a divisor of the world size
+            (then every rank must call the conversion).
         skip_frozen: leave layers in eval mode or without trainable parameters alone.
-        extra_classes: BN-like classes to convert as well (with ``_BatchNorm``'s attributes):
-            classes or import paths, or a mapping from them to the name of the method to replace.
+        extra_classes: BN-like classes (with ``_BatchNorm``'s attributes) or import paths to convert too, or a
+            mapping from them to the name of the method to replace.
         return_report: return ``(module, SyncBatchNormReport)``.
 
     Raises:
-        ValueError: an invalid argument, a declared class without what SyncBatchNorm needs, or a
-            ``group_size`` that does not divide the world size.
+        ValueError: a bad argument, a declared class lacking what SyncBatchNorm needs, a ``group_size`` not a divisor.
 
     Example::
 

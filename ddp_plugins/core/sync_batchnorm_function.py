@@ -18,7 +18,8 @@ __all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
 class SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over a process group, on every device: one all_reduce forward, one backward.
 
-    Per-rank batch sizes may differ, down to 0; float16 and bfloat16 are normalized in float32.
+    By hand: torch's SyncBatchNorm kernels have no CPU implementation (docs/design.md, "Synchronized batch norm on
+    any device"). Per-rank batch sizes may differ, down to 0; float16 and bfloat16 are normalized in float32.
 
     Example::
 
@@ -39,7 +40,6 @@ class SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         process_group: Any,
     ) -> Tensor:
-        # No host synchronization (torch.compile keeps one graph): the group's count stays a tensor.
         channels = input.size(1)
         local = input.numel() // channels
         low_precision = input.dtype in (torch.float16, torch.bfloat16)
@@ -49,9 +49,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         x = input.float() if low_precision else input  # float16/bfloat16: normalized in float32
         # Fused payload [sum (C), sum of squares (C), count (1)], built from stable local stats.
         if local > 0:
-            # Two passes (sums, then centered squares). The centered values go into the buffer that
-            # becomes the output: no other input-sized temporary (on CPU a fresh one costs as much as
-            # the arithmetic), and several times faster than var_mean or the training-mode kernel.
+            # Two passes; the centered values go into the buffer that becomes the output (no other
+            # input-sized temporary: on CPU that costs as much as the arithmetic; faster than var_mean)
             dims = [0, *range(2, input.dim())]
             sums = x.sum(dims)
             out = torch.sub(x, (sums / local).view(shape))
@@ -66,10 +65,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
         payload = for_collective(payload, process_group)
         dist.all_reduce(payload, group=process_group)
         payload = payload.to(input.device)
-        total = payload[-1]  # the group's count stays a tensor: no host synchronization
+        total = payload[-1]  # a tensor: no host synchronization (torch.compile keeps one graph)
         if local <= 1:  # only then can the group hold fewer than 2 values per channel: read it to say so
-            if int(total) == 0:  # an empty batch on every rank (a plan's empty micro-batch): as torch's
-                # batch norm on an empty batch, an empty output and no statistics, and zero gradients
+            if int(total) == 0:  # empty on every rank: as torch's batch norm, an empty output, no statistics
                 ctx.save_for_backward(input, weight, payload.new_zeros(5, channels).to(stat_dtype), total)
                 ctx.eps, ctx.process_group = eps, process_group
                 return torch.empty_like(input)
@@ -111,9 +109,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         channels = input.size(1)
         mean = coefs[0]
         if input.numel() > 0:
-            # Local sum(dy * x_hat) and sum(dy) in one fused kernel (eval mode: no batch terms), as
-            # the gradients of a unit weight and a bias. CUDA's kernel needs the weight and the empty
-            # save_mean/save_invstd ("use the given statistics"): None fails there (seen on an H100).
+            # Local sum(dy * x_hat) and sum(dy) in one eval-mode kernel, as a unit weight's and a bias's
+            # gradients; CUDA's needs the weight and empty save_mean/save_invstd (None fails on an H100).
             unit, empty = torch.ones_like(mean), mean.new_empty(0)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
                 grad_output, input, unit, mean, coefs[1], empty, empty, False, ctx.eps, [False, True, True]
@@ -170,8 +167,7 @@ def sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
         factor = 1.0 / float(layer.num_batches_tracked) if layer.momentum is None else layer.momentum
     bn_training = layer.training or (layer.running_mean is None and layer.running_var is None)
     tracked = not layer.training or layer.track_running_stats
-    running_mean = layer.running_mean if tracked else None
-    running_var = layer.running_var if tracked else None
+    running_mean, running_var = (layer.running_mean, layer.running_var) if tracked else (None, None)
 
     group = getattr(layer, "process_group", None)
     world_size = 1
@@ -190,7 +186,6 @@ def sync_batch_norm(layer: Any, input: Tensor) -> Tensor:
 
 
 def _check_count(total: int) -> None:
-    """Refuse a group with one value per channel (a variance needs two), on every rank alike (none at all
-    is an empty batch, which torch's batch norm takes)."""
+    """Refuse a group with one value per channel (a variance needs two), on every rank alike (zero is allowed)."""
     if total <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got {total} over the process group")

@@ -1,6 +1,6 @@
 """Where DDP time goes: per-rank step phases and reported collectives on one clock, blame, one Chrome trace.
 
-Plain torch; rationale in docs/design.md ("Where time goes")."""
+See docs/design.md, "Where time goes"."""
 
 from __future__ import annotations
 
@@ -96,8 +96,7 @@ class CollectiveRecord:
 
 
 class _GpuClock:
-    """CUDA events read on a timeline's clock, through an anchor event whose host time is known (a CUDA
-    collective returns to the host before it runs: the stream's events say when it arrived and completed)."""
+    """CUDA events on the timeline's clock via an anchor event of known host time (CUDA collectives return early)."""
 
     anchor: Any = None
     anchor_ns = 0
@@ -125,8 +124,7 @@ class _GpuClock:
 def collective_kind(kind: str, op: str = "collective", cuda: bool = False) -> Iterator[None]:
     """Record the body as one collective of ``kind`` in the active :class:`Timeline` (none active: nothing).
 
-    The pack labels its own collectives this way where it calls them; a label inside another is part of
-    it. ``cuda``: time it by events on the current CUDA stream (an nccl collective), not by the host.
+    A label inside another is part of it; ``cuda``: time it by events on the current CUDA stream, not the host.
 
     Example::
 
@@ -179,9 +177,7 @@ class TimedCommHook:
         buffer = bucket.buffer()
         record = self.timeline._start("ddp_bucket", "all_reduce", buffer.nbytes, cuda=buffer.is_cuda)
 
-        def done(fut):
-            # DDP waits on the future returned here, so the record ends before DDP goes on; on CUDA,
-            # `then` runs on streams that wait for the collective, where the end event is recorded
+        def done(fut):  # DDP waits on this future; on CUDA `then` runs on streams that wait for the collective
             self.timeline._end(record)
             return fut.value()
 
@@ -191,9 +187,9 @@ class TimedCommHook:
 class Timeline:
     """Per-rank step phases and collectives, their blame, and one Chrome trace for all ranks.
 
-    Collectives are recorded when reported (:meth:`comm_hook`, :meth:`time_buffer_broadcast`,
-    :func:`collective_kind` while active: :meth:`activate`), nothing of torch patched; :meth:`collect` blames
-    each step on a rank (the rule, and why not torch's profiler: docs/design.md, "Where time goes").
+    Written by hand: torch's profiler puts no two ranks on one clock nor says whom they waited for.
+    Only reported collectives are recorded (:meth:`comm_hook`, :meth:`time_buffer_broadcast`, an active
+    :func:`collective_kind`); blame rule: docs/design.md, "Where time goes".
 
     Args:
         history: collectives kept in ``recent`` (the last ones).
@@ -239,8 +235,7 @@ class Timeline:
         self._pending: list[CollectiveRecord] = []
         self._phases: list[tuple[int, str, int, int]] = []
         self._step_start = self._phase_start = self._last_step_end = 0
-        # the run so far, over every rank (what summary() reports)
-        self._steps, self._step_ns = 0, 0.0
+        self._steps, self._step_ns = 0, 0.0  # the run so far, over every rank (summary())
         self._kind_ns: defaultdict[str, float] = defaultdict(float)
         self._blame: defaultdict[int, float] = defaultdict(float)  # rank: ms of excess
         self._blamed: dict[int, int] = defaultdict(int)
@@ -362,9 +357,8 @@ class Timeline:
     def collect(self) -> dict[str, Any]:
         """Gather every rank's records since the last call (a collective); blame, score, trace.
 
-        Returns this window's report: ``steps``, ``phases_ms`` (this rank's mean per step),
-        ``comm_ms`` (this rank's time per step in each collective kind), ``wait_ms`` (per step,
-        waiting for the last arrival), ``blamed`` (``{step: rank}``), ``scores`` (``{rank: ms}``).
+        Returns this window's ``steps``, per step ``phases_ms`` and ``comm_ms`` (per kind; this rank's),
+        ``wait_ms`` (for the last arrival), ``blamed`` (``{step: rank}``), ``scores`` (``{rank: ms}``).
         """
         records = [r for r in self._pending if r.end_ns]
         self._pending = [r for r in self._pending if not r.end_ns]
@@ -479,9 +473,8 @@ class Timeline:
     def summary(self) -> dict[str, Any]:
         """The run so far: the slowest rank, its excess per step, the share of step time per collective kind.
 
-        ``slowest_rank`` is the rank with the most excess (``None`` when no rank had any);
-        ``excess_ms_per_step`` its excess per step; ``blamed_steps`` ``{rank: steps blamed on it}``;
-        ``comm_share`` ``{kind: time in that kind / step time}``, summed over ranks.
+        Returns ``slowest_rank`` (most excess; ``None``: no rank had any), ``excess_ms_per_step``, ``blamed_steps``
+        ``{rank: steps}``, ``comm_share`` ``{kind: its time / step time}`` summed over ranks, ``clock_residual_us``.
         """
         blame = {r: ns for r, ns in self._blame.items() if ns > 0}
         slowest = max(blame, key=blame.get) if blame else None  # type: ignore[arg-type]
@@ -543,8 +536,7 @@ def _arrivals(
         rows.sort(key=lambda row: (row.start, row.rank, row.step))  # as they arrived
         final = last[seq] = rows[-1]
         lead = final.start - rows[-2].start if len(rows) > 1 else 0.0
-        # Arriving last counts only by what the rank's own gap exceeds the others' (a rank that
-        # left the previous collective later, or waited there, is not late again).
+        # only by what its own gap exceeds the others' (docs/design.md, "Where time goes")
         own, others = gaps.get((final.rank, seq)), [gaps.get((c.rank, seq)) for c in rows[:-1]]
         known = [gap for gap in others if gap is not None]
         if own is not None and known and len(known) == len(others):

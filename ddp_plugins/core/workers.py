@@ -1,5 +1,4 @@
-"""DataLoader workers of a DDP rank: set-up, seeding and leaving with the rank (plain torch, so a worker
-started by a forkserver imports neither Lightning nor the app)."""
+"""DataLoader workers of a DDP rank: set-up, seeding, leaving with the rank (plain torch: no Lightning in workers)."""
 
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ _MASK64 = (1 << 64) - 1
 
 
 def seed_worker(worker_id: int, rank: int) -> None:
-    """Seed torch, ``random`` and numpy in a DataLoader worker, exactly as Lightning's
-    ``pl_worker_init_function(worker_id, rank)`` does (``seed_everything(workers=True)``).
+    """Seed torch, ``random`` and numpy in a DataLoader worker exactly as Lightning's ``pl_worker_init_function``.
 
-    Restated: importing Lightning's costs about 6 s of CPU per forkserver (a test holds the two equal).
+    Restated so that workers import no Lightning (seconds per forkserver); a test holds the two equal.
 
     Example::
 
@@ -53,16 +51,14 @@ def seed_worker(worker_id: int, rank: int) -> None:
 
 
 class WorkerInit:
-    """A DataLoader ``worker_init_fn`` for a DDP rank: stop signals ignored, a watch on the rank,
-    then the seeding and the user's function.
+    """A DataLoader ``worker_init_fn`` for a DDP rank: stop signals ignored, a watch on the rank, seeding, user's fn.
 
-    A stop signal sent to the whole process group must not kill workers before the ranks stop at a
-    step boundary; a forkserver's worker watches its rank through a pidfd and leaves when it dies.
+    The ranks stop at a step boundary, so a signal to the process group must not kill workers; a forkserver's worker
+    leaves when its rank dies (a pidfd).
 
     Args:
         user_fn: the loader's ``worker_init_fn`` (None, the user's, or a trainer's seeding function).
-        restates: tells whether a function (a ``functools.partial``'s ``func`` with a ``rank``
-            keyword) is one :func:`seed_worker` restates, such as Lightning's ``pl_worker_init_function``.
+        restates: whether a ``functools.partial``'s ``func`` (``rank`` keyword) is one :func:`seed_worker` restates.
 
     Example::
 

@@ -1,9 +1,8 @@
 """The Lightning adapters
 ======================
 
-Callbacks, the LayerSync plugin, the DDP strategy and its launchers, each wiring a part of
-:mod:`ddp_plugins.core` into a ``Trainer``. Importing the package registers the strategy names
-``ddp_plugins``, ``ddp_plugins_spawn`` and ``ddp_plugins_notebook``.
+Callbacks, plugins and the DDP strategy, each wiring a part of :mod:`ddp_plugins.core` into a ``Trainer``.
+Importing the package registers ``ddp_plugins``, ``ddp_plugins_spawn`` and ``ddp_plugins_notebook``.
 
 Example::
 

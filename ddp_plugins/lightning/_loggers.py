@@ -10,11 +10,9 @@ from ddp_plugins import _compat
 
 
 def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float]) -> None:
-    """Hand ``metrics`` to every logger of ``trainer`` at the step of the current training batch.
+    """Hand ``metrics`` to every logger of ``trainer`` at the current batch's step (not in ``callback_metrics``).
 
-    As ``LearningRateMonitor`` does: ``LightningModule.log`` costs about 1.3 ms a call on CPU
-    (docs/plugins.md). The metrics are not in ``trainer.callback_metrics``; loggers write on rank 0.
-    """
+    As ``LearningRateMonitor`` does, since ``LightningModule.log`` is slow per call (docs/plugins.md)."""
     if not metrics:
         return
     step = _compat.logger_step(trainer)

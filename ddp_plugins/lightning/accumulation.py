@@ -1,6 +1,4 @@
-"""Accumulation-aware ``no_sync``, in automatic and manual optimization.
-
-Rationale in docs/design.md ("Gradient accumulation and communication")."""
+"""Accumulation-aware ``no_sync``; see docs/design.md, "Gradient accumulation and communication"."""
 
 from __future__ import annotations
 
@@ -20,10 +18,7 @@ __all__ = ["AccumulationNoSync"]
 
 
 def is_step_boundary(trainer: pl.Trainer, accumulate_grad_batches: int | None = None) -> bool:
-    """Whether the current training batch ends an accumulation window (the optimizer steps after it).
-
-    Lightning's own rule, from public progress counters, with :func:`current_accumulation` by default.
-    """
+    """Whether the current training batch ends an accumulation window (Lightning's rule, from public counters)."""
     if accumulate_grad_batches is None:
         accumulate_grad_batches = current_accumulation(trainer)
     progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -33,8 +28,7 @@ def is_step_boundary(trainer: pl.Trainer, accumulate_grad_batches: int | None = 
 
 
 def current_accumulation(trainer: pl.Trainer) -> int:
-    """The micro-batches of the current optimizer step: a callback's own window (manual
-    optimization, :class:`~ddp_plugins.lightning.contracts.OwnsAccumulationWindow`) or Lightning's."""
+    """The micro-batches of the current optimizer step: a callback's manual window, else Lightning's."""
     for callback in of_kind(_callbacks(trainer), OwnsAccumulationWindow):
         if callback.manual_window:
             return int(callback.manual_window)
@@ -49,20 +43,16 @@ def _callbacks(trainer: pl.Trainer) -> list[Callback]:
 class AccumulationNoSync(Callback):
     """Skip the gradient all-reduce on non-boundary micro-batches of gradient accumulation.
 
-    A batch is a *boundary* when it is the K-th, 2K-th, ... batch of its epoch or the epoch's last.
-    In manual optimization DDP's ``require_backward_grad_sync`` is off on other batches (without
-    touching ``requires_grad``, unlike ``toggle_model``); in automatic optimization K goes to
-    ``trainer.accumulate_grad_batches`` at each epoch start, whose loop already uses ``no_sync``.
+    Manual optimization: DDP's ``require_backward_grad_sync`` is off between boundaries (Lightning's
+    ``toggle_model`` would flip ``requires_grad``); automatic: K goes to ``trainer.accumulate_grad_batches``.
 
     Args:
-        accumulate_grad_batches: micro-batches per optimizer step, a positive int or a schedule
-            ``{epoch: K}`` (zero-indexed; epochs before the first key use 1). With 1 in automatic
-            optimization, ``Trainer(accumulate_grad_batches)`` decides.
+        accumulate_grad_batches: K, a positive int or ``{epoch: K}`` (1 before the first key); with 1 in
+            automatic optimization, ``Trainer(accumulate_grad_batches)`` decides.
 
     Raises:
-        ValueError: at ``setup``, if ``Trainer(accumulate_grad_batches)`` or a
-            ``GradientAccumulationScheduler`` also sets K, or manual optimization runs on a
-            parallel strategy that is not DDP.
+        ValueError: at ``setup``, if ``Trainer(accumulate_grad_batches)`` or a ``GradientAccumulationScheduler``
+            also sets K, or manual optimization runs on a parallel strategy that is not DDP.
 
     Example::
 
@@ -168,8 +158,7 @@ class AccumulationNoSync(Callback):
         self.is_boundary = is_step_boundary(trainer, k)
         ddp = _ddp_model(trainer) if self._manual else None
         if ddp is not None and not self.is_boundary:
-            # what `DistributedDataParallel.no_sync()` does; Lightning's `pre_backward` then skips
-            # `prepare_for_backward`, so the reducer's autograd hooks do not communicate
+            # what `DDP.no_sync()` does: Lightning's `pre_backward` then skips `prepare_for_backward`
             ddp.require_backward_grad_sync = False
 
     @override

@@ -26,10 +26,8 @@ def _minus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, 
 class AllReduceCounter(Callback):
     """Count gradient all-reduce calls and bytes per optimizer step and log them.
 
-    The strategy's hook is wrapped in a :class:`CountingCommHook`; ``{prefix}/allreduce_calls``,
-    ``_bytes``, ``_rounds`` and their ``_total`` go to the Trainer's loggers (when ``log``). Totals
-    are also attributes, and ``history`` holds ``(calls, bytes, rounds)`` per optimizer step. On
-    top of a ``ddp_comm_hook`` on CUDA it counts with ``DDPPluginsStrategy`` only.
+    Wraps the strategy's hook in a :class:`CountingCommHook`: logs ``{prefix}/allreduce_calls``, ``_bytes``, ``_rounds``
+    (and ``_total``); ``history`` holds them per step. Under a CUDA ``ddp_comm_hook``: ``DDPPluginsStrategy`` only.
 
     Example::
 
@@ -131,8 +129,7 @@ class AllReduceCounter(Callback):
         return self.hook
 
     def _logs_now(self, trainer: pl.Trainer) -> bool:
-        """Every ``log_every_n_steps`` optimizer steps, and at the last step of an epoch or the run:
-        when the Trainer's loggers write (each ``LightningModule.log`` call costs a fraction of a ms)."""
+        """Whether the Trainer's loggers write step metrics now (every ``log_every_n_steps``, at an epoch's end)."""
         every = int(getattr(trainer, "log_every_n_steps", 1))  # set on the Trainer by its logger connector
         if every <= 0:  # the loggers never write step metrics
             return False

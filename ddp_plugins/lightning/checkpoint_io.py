@@ -20,14 +20,8 @@ def _remote(path: Any) -> bool:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local checkpoints are atomic and verified, loaded with ``weights_only=True``.
 
-    ``DDPPluginsStrategy``'s default. Local files go through
-    :func:`ddp_plugins.core.checkpoints.save_checkpoint_file` (whole or absent, with a SHA-256 sidecar in
-    a hidden ``.sha256`` folder, so the names stay Lightning's: ``hpc_ckpt_<N>.ckpt``, ``-v1``, ``last``);
-    remote (fsspec) paths stay Lightning's.
-    ``weights_only=None`` loads weights-only with
-    :data:`~ddp_plugins.lightning.safe_loading.SAFE_GLOBALS`, refusing anything else with an
-    :class:`~ddp_plugins.lightning.safe_loading.UnsafeCheckpointError`; ``weights_only=False`` loads it
-    all (docs/design.md, "Checkpoints and resume").
+    ``DDPPluginsStrategy``'s default; see docs/design.md, "Checkpoints and resume". Sidecars go in a hidden
+    ``.sha256`` folder, so the names stay Lightning's; remote (fsspec) paths are Lightning's.
 
     Example::
 

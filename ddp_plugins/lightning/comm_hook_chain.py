@@ -1,8 +1,6 @@
-"""Communication hooks layered on a strategy's hook, in the order of the callbacks' ``setup``.
+"""Comm-hook layers on a strategy's hook, in the callbacks' ``setup`` order, kept here until it is registered.
 
-The layers wait here, by strategy, until the hook is registered: ``DDPPluginsStrategy`` asks
-:func:`layered` for the hook it registers; on Lightning's ``DDPStrategy``, which registers a hook on
-CUDA only, :func:`register_on_model` registers them in ``on_fit_start`` where it registered none."""
+See docs/design.md, "Gradient accumulation and communication"."""
 
 from __future__ import annotations
 

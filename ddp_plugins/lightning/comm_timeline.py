@@ -1,5 +1,4 @@
-"""A callback that records every rank's step phases and collectives, blames stragglers, logs metrics
-and writes one Chrome trace for all ranks."""
+"""A callback timing every rank's steps and collectives on one clock; see docs/design.md, "Where time goes"."""
 
 from __future__ import annotations
 
@@ -31,11 +30,8 @@ _MAX_PER_RANK_SCORES = 16  # straggler/score_rank<r> is logged for worlds up to 
 class CommTimeline(Callback):
     """Time every rank's steps and collectives, blame the slow rank, and trace it all on one timeline.
 
-    A :class:`ddp_plugins.core.timeline.Timeline` per rank, gathered every ``every_n_steps``
-    batches into ``time/*`` and ``straggler/*`` metrics; at the end of fit rank 0 writes the Chrome
-    trace. Timed: DDP's buckets (on top of a ``ddp_comm_hook`` on CUDA with ``DDPPluginsStrategy``
-    only) and buffer broadcast, and the pack's own collectives; Lightning's and torchmetrics' metric
-    syncs are not. Metrics and files: docs/plugins.md ("Where time goes").
+    A ``Timeline`` per rank, gathered into ``time/*`` and ``straggler/*`` metrics, and a Chrome trace (docs/plugins.md).
+    Untimed: metric syncs; DDP's buckets under a CUDA ``ddp_comm_hook`` are timed with ``DDPPluginsStrategy`` only.
 
     Args:
         every_n_steps: batches between two gathers of the records (and the logged metrics).
@@ -90,9 +86,7 @@ class CommTimeline(Callback):
         if stage != "fit":
             return
         self.timeline = Timeline(
-            history=self.history,
-            blame_threshold_s=self.blame_threshold_ms / 1e3,
-            score_decay=self.score_decay,
+            history=self.history, blame_threshold_s=self.blame_threshold_ms / 1e3, score_decay=self.score_decay
         )
         if isinstance(trainer.strategy, DDPStrategy):
             self._strategy = trainer.strategy
@@ -157,9 +151,8 @@ class CommTimeline(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self.timeline is None:
-            return
-        self._finish(trainer)  # what was gathered so far (no collective here)
+        if self.timeline is not None:
+            self._finish(trainer)  # what was gathered so far (no collective here)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

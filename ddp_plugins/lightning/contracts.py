@@ -1,6 +1,4 @@
-"""Contracts between the Lightning adapters, checked with ``isinstance``, as torch's ``Joinable``.
-
-Rationale in docs/design.md ("Contracts between the adapters")."""
+"""Contracts between the adapters, checked with ``isinstance``; see docs/design.md, "Contracts between the adapters"."""
 
 from __future__ import annotations
 
@@ -26,13 +24,9 @@ _T = TypeVar("_T")
 
 @runtime_checkable
 class StepAgreement(Protocol):
-    """A strategy whose training steps already make one collective round that can carry flags.
+    """A strategy whose training steps make a collective round carrying each source's flag (0 to 64).
 
-    A callback that must agree on a flag at step boundaries (a stop signal) registers a source
-    (a callable giving this rank's flag, 0 to 64) and reads :meth:`agreed_flag` at the boundary:
-    the largest flag any rank raised, or ``None`` when this run's steps make no such round (the
-    callback then makes its own ``all_reduce``).
-    """
+    :meth:`agreed_flag`: the largest flag any rank raised, ``None`` where no such round runs (make your own)."""
 
     def add_flag_source(self, source: Callable[[], int]) -> None: ...
 
@@ -43,12 +37,7 @@ class StepAgreement(Protocol):
 
 @runtime_checkable
 class GathersPerRankState(Protocol):
-    """A strategy that gathers every callback's per-rank state part when a checkpoint is saved.
-
-    Callbacks put this rank's part under :data:`ddp_plugins.core.checkpoints.PER_RANK` of their ``state_dict``;
-    the strategy replaces it with every rank's in ``save_checkpoint``, the one point every rank reaches in
-    step. Under any other strategy the callback gathers in ``on_save_checkpoint`` itself.
-    """
+    """A strategy that gathers the callbacks' ``PER_RANK`` state parts in ``save_checkpoint`` (else they do)."""
 
     def gather_per_rank_state(self, checkpoint: dict[str, Any]) -> None: ...
 
@@ -62,11 +51,7 @@ class SavesCheckpoints(Protocol):
 
 @runtime_checkable
 class ShardsEachStep(Protocol):
-    """A strategy that may run each step as virtual shards of fixed rows (the reproducible mode).
-
-    ``virtual_shards`` is their number while the mode is on, ``None`` otherwise. BatchNorm then
-    normalizes per shard, and evaluation batches are aligned to the same rows on any world size.
-    """
+    """A strategy whose ``virtual_shards`` is the reproducible mode's shards per step, ``None`` while it is off."""
 
     @property
     def virtual_shards(self) -> int | None: ...
@@ -85,20 +70,14 @@ def virtual_shards(strategy: Any) -> int | None:
 
 @runtime_checkable
 class AccumulationSchedule(Protocol):
-    """A callback that sets ``trainer.accumulate_grad_batches`` per epoch from ``{epoch: K}``.
-
-    Lightning's ``GradientAccumulationScheduler`` has this shape already.
-    """
+    """A callback setting ``accumulate_grad_batches`` per epoch from ``{epoch: K}`` (as Lightning's scheduler)."""
 
     scheduling: Mapping[int, int]
 
 
 @runtime_checkable
 class OwnsAccumulationWindow(Protocol):
-    """A callback that runs accumulation windows itself (manual optimization).
-
-    ``manual_window`` is its K while it does, ``None`` while Lightning's loop accumulates.
-    """
+    """A callback running accumulation windows itself: ``manual_window`` is K, ``None`` while Lightning's loop does."""
 
     @property
     def manual_window(self) -> int | None: ...
@@ -106,12 +85,8 @@ class OwnsAccumulationWindow(Protocol):
 
 @runtime_checkable
 class CarriesSpawnResults(Protocol):
-    """A callback whose results, made in spawned ranks, travel back to the launching process.
-
-    In spawned rank 0, ``export_results`` writes them to a file and returns its path (the path
-    travels, not the bytes); in the launching process, the callback with the same
-    ``spawn_results_key`` (its copy) reads and removes that file in ``import_results``.
-    """
+    """A callback whose results travel from spawned rank 0 (``export_results``: a file's path) to its copy with
+    the same ``spawn_results_key`` in the launching process (``import_results`` reads and removes the file)."""
 
     spawn_results_key: str
 
@@ -121,8 +96,7 @@ class CarriesSpawnResults(Protocol):
 
 
 def implements(obj: Any, kind: type[_T]) -> TypeGuard[_T]:
-    """``isinstance(obj, kind)`` for one of these protocols, decided once per class (its first instance's
-    answer is kept: why, docs/design.md, "Contracts between the adapters").
+    """``isinstance(obj, kind)`` for one of these protocols, decided once per class (see the module's section).
 
     Example::
 

@@ -45,9 +45,8 @@ class _AppendingWriter(ExperimentWriter):
 class ResumableCSVLogger(CSVLogger):
     """``CSVLogger`` whose ``metrics.csv`` survives a resume (same arguments as ``CSVLogger``).
 
-    Lightning's deletes an existing ``metrics.csv`` and rewrites it with this process's keys only;
-    this one keeps the file and widens its header, so a resumed run appends to the rows it continues
-    (:class:`~ddp_plugins.lightning.PreemptionCheckpoint` first cuts them back to the checkpoint's).
+    Lightning's deletes an existing ``metrics.csv`` and rewrites it with this process's keys; this one keeps it
+    and widens its header (:class:`~ddp_plugins.lightning.PreemptionCheckpoint` cuts the rows back first).
 
     Example::
 

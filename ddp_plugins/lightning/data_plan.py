@@ -1,7 +1,6 @@
-"""Exact epochs for Lightning: the training loader of a global plan, uneven shards in step, and each
-micro-batch's rows (what a resume restores: lightning/resume.py; the step object: lightning/steps.py).
+"""Exact epochs: the training loader of a global plan, uneven shards in step, each micro-batch's rows.
 
-Rationale in docs/design.md ("One global plan per epoch, and uneven data", "Checkpoints and resume")."""
+See docs/design.md, "One global plan per epoch, and uneven data"."""
 
 from __future__ import annotations
 
@@ -116,8 +115,7 @@ def _plan_loader(
 
 
 def check_global_batch(global_batch_size: int, world_size: int, accumulate: int) -> None:
-    """Refuse (``ArgumentValueError``) a global batch below ``world_size * accumulate``: too small to
-    give every micro-batch of every rank a row in full steps."""
+    """Refuse (``ArgumentValueError``) a global batch below ``world_size * accumulate`` (micro-batches without rows)."""
     if global_batch_size < world_size * accumulate:
         raise ArgumentValueError(
             "global_batch_size",
@@ -131,8 +129,7 @@ def train_loader(
     dataloader: Any, trainer: Any, rank: int, world_size: int, planned: PlannedLoader, uneven: UnevenShards,
     resume: ResumeRecord,
 ) -> Any:  # fmt: skip
-    """The training loader this run trains on (planned, in step across uneven shards, or resumable), the first
-    one after a checkpoint was loaded starting where :func:`resume_start` says."""
+    """The training loader (planned, uneven shards in step, or resumable), starting where :func:`resume_start` says."""
     uneven.loader = None
     plan = planned.make_plan(dataloader, trainer, world_size)
     accumulate = planned.accumulate if plan is not None else trainer.accumulate_grad_batches
@@ -156,8 +153,7 @@ def train_loader(
 
 
 class PlannedLoader:
-    """A global plan of the training loader's rows (``global_batch_size`` rows a step; ``None``: no plan),
-    and the rows of each of its micro-batches."""
+    """A global plan of the training loader's rows (``None`` without ``global_batch_size``), its micro-batches' rows."""
 
     def __init__(self, global_batch_size: int | None, drop_last: bool, virtual_shards: int | None = None) -> None:
         self.global_batch_size = global_batch_size
@@ -210,9 +206,7 @@ class PlannedLoader:
 
 
 class UnevenShards:
-    """Training loaders whose ranks may yield different numbers of batches, stepped together by
-    :class:`~ddp_plugins.core.plan.EvenSteps` (``enabled``): each micro-batch's rows, and the largest flag of
-    ``sources`` (this rank's stop flags, contracts.StepAgreement) agreed in the same round."""
+    """Loaders of uneven lengths per rank in step (``EvenSteps``): their rows, and ``sources``' largest flag agreed."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -250,8 +244,7 @@ class UnevenShards:
 
 
 def run_accumulation(trainer: Any) -> int:
-    """The micro-batches per optimizer step of the whole run (``ArgumentValueError`` where an
-    :class:`~ddp_plugins.lightning.contracts.AccumulationSchedule` changes it)."""
+    """The micro-batches per optimizer step of the whole run (``ArgumentValueError`` where a schedule changes it)."""
     values = {trainer.accumulate_grad_batches}
     for callback in of_kind(trainer.callbacks, AccumulationSchedule):
         if callback.scheduling and dict(callback.scheduling) != {0: 1}:  # {0: 1}: no accumulation asked there
@@ -284,8 +277,7 @@ def _agreed_length(dataloader: Any) -> int | None:
 
 
 def _resumable_train_loader(dataloader: Any, rank: int, epoch: int, done: int) -> DataLoader | None:
-    """The training DataLoader with its sampler in a :class:`ResumableSampler`, its first iteration in ``epoch``
-    after ``done`` batches, order and workers' seed from streams of its own (``None``: one that cannot be)."""
+    """The DataLoader on a :class:`ResumableSampler` starting ``done`` batches into ``epoch`` (``None``: impossible)."""
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         return None
     if type(dataloader.batch_sampler) is not BatchSampler or not isinstance(dataloader.sampler, Sized):

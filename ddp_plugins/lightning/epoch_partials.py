@@ -1,9 +1,6 @@
-"""The epoch's running means across a resume: what ``self.log(..., on_epoch=True)`` had summed so far.
+"""The sums of ``self.log(..., on_epoch=True)`` across a mid-epoch resume (Lightning keeps them in memory only).
 
-Lightning keeps these sums in memory only, so a mid-epoch resume's epoch mean covered only the steps
-after it. ``resumed + saved`` has the bits of the uninterrupted ``saved + resumed`` (float addition
-commutes); a torchmetrics object's states are merged with its own ``merge_state``.
-"""
+``resumed + saved`` has the bits of ``saved + resumed`` (float addition commutes); torchmetrics use ``merge_state``."""
 
 from __future__ import annotations
 
@@ -24,11 +21,8 @@ log = logging.getLogger(__name__)
 class EpochPartials:
     """Save and restore the running sums of the training epoch's ``on_epoch`` values, per rank.
 
-    ``save(trainer)`` gives this rank's part (plain tensors and names: ``weights_only=True`` loads it);
-    ``load(parts, trainer)`` takes every rank's, and ``before_batch``/``after_batch`` add them back where
-    the resumed epoch logs each name. On another number of ranks, a ``sync_dist`` value goes to rank 0
-    with every old rank's sums; one logged without it, and one the reproducible mode logs in
-    ``training_step`` (each rank holds a copy of the same sums), continues on every rank from old rank 0's.
+    On another number of ranks a ``sync_dist`` value's sums all go to rank 0; an unsynced one, or a copy the
+    reproducible mode logs in ``training_step``, continues on every rank from old rank 0's.
 
     Example (two ranks resumed on three)::
 

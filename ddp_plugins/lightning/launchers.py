@@ -1,6 +1,4 @@
-"""Launchers of the DDP strategy: a child command of the caller's choice, a rank watcher, no orphans.
-
-Rationale in docs/design.md ("When a rank fails or stops")."""
+"""The strategy's launchers: watched child ranks, no orphans; see docs/design.md, "When a rank fails or stops"."""
 
 from __future__ import annotations
 
@@ -36,31 +34,24 @@ __all__ = [
     "leave_ended_job",
 ]
 
-_CHILD_GRACE_S = 2.0  # seconds a child rank gets to exit on its own once rank 0 failed, before it is killed
+_CHILD_GRACE_S = 2.0  # for a child rank to exit on its own once rank 0 failed, before it is killed
 _PREEMPT_GRACE_S = 30.0  # children of a preempted run only tear down and exit
 _STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _WATCH_S = 1.0  # how often the rank watcher looks at the child ranks
-# A child rank that refused or exited 0 while the ranks start: rank 0 gets this long to end its start-up alike
-_STARTUP_GRACE_S = 3.0
+_STARTUP_GRACE_S = 3.0  # for rank 0 to end its start-up alike after a child rank refused or exited 0
 _DRAIN_S = 1.0  # seconds to wait for the last stderr bytes of a child rank that exited
 _TAIL_BYTES = 4096  # the end of a child rank's start-up stderr kept for its last line
-_REFUSAL_PREFIX = "error: "  # a refusing rank's one line (the app's "error: <key> ..., allowed: ...")
-# In a child rank's environment, what to undo once its start-up is done (JSON): "dies_with_launcher", a
-# parent-death signal to clear; "stderr", the launcher's stderr (a descriptor number) to take back
+_REFUSAL_PREFIX = "error: "  # the app's "error: <key> ..., allowed: ..."
+# JSON in a child rank's environment, undone after start-up: "dies_with_launcher", "stderr" (an fd to take back)
 _CHILD_STARTUP = "DDP_PLUGINS_CHILD_STARTUP"
 _SPAWN_RESULTS_KEY = "ddp_plugins.spawn_results"  # callbacks' results, from spawned rank 0
 ChildCommand = Callable[[int], tuple[list[str], str | None]]  # local rank -> (command, working folder)
-# What the launcher sets in its own environment for the job it starts child ranks for (Lightning's keys)
 _JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-# The Hydra job this process started child ranks for: {"job": its identity, "before": the variables before,
-# "set": as set}; None when it started none (or the job was ended)
-_launched: dict[str, Any] | None = None
+_launched: dict[str, Any] | None = None  # the job this process started child ranks for: job, before, set
 
 REFUSAL_EXIT = 2
-"""The exit code of a rank that refused its job with one line (a config or a resume it cannot run):
-every rank decides alike and rank 0 prints the line, so it is no crash to report. During start-up a
-child rank's exit 2 is a refusal only when its last stderr line is one (``error: ...``): Python's own
-exit 2 (a script it cannot open, a bad option) is a failure."""
+"""Exit code of a rank that refused its job in one line (every rank alike, rank 0 prints it): no crash. At
+start-up a child's exit 2 is one only with an ``error: ...`` last stderr line (Python's own exit 2 fails)."""
 
 
 def _agreed_code(code: int | None) -> bool:
@@ -79,12 +70,7 @@ _DONE = "done"  # an observer's state: nothing more to watch (every child rank e
 
 
 class _StartupObserver:
-    """What a child rank's exit means while the ranks start.
-
-    Rank 0 may then wait in the rendezvous for a rank that is gone, so any exit ends the job: at once,
-    or, for a refusal (exit 2 with an ``error: ...`` line) or an exit 0, after :data:`_STARTUP_GRACE_S`
-    in which rank 0 did not end its start-up (or its job) itself.
-    """
+    """While the ranks start, any child exit ends the job; a refusal or exit 0 after :data:`_STARTUP_GRACE_S`."""
 
     def __init__(self, procs: list[Any], tees: list[_StderrTee | None]) -> None:
         self._procs, self._tees = procs, tees
@@ -114,8 +100,7 @@ class _StartupObserver:
 
 
 class _ExitObserver:
-    """What a child rank's exit means once the ranks met, where no liveness room watches: a failure
-    (not 0, nor an exit every rank reaches alike: :func:`_agreed_code`) ends the job at once."""
+    """After start-up, where no liveness room watches: a failure (not 0 nor :func:`_agreed_code`) ends the job."""
 
     def __init__(self, procs: list[Any]) -> None:
         self._procs = procs
@@ -132,9 +117,7 @@ class _ExitObserver:
 
 
 def _terminate(procs: list[Any], ending: _Ending) -> NoReturn:
-    """Say ``ending``'s line, kill every child rank still running, then this process: with ``os._exit``
-    (the main thread may be waiting in the rendezvous, where neither exceptions nor atexit handlers
-    can run), or with SIGKILL, as its child ranks."""
+    """Say the line, kill every child rank, then this process: SIGKILL, or ``os._exit`` (main may be in rendezvous)."""
     print(f"[ddp_plugins] {ending.line}", file=sys.stderr, flush=True)
     for proc in procs:
         if proc.poll() is None:
@@ -147,12 +130,9 @@ def _terminate(procs: list[Any], ending: _Ending) -> NoReturn:
 
 
 class _RankWatcher(threading.Thread):
-    """Watches the child ranks: with :class:`_StartupObserver` until the ranks met, then with
-    :class:`_ExitObserver` where no liveness room names a failed rank (``after_startup``); ends
-    the job (:func:`_terminate`) at the first exit either calls an ending.
+    """Watch the child ranks (:class:`_StartupObserver`, then :class:`_ExitObserver`), end the job at an ending.
 
-    Unlike Lightning's ``_ChildProcessObserver`` (INFO level, usually hidden), it can be stopped.
-    """
+    Unlike Lightning's ``_ChildProcessObserver`` (INFO level, usually hidden), it can be stopped."""
 
     def __init__(
         self,
@@ -191,11 +171,8 @@ class _RankWatcher(threading.Thread):
 
 
 class _StderrTee(threading.Thread):
-    """A child rank's stderr while it starts, passed on to the launcher's stderr; keeps the last line.
-
-    Once started, the child rank writes to that stderr directly (:meth:`JobSubprocessLauncher.startup_done`):
-    a pipe through this process would break for a child rank that outlives it.
-    """
+    """Pass a child rank's start-up stderr on to the launcher's, keeping the last line (then the child writes
+    there directly: :meth:`JobSubprocessLauncher.startup_done`; a pipe would break if it outlives us)."""
 
     def __init__(self, source: IO[bytes], target: int) -> None:
         super().__init__(daemon=True, name="ddp-plugins-stderr-tee")
@@ -216,8 +193,7 @@ class _StderrTee(threading.Thread):
             self._source.close()
 
     def last_line(self, wait_s: float) -> str:
-        """The last non-blank line the child rank wrote to stderr while it started (after up to ``wait_s``
-        seconds for the rest of it: a DataLoader worker that outlives the child keeps the pipe open)."""
+        """The last non-blank start-up stderr line, after up to ``wait_s`` (a DataLoader worker may hold the pipe)."""
         self.join(wait_s)
         lines = [line.strip() for line in self._tail.decode(errors="replace").splitlines() if line.strip()]
         return lines[-1] if lines else ""
@@ -226,12 +202,8 @@ class _StderrTee(threading.Thread):
 class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
     """Lightning's subprocess launcher with a rank watcher, and no orphans.
 
-    ``child_command(local_rank)`` gives each child rank's command and working folder (default:
-    Lightning's, which re-runs this command line: refused before any child starts where it cannot be
-    re-run). It stops the child ranks when rank 0 raises (not only on ``KeyboardInterrupt``), holds
-    SIGTERM and SIGINT from before the first child starts until :meth:`startup_done`, and until then
-    passes each child rank's stderr on, keeping its last line for the one line of a failed start-up.
-    """
+    ``child_command(local_rank)`` gives each child rank's command and working folder (default: Lightning's
+    re-run of this command line). Children stop when rank 0 raises anything, not only ``KeyboardInterrupt``."""
 
     def __init__(
         self,
@@ -282,8 +254,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             if self.on_failure is not None:  # may end the job here, naming the rank that caused it
                 self.on_failure(error)
             if isinstance(error, (Preempted, ResumeMismatch)):
-                # every rank agreed to stop at this step and wrote its part, or refuses the same resume
-                # with rank 0's one line: let the children finish
+                # every rank stops at this step or refuses the resume alike: let the children finish
                 _wait_then_kill(self.procs, _PREEMPT_GRACE_S)
             else:
                 self._stop_children()
@@ -294,9 +265,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 watcher.stop()
 
     def startup_done(self) -> None:
-        """The ranks have met (the strategy calls this once set up): SIGTERM and SIGINT get their
-        handlers back, a child rank's parent-death signal is cleared, and a child rank writes to the
-        launcher's stderr directly again."""
+        """The ranks have met: give back the signal handlers; a child clears its parent-death signal, takes stderr."""
         if self._ranks_met is not None:
             self._ranks_met.set()
         if self._startup is not None:
@@ -316,9 +285,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
                 os.close(int(stderr))
 
     def speaks_for(self, pids: Iterable[int]) -> bool:
-        """Whether this launcher's rank watcher ends the job for these processes' exit: each is one of its
-        child ranks and the ranks are still starting (its line then names the exit code and the child
-        rank's last stderr line, which a liveness room cannot see)."""
+        """Whether the watcher ends the job for these (starting) child ranks' exit: its line has their stderr."""
         if self._ranks_met is None or self._ranks_met.is_set():
             return False
         children = {proc.pid for proc in self.procs}
@@ -326,9 +293,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
         return bool(pids) and all(pid in children for pid in pids)
 
     def _stop_startup(self, signum: int) -> None:
-        """SIGTERM or SIGINT while the ranks start: forward it to the child ranks, kill those left after
-        :data:`_CHILD_GRACE_S`, exit ``128 + signal`` with ``os._exit`` (the main thread may be blocked
-        in the rendezvous: ``atexit`` handlers could wait for it)."""
+        """SIGTERM/SIGINT at start-up: forward it, kill children left, ``os._exit(128 + signal)`` (no atexit waits)."""
         if self._halt is not None:
             self._halt.set()  # the rank watcher must not take the children's exit for a failure
         procs = list(self.procs)
@@ -336,7 +301,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
             if proc.poll() is None:
                 proc.send_signal(signum)
         _wait_then_kill(procs, _CHILD_GRACE_S)
-        _drain(self._tees)  # what the child ranks said on their way out, before this line
+        _drain(self._tees)
         code = 128 + signum
         message = f"{signal.Signals(signum).name} while the ranks were starting: stopped child ranks"
         print(f"[ddp_plugins] {message} {[proc.pid for proc in procs]}; exit code {code}.", file=sys.stderr, flush=True)
@@ -365,12 +330,9 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
 
     @override
     def _call_children_scripts(self) -> None:
-        """Lightning's, with ``child_command``'s command, and a parent-death signal for each child rank.
+        """Lightning's, with ``child_command``'s command, a parent-death signal and a stderr pipe per child rank.
 
-        Until :meth:`startup_done`, a child gets ``SIGKILL`` when the launcher dies: alone in the
-        rendezvous it would wait out the whole timeout (docs/design.md); and its stderr is a pipe
-        that :class:`_StderrTee` passes on, with the launcher's own stderr at hand to take back.
-        """
+        Until :meth:`startup_done` an orphan dies: alone in the rendezvous it would wait out the whole timeout."""
         global _launched
         self._check_can_spawn_children()
         self.procs, self._tees = [], []  # reset in case it is called twice, as Lightning's does
@@ -410,8 +372,7 @@ class JobSubprocessLauncher(_compat.SubprocessScriptLauncher):
 
 
 def _hydra_job() -> tuple[str, int] | None:
-    """The Hydra job this process runs (its output folder and number in a sweep), ``None`` outside Hydra
-    (Hydra is not imported for it)."""
+    """This process's Hydra job (output folder, sweep number), ``None`` outside Hydra (not imported for it)."""
     module = sys.modules.get("hydra.core.hydra_config")
     if module is None or not module.HydraConfig.initialized():
         return None
@@ -420,10 +381,9 @@ def _hydra_job() -> tuple[str, int] | None:
 
 
 def end_launched_job() -> None:
-    """Leave this process as the next job of a sweep expects it: no process group (freed after the job's
-    DDP reducer, which would otherwise join gloo's threads with the GIL held), and the variables the
-    launcher set for the job it started child ranks for given their values from before, where nothing
-    changed them since."""
+    """Leave this process as a sweep's next job expects: no process group, the launch variables undone.
+
+    The group is freed after a ``gc`` of the DDP reducer, which would join gloo's threads with the GIL held."""
     global _launched
     if dist.is_available() and dist.is_initialized():
         gc.collect()
@@ -439,22 +399,17 @@ def end_launched_job() -> None:
 
 
 def leave_ended_job() -> None:
-    """A new Hydra job in a process that started child ranks for an earlier one (a ``-m`` sweep in a user's
-    own app): that job's process group and launch variables are ended (:func:`end_launched_job`), so this
-    job starts its own ranks and group. Lightning keeps both after ``fit`` (the next job reused the group,
-    whose child rank had exited: gloo's "Connection closed by peer"); within one job they are kept, for a
-    ``test`` after ``fit``."""
+    """In a new Hydra job, end an earlier job's group and launch variables (:func:`end_launched_job`).
+
+    Lightning keeps both after ``fit``: the next job reused a group whose child had exited. Kept within a job."""
     if _launched is not None and _hydra_job() != _launched["job"]:
         end_launched_job()
 
 
 class _StartupSignals:
-    """Handlers for SIGTERM and SIGINT that call ``on_signal(signum)`` in a thread of their own at once.
+    """SIGTERM/SIGINT handlers whose thread, reading the wakeup fd's pipe, calls ``on_signal(signum)`` at once.
 
-    While the ranks start, the main thread waits inside torch, where Python handlers do not run; a
-    thread reading ``signal.set_wakeup_fd``'s pipe calls ``on_signal`` instead. :meth:`restore` gives
-    back the handlers and wakeup fd. An ignored signal stays ignored; off the main thread, no-ops.
-    """
+    At start-up the main thread waits inside torch, where Python handlers do not run. Off the main thread: no-op."""
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.on_signal = on_signal
@@ -507,17 +462,15 @@ def _startup_handler(signum: int, frame: Any) -> None:
 
 
 class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
-    """Spawned children leave through :func:`exit_process` once their results are queued.
+    """Spawned children leave through :func:`exit_process` once their results are queued (no gloo abort).
 
-    A ``spawn``/``forkserver`` child would otherwise finalize and risk the gloo abort; ``fork``
-    children already leave with ``os._exit`` (and must not run the parent's ``atexit`` handlers).
-    """
+    ``fork`` children already leave with ``os._exit`` (and must not run the parent's ``atexit`` handlers)."""
 
     def __init__(
         self, *args: Any, before_launch: Callable[[Any, dict[str, Any]], None] | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.before_launch = before_launch  # the strategy's checks of the Trainer, before any child starts
+        self.before_launch = before_launch
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -550,8 +503,7 @@ class CleanExitMultiprocessingLauncher(_compat.MultiProcessingLauncher):
 
 
 def _launch_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The launched function's arguments by name (``Trainer.fit``'s ``train_dataloaders``), ``{}`` where they do
-    not bind: what the strategy's checks before launch may read."""
+    """The launched function's arguments by name (``fit``'s ``train_dataloaders``), ``{}`` where they do not bind."""
     try:
         return dict(inspect.signature(function).bind_partial(*args, **kwargs).arguments)
     except (TypeError, ValueError):
@@ -559,8 +511,7 @@ def _launch_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) -
 
 
 def _check_rerunnable(command: list[str], cwd: str | None) -> None:
-    """Refuse, before any child rank starts, a child command that re-runs a script this process cannot
-    give again: ``python -c`` and ``python -`` (stdin), or a script that is not a file (any more)."""
+    """Refuse a child command re-running a script that cannot be given again (``python -c``, ``-``, not a file)."""
     if len(command) > 1 and command[1] == "-m":
         return  # a module: found again by name
     argv0 = sys.argv[0] if sys.argv else ""

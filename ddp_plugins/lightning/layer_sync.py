@@ -24,9 +24,8 @@ __all__ = ["SyncBatchNormPlugin"]
 class SyncBatchNormPlugin(LayerSync):
     """Lightning ``LayerSync`` plugin: :func:`convert_sync_batchnorm` before DDP wraps the model, revert after.
 
-    The strategy calls :meth:`apply` only when fitting and :meth:`revert` in its teardown; it takes this
-    in place of torch's ``TorchSyncBatchNorm`` (a subclass of that keeps torch's class). Or use
-    :class:`~ddp_plugins.lightning.SyncBatchNormCallback`. The arguments are :func:`convert_sync_batchnorm`'s.
+    ``DDPPluginsStrategy`` puts it in place of torch's ``TorchSyncBatchNorm``, which runs on accelerators only.
+    The arguments are :func:`convert_sync_batchnorm`'s.
 
     Example::
 

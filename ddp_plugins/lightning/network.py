@@ -1,5 +1,4 @@
-"""A ``network`` preset (NCCL/gloo timeouts, sockets, InfiniBand) into the environment before the
-process group starts and back out, and gloo pinned to loopback."""
+"""Network presets into the environment, gloo on loopback; see docs/design.md, "Which interfaces listen (one node)"."""
 
 from __future__ import annotations
 
@@ -14,9 +13,7 @@ __all__ = ["apply_network_env", "pin_gloo_to_loopback", "restore_env"]
 
 
 def apply_network_env(env: Mapping[str, Any] | None) -> dict[str, str]:
-    """Set a network preset's variables in ``os.environ`` before the process group starts.
-
-    A variable the user already set keeps the user's value. Child ranks inherit the result.
+    """Set a network preset's variables in ``os.environ`` (a user's value is kept; child ranks inherit them).
 
     Returns:
         The effective value of every variable the preset names.
@@ -47,10 +44,7 @@ def restore_env(before: Mapping[str, str]) -> None:
 
 
 def pin_gloo_to_loopback(main_address: str) -> str | None:
-    """Set ``GLOO_SOCKET_IFNAME`` to the loopback interface when ``main_address`` is a loopback address.
-
-    A value the user set is kept. Returns the interface set, or ``None`` when nothing was set.
-    """
+    """Set ``GLOO_SOCKET_IFNAME`` to loopback for a loopback ``main_address``, unless set; return what was set."""
     if "GLOO_SOCKET_IFNAME" in os.environ or not is_loopback(main_address):
         return None
     try:

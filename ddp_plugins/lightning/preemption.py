@@ -1,4 +1,4 @@
-"""Preemption-safe training: stop anywhere, resume, end bit-identical to an uninterrupted run."""
+"""Preemption-safe training: stop anywhere, resume, end bit-identical; see docs/design.md, "Preemption"."""
 
 from __future__ import annotations
 
@@ -40,19 +40,17 @@ _STEP_FILE = re.compile(r"^step-(\d+)(-preempted|-stalled)?\.ckpt$")  # the live
 
 
 class PreemptionCheckpoint(Callback):
-    """Stop every rank at the same step on a signal, checkpoint, exit ``128 + signal``; step checkpoints
-    (with the epoch's running ``on_epoch`` sums, so a mid-epoch resume keeps the epoch's means).
+    """On a signal, stop every rank at one step, checkpoint, exit ``128 + signal``; step checkpoints with epoch sums.
+
+    Lightning's own handlers checkpoint or broadcast inside the handler, which hangs a DDP job mid-collective.
 
     Args:
         dirpath: folder of the checkpoints (default: ``<default_root_dir>/checkpoints``).
-        every_n_train_steps: also write a checkpoint every this many optimizer steps (0: only on
-            a signal).
+        every_n_train_steps: also write a checkpoint every this many optimizer steps (0: only on a signal).
         keep: how many of this callback's step checkpoints to keep (the newest), at least 1.
         signals: the signals that stop the run; a second Ctrl-C ends the process at once.
-        check_every_n_steps: agree on the flag every this many optimizer steps, or ``"auto"``:
-            about every half second (:class:`~ddp_plugins.core.SignalAgreement`).
-        requeue: ``"auto"`` (under Slurm, requeue the job after a ``requeue_signal``, or submitit's
-            ``SIGUSR2``), ``"always"`` (after any of the signals) or ``"never"``.
+        check_every_n_steps: agree on the flag every this many optimizer steps, or ``"auto"`` (about every 0.5 s).
+        requeue: ``"auto"`` (Slurm: after ``requeue_signal`` or submitit's ``SIGUSR2``), ``"always"`` or ``"never"``.
         requeue_signal: the signal Slurm sends before preempting (``--signal=USR1@90``).
 
     Example::
@@ -82,8 +80,7 @@ class PreemptionCheckpoint(Callback):
         self._agreement = SignalAgreement()
         self._rows_pending = False  # a checkpoint was written; its metrics rows are counted at the next hook
         self._trainer: pl.Trainer | None = None
-        # the files written since the rows were last counted: ours, or every callback's where the strategy
-        # records them (several can be written before the next hook: last.ckpt after our epoch-end one)
+        # the files written since the rows were last counted (every callback's, where the strategy records them)
         self._pending_paths: list[str] = []
         self._counted = 0  # the strategy's checkpoint_paths already counted
         self._stop: Preempted | None = None
@@ -108,8 +105,7 @@ class PreemptionCheckpoint(Callback):
         self._requeue_signals = {self.requeue_signal} | ({submitit} if submitit else set())
         if submitit and submitit not in self._flag.signals:
             self._flag = SignalFlag((*self.signals, submitit))
-        # Installed from the sanity check / train start on: Lightning registers its own handlers
-        # after `on_fit_start`, and taking over earlier would make it "restore" ours.
+        # handlers installed at sanity check / train start: Lightning registers its own after on_fit_start
 
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -129,8 +125,7 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, Preempted):
-            # Our handlers stay until Lightning's teardown: Slurm's requeue signals reach ranks that
-            # are tearing down, and Lightning's handler would broadcast from inside the handler.
+            # ours stay until teardown: requeue signals reach ranks tearing down; Lightning's handler would broadcast
             self._finish_rows(trainer)
             return
         self._agreement.cancel()  # a peer may be gone: never wait for the exchange in flight
@@ -154,8 +149,7 @@ class PreemptionCheckpoint(Callback):
             signum = self._agreement.at_boundary(self._flag.signum)
         step_due = bool(self.every_n_train_steps) and trainer.global_step % self.every_n_train_steps == 0
         if last:
-            # Lightning resumes a checkpoint taken here in the next epoch and skips this epoch's
-            # validation and end: write it at `on_train_epoch_end` instead (after validation).
+            # Lightning resumes one taken here in the next epoch, skipping validation: taken at on_train_epoch_end
             self._due = (signum, step_due) if signum or step_due else None
             return
         self._checkpoint(trainer, signum, step_due)
@@ -166,8 +160,7 @@ class PreemptionCheckpoint(Callback):
             path = self._save(trainer, f"step-{step}-preempted.ckpt")
             if trainer.is_global_zero:
                 log.warning("preempted by signal %d at step %d: checkpoint %s", signum, step, path)
-            # Raised at the next hook, once Lightning has logged this step's metrics; the job is
-            # requeued only then, as a stop agreed at the last step ends a finished run instead
+            # raised (and requeued) at the next hook, once this step's metrics are logged; not after the last step
             self._stop = Preempted(signum, str(path))
         elif step_due:
             self._save(trainer, f"step-{step}.ckpt")
@@ -193,8 +186,7 @@ class PreemptionCheckpoint(Callback):
         self._partials.after_batch(trainer)  # names the resumed epoch logged late
         if self._due is not None:  # the epoch's last step, deferred until validation is done
             due, self._due = self._due, None
-            # The epoch's metrics first, on every rank: computing them is a collective, which rank 0's
-            # progress bar may have run already; read here, every rank's pairs with rank 0's (issue 50).
+            # the epoch's metrics first, on every rank: a collective that rank 0's progress bar may have run
             trainer.callback_metrics  # noqa: B018 - read for its effect: the epoch's values computed
             self._checkpoint(trainer, *due)
 
@@ -202,7 +194,6 @@ class PreemptionCheckpoint(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._agreement.poll(0, start=False)  # the run is complete: a flag agreed only now changes nothing
         if self._stop is not None:
-            # A stop agreed at the last step: nothing is left to resume, the run ends as a finished one.
             stop, self._stop = self._stop, None
             if trainer.is_global_zero:
                 log.warning("signal %d came at the last step: the run is complete (%s)", stop.signum, stop.checkpoint)
@@ -232,8 +223,7 @@ class PreemptionCheckpoint(Callback):
         trainer.save_checkpoint(path, weights_only=False)  # the full state (and no log line about it)
         self._pending_paths.append(str(path))
         if trainer.is_global_zero:
-            # keep the newest `keep` step checkpoints of this callback (preemption ones included), by
-            # the write order the checkpoint IO records (modification times where it recorded none)
+            # this callback's newest `keep` step checkpoints stay, by the checkpoint IO's write order
             ours = sorted((p for p in path.parent.iterdir() if _STEP_FILE.match(p.name) and p != path), key=write_order)
             for old in ours[: max(len(ours) - (self.keep - 1), 0)]:
                 remove_checkpoint_file(old)
@@ -241,8 +231,7 @@ class PreemptionCheckpoint(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # no collective: rank 0 writes the file, and only its count matters; the epoch's running sums
-        # are each rank's (PER_RANK: gathered when the checkpoint is saved, with every rank in step)
+        # no collective: only rank 0's count matters; the epoch sums are per rank (PER_RANK, gathered at save)
         trainer = self._trainer
         return {
             "metrics_rows": _logged_rows(trainer) if trainer is not None else None,
@@ -257,7 +246,7 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if trainer.state.fn != "fit":
-            # `test`/`validate`/`predict(ckpt_path=...)` only load weights: no resume, no rows cut (issue 49)
+            # `test`/`validate`/`predict(ckpt_path=...)` only load weights: no resume, no rows cut
             return
         self.resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path else None
         callbacks = checkpoint.get("callbacks", {})

@@ -33,10 +33,7 @@ __all__ = ["RankAwareSeed"]
 class RankAwareSeed(Callback):
     """Identical model initialization on every rank, then a distinct random stream per rank.
 
-    ``setup`` seeds every rank with ``seed``; at ``on_fit_start``, after DDP's broadcast, each rank
-    switches to its own stream (:func:`seed_everything_rank_aware`). Checkpoints hold every rank's
-    RNG states and a resume restores each rank's own; from another world size the run warns and
-    starts fresh streams keyed by ``(seed, rank, global_step)`` (docs/design.md, "Seeding per rank").
+    A resume restores each rank's streams; on another world size it warns and seeds ``(seed, rank, global_step)``.
     The arguments are :func:`seed_everything_rank_aware`'s; ``deterministic`` applies in ``setup``.
 
     Example::
@@ -72,8 +69,7 @@ class RankAwareSeed(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning issue 21938 (2.5.3+): on resume, the first epoch's iterator is created before the
-        # sampler's epoch is set; with workers it draws the indices of epoch 0 at once.
+        # Lightning issue 21938 (2.5.3+): a resumed epoch's iterator, made before set_epoch, draws epoch 0's order
         if not self._resume_step:
             return
         loaders: list[DataLoader] = []

@@ -1,6 +1,4 @@
-"""The strategy's reproducible mode (``DDPPluginsStrategy(global_batch_size=G, reproducible=True)``).
-
-Design and limits in docs/design.md ("The reproducible mode")."""
+"""The strategy's reproducible mode; design and limits: docs/design.md, "The reproducible mode"."""
 
 from __future__ import annotations
 
@@ -50,7 +48,6 @@ def state_fingerprint(state_dict: Any, optimizer_states: Any) -> str:
     return fingerprint({"state_dict": state_dict, "optimizer_states": list(optimizer_states or [])})
 
 
-# bf16 autocast runs inside each shard, on the same rows on any number of ranks: the same kernels and bits
 _PRECISIONS = ("32-true", "64-true", "32", "64", "bf16-mixed", "bf16")
 
 
@@ -103,11 +100,7 @@ def check_shards(module: nn.Module, plan: GlobalPlan) -> None:
 
 
 def check_deterministic(trainer: Any) -> None:
-    """Refuse nondeterministic CUDA kernels before any rank starts (checked again on the model in ``setup``).
-
-    On a Trainer whose devices are GPUs, the kernels must be deterministic now (``Trainer(deterministic=True)``
-    set them in this process), or a :class:`~ddp_plugins.lightning.rank_aware_seed.RankAwareSeed` with
-    ``deterministic=True`` sets them in each rank's ``setup``."""
+    """Refuse nondeterministic CUDA kernels before launch (unless a ``RankAwareSeed(deterministic=True)`` sets them)."""
     devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
     if not any(torch.device(d).type == "cuda" for d in devices):
         return
@@ -167,8 +160,7 @@ def _rows_of(a: int, b: int) -> Callable[[Any], Any]:
 
 
 class ReproducibleSteps(PlannedSteps):
-    """The reproducible mode's steps: this rank's shards of each step and their exact sums, the
-    evaluation's means combined exactly at each loader's last batch."""
+    """The reproducible mode's steps: this rank's shards, their exact sums, evaluation means combined exactly."""
 
     def __init__(self, virtual_shards: int, global_batch_size: int | None = None, **ddp_options: Any) -> None:
         if global_batch_size is None:
@@ -197,8 +189,7 @@ class ReproducibleSteps(PlannedSteps):
         return None
 
     def before_launch(self, trainer: Any, world_size: int, loader: Any = None, drop_last: bool = False) -> None:
-        """The Trainer's and the model's limits, and the shards' rows: of every step where ``loader`` (``fit``'s
-        ``train_dataloaders``) tells the dataset's length, else of a whole step of ``global_batch_size`` rows."""
+        """Check the Trainer, the model and the shards' rows (of every step if ``loader`` has a length, else of G)."""
         check_trainer(trainer, world_size, self.virtual_shards)
         check_deterministic(trainer)
         module, size = trainer.lightning_module, self.global_batch_size
@@ -269,9 +260,7 @@ class ReproducibleSteps(PlannedSteps):
         return precision.post_backward(loss, module)
 
     def reduce(self, tensor: Any, group: Any, reduce_op: Any, reduce: Callable[..., Any]) -> Any:
-        """A value logged in a shard or evaluation batch stays local (it is combined exactly after it); a
-        mean of a value the same on every rank (the combinations) is that value: a float all-reduce would
-        change its last bits on some numbers of ranks."""
+        """A shard's value stays local; the mean of a value equal on all ranks is itself (all-reduce moves bits)."""
         if self._local:
             return tensor
         if is_mean(reduce_op) and is_distributed():
@@ -282,8 +271,7 @@ class ReproducibleSteps(PlannedSteps):
         return reduce(tensor, group, reduce_op)
 
     def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
-        """``dataloader`` cut into the dataset's batches of ``batch_size`` rows, the same on any number of ranks,
-        each rank as many (docs/design.md, "The reproducible mode")."""
+        """``dataloader`` cut into the dataset's batches, the same on any number of ranks, as many on each rank."""
         if isinstance(getattr(dataloader, "sampler", None), SequentialDistributedSampler):
             return dataloader  # SequentialEvaluation's, cut the same way
         apart = padding_apart_loader(dataloader, world_size, rank)
@@ -299,14 +287,12 @@ class ReproducibleSteps(PlannedSteps):
         return apart
 
     def evaluation_step(self, trainer: Any, hook: str, args: tuple, step: Callable[[], Any]) -> Any:
-        """Keep the means the step logs with ``sync_dist`` (weighted by the batch's real rows) out of
-        Lightning's per-rank sums; at the loader's last batch, log their exact combination over all ranks."""
+        """Keep the step's ``sync_dist`` means out of Lightning's sums; log their exact combination at the end."""
         if len(args) < 2:
             return step()
         loader = args[2] if len(args) > 2 else 0
         sampler = evaluation_sampler(trainer, args)
-        # a padding batch counts for nothing: in a mean, in a metric's state (SequentialEvaluation's aligned
-        # shards, where it cannot cut whole batches: the one padding row of a rank past the dataset's end)
+        # a padding batch counts for nothing (so does SequentialEvaluation's padding row past the dataset's end)
         padding = padding_batch(trainer, args, sampler) or (
             isinstance(sampler, SequentialDistributedSampler) and not sampler.num_real_samples
         )
@@ -377,8 +363,7 @@ def _taken(results: Any, hook: str, synced_only: bool = False) -> dict[str, Any]
 
 
 def _put(results: Any, kept: dict[str, Any], logged: dict[str, Any], means: Any = (), rows: int = 0) -> None:
-    """Put the entries set aside back in ``results`` (an empty one for a name first logged now), then
-    log each mean of ``means`` (the same on every rank) for the ``rows`` it stands for."""
+    """Put back the entries set aside (an empty one for a new name), then log each of ``means`` for ``rows`` rows."""
     results.update(kept)
     for key, entry in logged.items():
         if key not in results:

@@ -1,8 +1,6 @@
-"""Resuming the training data: the layout a checkpoint records, the checks of a resume against it, and
-where a resumed run starts.
+"""The data layout a checkpoint records, resumes checked against it, and where one starts.
 
-A planned run continues on any number of ranks; a plain loader mid-epoch only with the same split.
-Rationale in docs/design.md ("Checkpoints and resume")."""
+See docs/design.md, "One global plan per epoch, and uneven data"."""
 
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ def expected_record(
     global_batch_size: int | None = None, drop_last: bool = False, limit_train_batches: Any = 1.0,
     virtual_shards: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The record :class:`ResumeRecord` keeps for ``dataset_length`` rows, from the numbers alone (what an app
-    checks a checkpoint against before any rank starts).
+    """The record :class:`ResumeRecord` keeps for ``dataset_length`` rows, from the numbers alone (an app's check).
 
     Example::
 
@@ -87,8 +84,7 @@ def expected_record(
 def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], mid_epoch: bool, where: str = "") -> None:
     """Refuse (:class:`ResumeMismatch`) a resume that would train some of the epoch's rows twice or never.
 
-    A planned run continues on any number of ranks with the same plan; a plain loader mid-epoch only with the
-    same world size, per-rank batch and seed. ``where`` follows "the middle of an epoch" in the message.
+    ``where`` follows "the middle of an epoch" in the message.
 
     Example::
 
@@ -136,12 +132,9 @@ def resume_start(
     saved: dict[str, Any] | None, now: dict[str, Any], epoch: int, done: int, last_batch: bool = False,
     in_batch_end: bool = False,
 ) -> tuple[int, int]:  # fmt: skip
-    """Where training starts after a checkpoint restored ``done`` micro-batches into ``epoch``:
-    ``(epoch, done)`` to finish that epoch, or ``(epoch + 1, 0)`` when the checkpoint had ended it.
-
-    Whether it had is the checkpoint's own record (its ``batches_per_epoch``, else its plan's, else
-    ``last_batch``), never this run's loader; one taken in ``on_train_batch_end`` of its last batch
-    (``in_batch_end``) is mid-epoch where ``now`` has more batches. Mid-epoch, :func:`check_resume` decides.
+    """Where training starts after a checkpoint restored ``done`` micro-batches into ``epoch``: ``(epoch, done)``,
+    or ``(epoch + 1, 0)`` where the checkpoint's own record (never this run's loader) says it ended the epoch
+    (with ``in_batch_end``: not if ``now`` has more batches). Mid-epoch, :func:`check_resume` decides.
 
     Example::
 
@@ -189,15 +182,14 @@ class ResumeRecord:
         self._resumed: dict[str, Any] | None = None  # the record of the checkpoint loaded last
         self._restored = False  # a checkpoint was loaded and the training loader not made since
         self.resumed = False  # the current training loader is the first one after a checkpoint was loaded
-        self._quiet: tuple[Any, ...] | None = None  # our entry in warnings.filters while a resumed fit runs
+        self._quiet: tuple[Any, ...] | None = None  # our warnings.filters entry
 
     def checkpoint_loaded(self, record: dict[str, Any] | None) -> None:
         """A checkpoint was loaded (``record``: its data record, if any): the next training loader starts there."""
         self._resumed, self._restored = record, True
 
     def start(self, record: dict[str, Any], length: int | None, trainer: Any) -> tuple[int, int]:
-        """Keep a new training loader's ``record`` (``length``: its micro-batches per epoch) and return the
-        epoch and micro-batch it starts at (where the checkpoint loaded last stopped, else the epoch's start)."""
+        """Keep a new training loader's ``record`` (``length``: batches per epoch); return its (epoch, batch) start."""
         if isinstance(length, int):
             record["batches_per_epoch"] = limited(length, getattr(trainer, "limit_train_batches", 1.0))
         self.record = record
@@ -212,9 +204,7 @@ class ResumeRecord:
             self._resumed, record, epoch, done, last_batch=progress.is_last_batch,
             in_batch_end=progress.current.completed < done,
         )  # fmt: skip
-        # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; the loaders
-        # built here (a plan, shards in step, a resumable sampler) resume exactly. Silenced for this fit:
-        # teardown takes the filter out again (a later fit without the strategy warns as Lightning does).
+        # Lightning's warning that a mid-epoch resume is unreliable; these loaders resume exactly (until teardown)
         if self._quiet is None:
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
             self._quiet = warnings.filters[0]
@@ -223,16 +213,14 @@ class ResumeRecord:
         return epoch, start
 
     def teardown(self) -> None:
-        """The fit ended: Lightning's resume warning is no longer silenced (an "ignore" filter records
-        nothing in the warning registries, so taking it out is all there is to undo)."""
+        """Unsilence Lightning's resume warning (an "ignore" filter leaves no registry entry to undo)."""
         if self._quiet is not None:
             with contextlib.suppress(ValueError):  # the user reset the filters meanwhile
                 cast("list[Any]", warnings.filters).remove(self._quiet)  # typed a Sequence; a list at run time
             self._quiet = None
 
     def checkpoint_record(self, module: Any, planned: PlannedLoader) -> dict[str, Any] | None:
-        """What a checkpoint stores: the layout with its micro-batches per epoch, and on a plan its epoch and
-        the global rows done (only the layout where ``module`` is ``None`` or detached: a spawned fit ended)."""
+        """What a checkpoint stores: the layout, batches per epoch and plan position (the layout alone if detached)."""
         if self.record is None:
             return None
         try:
@@ -249,8 +237,7 @@ class ResumeRecord:
 
 
 def mode_switch(saved: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
-    """One line when a resume at an epoch's end turns the reproducible mode on or off, or changes
-    its ``virtual_shards`` (in the middle of an epoch :func:`check_resume` refuses it); else ``None``.
+    """One line when a resume at an epoch's end switches the reproducible mode or ``virtual_shards``, else ``None``.
 
     Example::
 

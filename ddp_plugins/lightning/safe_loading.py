@@ -19,15 +19,9 @@ from omegaconf.nodes import AnyNode, BooleanNode, BytesNode, EnumNode, FloatNode
 
 __all__ = ["SAFE_GLOBALS", "UnsafeCheckpointError", "safe_loading"]
 
-#: The classes a weights-only load of the pack takes besides torch's own (``torch.load(weights_only=True)``
-#: refuses each by default): the OmegaConf containers Hydra's ``instantiate`` passes to ``__init__`` (a
-#: ``ListConfig`` for a list, a ``DictConfig`` for a mapping), what they pickle (their metadata, value nodes,
-#: ``typing.Any`` and the builtin types their metadata names, the resolver cache's ``defaultdict``), and
-#: plain types common in hyperparameters (``argparse.Namespace``, paths). Lightning writes its
-#: ``AttributeDict`` of hyperparameters as a plain ``dict``; one nested in them is refused all the same
-#: (torch fills no ``dict`` subclass but ``OrderedDict`` and ``Counter``). Data only: none of them runs
-#: code of the checkpoint's choosing when it is built (an interpolation in a loaded config resolves when
-#: read, through the resolvers this process registered, as in any config it loads).
+#: What the pack's weights-only loads take besides torch's own: the OmegaConf containers Hydra passes and what they
+#: pickle, ``argparse.Namespace``, paths. Data only (a loaded interpolation resolves through this process's resolvers);
+#: a nested ``AttributeDict`` is still refused (torch fills no ``dict`` subclass but ``OrderedDict`` and ``Counter``).
 SAFE_GLOBALS: tuple[Any, ...] = (
     DictConfig, ListConfig, ContainerMetadata, Metadata,
     AnyNode, StringNode, IntegerNode, FloatNode, BooleanNode, BytesNode, PathNode, EnumNode,
@@ -42,10 +36,8 @@ _TORCH_NAMES = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose modu
 class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
     """A checkpoint that ``weights_only=True`` refuses, in one line: the file, the globals it holds, the ways through.
 
-    An ``UnpicklingError`` (what torch raises, so a handler of torch's error still catches it) and a
-    ``ValueError`` (as the pack's other refusals). ``path``, ``names`` (the refused globals, sorted; empty
-    where torch refuses something else, such as a pickle protocol it does not read: then ``reason``
-    says what) and ``held`` (the message's part that says what the file holds) are kept.
+    An ``UnpicklingError`` (torch's handlers catch it) and a ``ValueError``; keeps ``path``, ``names`` (sorted; empty
+    where torch refuses something else, ``reason`` then says what) and ``held`` (what the message says it holds).
 
     Example::
 
@@ -68,10 +60,8 @@ class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
 def safe_loading(path: Any = None) -> Iterator[None]:
     """Weights-only loads inside the block also take :data:`SAFE_GLOBALS`; a refusal is one line.
 
-    torch's allowlist grows for the block only, by the globals it did not hold already (those the user
-    added with ``torch.serialization.add_safe_globals`` stay after it). A refusal of torch's weights-only
-    unpickler is an :class:`UnsafeCheckpointError` naming ``path`` and, for a local file, every global it
-    refuses there (not only the first one torch met).
+    torch's allowlist grows for the block only (the user's additions stay); a refusal names ``path`` and, for a
+    local file, every global it refuses (torch names the first).
 
     Example::
 

@@ -41,20 +41,16 @@ _EVALUATED_IN = {"fit": "validate", "validate": "validate", "test": "test", "pre
 class SequentialEvaluation(Callback):
     """Exact, ordered validation, test and predict results and metrics under DDP.
 
-    Swaps a :class:`SequentialDistributedSampler` into the dataloaders of ``stages`` and gathers the step
-    outputs (one row per sample: a tensor, a dict / tuple of tensors, lists of ids), exactly the dataset's
-    samples in order, into ``results[stage]`` (a list per dataloader when there are several) or the file
-    ``paths[stage]``, the metrics into ``metric_values[stage]``: on rank 0 (the caller under ``ddp_spawn``).
+    Gathers the step outputs (one row per sample) of ``stages`` on rank 0, in dataset order, into ``results[stage]``
+    or ``paths[stage]``, metrics into ``metric_values[stage]`` (docs/design.md, "Exact distributed evaluation").
 
     Args:
-        metrics: torchmetrics metrics by name, computed on the gathered ``preds_key`` and
-            ``target_key`` entries of the step outputs and logged as ``val/<name>`` and
-            ``test/<name>``. The objects given are cloned, never updated.
+        metrics: torchmetrics metrics by name, computed on the gathered ``preds_key``/``target_key`` outputs and
+            logged as ``val/<name>``, ``test/<name>`` (cloned, never updated).
         preds_key, target_key: the keys of the predictions and the targets in the step output dict.
         stages: which of ``'validate'``, ``'test'``, ``'predict'`` to handle.
         output_dir: write each stage's results there on rank 0 instead of keeping them in memory.
-        pad_value: pad value for outputs whose trailing dimensions vary between batches or ranks;
-            ``None`` makes such outputs an error.
+        pad_value: pads outputs whose trailing dimensions vary (``None``: such outputs are an error).
 
     Example::
 
@@ -172,8 +168,7 @@ class SequentialEvaluation(Callback):
             sampler = SequentialDistributedSampler(
                 _check_replaceable(dl, hook), num_replicas=trainer.world_size, rank=trainer.global_rank, align=align
             )
-            # where it can: the dataset's batches in order, the same on any number of ranks, and padding rows in
-            # batches of their own, which DDPPluginsStrategy counts for nothing (every rank runs as many batches)
+            # where possible, padding rows in batches of their own, which DDPPluginsStrategy counts for nothing
             apart_wanted = trainer.world_size > 1 and stage != "predict"
             apart = padding_apart_loader(dl, trainer.world_size, trainer.global_rank) if apart_wanted else None
             if apart is not None:
@@ -254,8 +249,7 @@ class SequentialEvaluation(Callback):
             key = f"{_PREFIX[stage]}/{name}{suffix}"
             values[key] = value = local.compute()
             if isinstance(value, Tensor) and value.numel() == 1:
-                # every rank holds the same value; "max" keeps it bit-exact while keeping ranks in step.
-                # Computed on the gathered CPU rows, logged where the module is (nccl reduces CUDA tensors only)
+                # the same on every rank: "max" keeps it bit-exact; on the module's device (nccl reduces CUDA only)
                 value = value.float().to(pl_module.device)
                 pl_module.log(key, value, sync_dist=True, reduce_fx="max", add_dataloader_idx=False)
         return values

@@ -1,8 +1,6 @@
-"""The default mode's step object, and evaluation batches of padding that count for nothing.
+"""The default mode's step object (:class:`PlannedSteps`), and evaluation padding batches that count for nothing.
 
-:class:`PlannedSteps` is what the strategy calls around Lightning's training, backward, reduce and
-evaluation steps (the reproducible mode's subclass: lightning/reproducible.py). Rationale in
-docs/design.md ("One global plan per epoch, and uneven data", "Exact distributed evaluation")."""
+See docs/design.md, "One global plan per epoch, and uneven data" and "Exact distributed evaluation"."""
 
 from __future__ import annotations
 
@@ -32,9 +30,7 @@ __all__ = [
 
 
 def padding_apart_loader(dataloader: Any, world_size: int, rank: int) -> Any:
-    """``dataloader`` on this rank's :class:`PaddingApartSampler` (whole batches, padding rows in batches of
-    their own), or ``None`` where its batches cannot be so: a dataset without a length, no ``batch_size``
-    (a batch sampler), or ``drop_last``."""
+    """``dataloader`` on a :class:`PaddingApartSampler`, or ``None`` (unsized, no ``batch_size``, or drop_last)."""
     dataset = getattr(dataloader, "dataset", None)
     if (
         not isinstance(dataloader, DataLoader)
@@ -59,8 +55,7 @@ def evaluation_sampler(trainer: Any, args: tuple) -> Any:
 
 
 def padding_batch(trainer: Any, args: tuple, sampler: Any = None) -> bool:
-    """Whether the evaluation step of ``args`` (batch, batch index, loader index) runs a padding batch of a
-    :class:`PaddingApartSampler` (``sampler``: the step's, where the caller looked it up already)."""
+    """Whether the evaluation step of ``args`` runs a padding batch of a :class:`PaddingApartSampler`."""
     if len(args) < 2 or trainer is None:
         return False
     sampler = evaluation_sampler(trainer, args) if sampler is None else sampler
@@ -69,8 +64,7 @@ def padding_batch(trainer: Any, args: tuple, sampler: Any = None) -> bool:
 
 @contextlib.contextmanager
 def metrics_unchanged(module: Any) -> Any:
-    """Every torchmetrics state of ``module`` gets its value from before the body back (torchmetrics has no
-    public way to take an update back; the states are the ones ``Metric.metric_state`` lists)."""
+    """Give every torchmetrics state of ``module`` its value from before the body (torchmetrics cannot undo updates)."""
     metrics = [m for m in (module.modules() if module is not None else ()) if isinstance(m, Metric)]
     states = [{k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in m.metric_state.items()}
               for m in metrics]  # fmt: skip
@@ -84,9 +78,8 @@ def metrics_unchanged(module: Any) -> Any:
 
 @contextlib.contextmanager
 def counts_for_nothing(trainer: Any, hook: str, module: Any) -> Any:
-    """What ``hook``'s step logs and updates in the body counts for nothing (an empty micro-batch's NaN
-    mean, a padding batch's rows): every epoch sum of ``self.log`` and every torchmetrics state of
-    ``module`` get their values from before. Lightning has no public way to take a logged value back."""
+    """What ``hook``'s step logs and updates in the body counts for nothing (an empty micro-batch, a padding batch).
+    Lightning has no public way to take a logged value back."""
     results = _compat.running_results(trainer, hook)
     sums = _compat.epoch_sums(results)
     try:
@@ -97,8 +90,7 @@ def counts_for_nothing(trainer: Any, hook: str, module: Any) -> Any:
 
 
 class PlannedSteps:
-    """The default mode's steps: Lightning's, with the rows of a plan or of uneven shards weighting the
-    loss and the means logged with ``sync_dist`` (the reproducible mode's: lightning/reproducible.py)."""
+    """The default mode's steps: Lightning's, with a plan's or uneven shards' rows weighting loss and synced means."""
 
     virtual_shards: int | None = None
 
@@ -131,8 +123,7 @@ class PlannedSteps:
             self.rows = None
 
     def backward(self, loss: Any, module: Any, rows: BatchRows | None, precision: Any, backward: Callable) -> Any:
-        """DDP averages the ranks' gradients and Lightning divides by the accumulation: on a plan, each
-        micro-batch's mean loss is weighted by its rows instead (0 for an empty one)."""
+        """Weight each micro-batch's mean loss by its rows (0 for an empty one), where DDP and Lightning average."""
         if rows is not None and module.automatic_optimization:
             loss = loss * rows.loss_weight
         return backward(loss)
@@ -146,9 +137,7 @@ class PlannedSteps:
         return reduce(local, group, "sum") / rows.micro_rows
 
     def evaluation_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
-        """Lightning's unshuffled ``DistributedSampler`` gives way to a ``PaddingApartSampler``, whose padding
-        batches :meth:`evaluation_step` counts for nothing (docs/design.md, "Exact distributed evaluation");
-        a loader that cannot be rebuilt is kept."""
+        """Lightning's unshuffled ``DistributedSampler`` gives way to a ``PaddingApartSampler`` where it can."""
         sampler = getattr(dataloader, "sampler", None)
         if world_size < 2 or type(sampler) is not DistributedSampler or getattr(sampler, "shuffle", True):
             return dataloader  # not Lightning's (a shuffled one too: left as the user asked)

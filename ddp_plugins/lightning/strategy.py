@@ -1,6 +1,4 @@
-""":class:`DDPPluginsStrategy`, registered as ``ddp_plugins``, ``ddp_plugins_spawn`` and ``ddp_plugins_notebook``.
-
-Rationale in docs/design.md ("When a rank fails or stops", "Which interfaces listen (one node)")."""
+"""DDPPluginsStrategy (``ddp_plugins``, ``_spawn``, ``_notebook``); see docs/design.md, "When a rank fails or stops"."""
 
 from __future__ import annotations
 
@@ -100,10 +98,8 @@ class DDPPluginsStrategy(DDPStrategy):
         drop_last: with ``global_batch_size``, leave out each epoch's short last step.
         uneven_data: ranks whose loaders yield different numbers of batches step together, rows weighted.
         stall_name_after: seconds without progress after which a stalled rank is named in one line (``None``: off).
-        stall_end_after: seconds after which a stall of ranks provably stopped or gone ends the job, with a
-            rescue checkpoint (``None``: named only).
-        stall_end_running: end at ``stall_end_after`` a stall of ranks whose processes run, too (by default
-            they are named and left to finish: legitimate work on one rank looks the same).
+        stall_end_after: seconds until a stall of ranks stopped or gone ends the job, rescue first (``None``: never).
+        stall_end_running: end at ``stall_end_after`` also a stall of ranks whose processes run (default: named).
         child_command: ``local_rank -> (command, working folder)`` of each child rank under ``start_method="popen"``.
         reproducible: with ``global_batch_size``, the same bits on 1 to ``virtual_shards`` ranks.
         virtual_shards: the reproducible mode's shards per step (the same for runs to compare).
@@ -146,7 +142,7 @@ class DDPPluginsStrategy(DDPStrategy):
             allowed = f"the same as `backend` ({backend!r}) or left out"
             raise ArgumentValueError("process_group_backend", allowed, process_group_backend)
         backend = backend if process_group_backend is None else process_group_backend
-        known = dist.Backend.backend_list  # torch's besides ours (ucc, xccl, a plugin's ccl or hccl): as DDPStrategy
+        known = dist.Backend.backend_list  # torch's others too (ucc, a plugin's), as DDPStrategy takes them
         if process_group_backend is None or backend in BACKENDS or str(backend).lower() not in known:
             check_backend(backend, str(kwargs.get("accelerator") or "auto"))
         check_choice("start_method", start_method, _START_METHODS)
@@ -181,30 +177,28 @@ class DDPPluginsStrategy(DDPStrategy):
             )  # fmt: skip
         if bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-        leave_ended_job()  # an earlier Hydra job's group and launch variables (a sweep in the user's own app)
+        leave_ended_job()  # an earlier Hydra job's group and variables (a sweep in the user's own app)
         super().__init__(
             process_group_backend=None if backend == "auto" else backend, timeout=timedelta(seconds=timeout_s),
-            start_method=start_method, **ddp_kwargs, **kwargs,  # type: ignore[arg-type]  # checked above
+            start_method=start_method, **ddp_kwargs, **kwargs,  # type: ignore[arg-type]
         )  # fmt: skip
         self._backend, self._child_command = backend, child_command
         self._stall = (stall_name_after, stall_end_after)
         self._stall_end_running = stall_end_running
         self._room: Liveness | None = None
-        # the buffers as the step under way began (None: none), for the rescue; the persistent ones' names
-        self._step_buffers: dict[str, torch.Tensor] | None = None
+        self._step_buffers: dict[str, torch.Tensor] | None = None  # as the step under way began, for the rescue
         self._held_buffers: list[str] | None = None
         self._timeout_s, self._rendezvous_s = float(timeout_s), float(rendezvous_s or timeout_s)
         self._env_before: dict[str, str | None] = {}  # the user's values of what setup_distributed may set
-        self.checkpoint_paths: list[str] = []  # the files save_checkpoint wrote, in order (SavesCheckpoints)
+        self.checkpoint_paths: list[str] = []  # contracts.SavesCheckpoints
         self.comm_hook = comm_hook  # the hook's name ("none" when a callable was given or none at all)
         self._powersgd = {"powersgd_rank": powersgd_rank, "powersgd_start_iter": powersgd_start_iter}
         self.global_batch_size = global_batch_size
-        self.virtual_shards = self._steps.virtual_shards  # the reproducible mode's (contracts.ShardsEachStep)
+        self.virtual_shards = self._steps.virtual_shards  # contracts.ShardsEachStep
         self._planned = data_plan.PlannedLoader(global_batch_size, drop_last, self._steps.virtual_shards)
         self._uneven = data_plan.UnevenShards(uneven_data)  # shards in step; the stop flags ride in their round
         self._resume = resume.ResumeRecord()  # the data layout checkpoints keep, and where a resume starts
-        # the current micro-batch's rows on a global plan or uneven shards (None on neither); under manual
-        # optimization, weight a mean loss by `batch_rows.loss_weight / accumulate_grad_batches`
+        # rows of the micro-batch (None: no plan nor uneven shards); manual optimization: loss * loss_weight / K
         self.batch_rows: data_plan.BatchRows | None = None
         if comm_hook != "none":  # now, for callbacks to wrap in `setup`; the state is built per fit in configure_ddp
             self._ddp_comm_hook = build_comm_hook(comm_hook)[1]
@@ -223,8 +217,7 @@ class DDPPluginsStrategy(DDPStrategy):
         )  # fmt: skip
 
     def _settle(self) -> None:
-        """Once accelerator, devices and plugins are known (the Trainer is built), before any process starts:
-        the checks that need them (the world size first), and the plugins the pack puts in place."""
+        """Check what needs the built Trainer and put the pack's plugins in place, before any process starts."""
         env, expected = self.cluster_environment, self.num_processes * self.num_nodes
         assert env is not None  # Lightning's message, before a bare IndexError, when torchrun started more ranks
         if env.creates_processes_externally and (world_size := env.world_size()) != expected:
@@ -233,8 +226,7 @@ class DDPPluginsStrategy(DDPStrategy):
                 problem=f"got devices={self.num_processes} x num_nodes={self.num_nodes} = {expected}",
                 hint="Match `Trainer(devices=..., num_nodes=...)` to torchrun's --nproc-per-node/--nnodes or Slurm.",
             )  # fmt: skip
-        # torch's TorchSyncBatchNorm (sync_batchnorm=True's) runs on accelerators only: the device-agnostic
-        # drop-in takes its place (a subclass is kept, for whoever wants torch's own class)
+        # torch's TorchSyncBatchNorm runs on accelerators only: ours replaces it (a subclass of it is kept)
         sync = SyncBatchNormPlugin() if type(self._layer_sync) is TorchSyncBatchNorm else self._layer_sync
         self._layer_sync = self._steps.layer_sync(sync)
         if self._backend == "nccl" and (per_gpu := self._ranks_per_gpu()) > 1:  # NCCL's "invalid usage"
@@ -246,7 +238,7 @@ class DDPPluginsStrategy(DDPStrategy):
             )  # fmt: skip
         if self.accelerator is not None and self.parallel_devices:
             check_comm_hook(self.comm_hook, self._get_process_group_backend())
-        if self._checkpoint_io is None:  # a CheckpointIO given in `Trainer(plugins=...)` was set before
+        if self._checkpoint_io is None:  # else one given in `Trainer(plugins=...)`
             self._checkpoint_io = AtomicCheckpointIO()  # a checkpoint file is whole or absent
 
     def _ranks_per_gpu(self) -> int:
@@ -266,8 +258,7 @@ class DDPPluginsStrategy(DDPStrategy):
         return backend
 
     def _check_before_launch(self, trainer: Any, arguments: dict[str, Any] | None = None) -> None:
-        """What needs the Trainer's callbacks, checked in the launching process before any rank starts
-        (``arguments``: the launched function's, by name)."""
+        """Check what needs the Trainer's callbacks before any rank starts (``arguments``: the launched function's)."""
         if self.global_batch_size is not None:
             world_size = self.num_processes * self.num_nodes
             data_plan.check_global_batch(self.global_batch_size, world_size, data_plan.run_accumulation(trainer))
@@ -278,7 +269,7 @@ class DDPPluginsStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         assert self.cluster_environment is not None
         env = self.cluster_environment
-        if self._get_process_group_backend() == "gloo":  # what is set here gets the user's value back in teardown
+        if self._get_process_group_backend() == "gloo":  # teardown gives back the user's values
             self._env_before = {key: os.environ.get(key) for key in ("TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")}
             if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":  # torch 2.13: DDP segfaults on gloo
                 rank_zero_warn(
@@ -304,15 +295,16 @@ class DDPPluginsStrategy(DDPStrategy):
             ).start()  # fmt: skip
 
     def _launcher_ends(self, verdict: Verdict, records: Sequence[Record]) -> bool:
-        """The launcher's watcher ends the job for a child rank gone while the ranks start: the room is silent."""
+        """Whether the launcher's watcher ends the job for this verdict (a child rank gone during start-up)."""
         if verdict.how != "gone" or not isinstance(self._launcher, JobSubprocessLauncher):
             return False
         pids = [record.pid for record in records if record.rank in verdict.ranks]
         return len(pids) == len(verdict.ranks) and self._launcher.speaks_for(pids)
 
     def _save_last_completed_step(self) -> str | None:
-        """The liveness room's rescue: ``step-<N>-stalled.ckpt`` beside the run's others, the last completed
-        step's state; the stalled ranks' random states cannot be gathered (:class:`RankAwareSeed` says so)."""
+        """The liveness room's rescue: the last completed step's state in ``step-<N>-stalled.ckpt``.
+
+        The stalled ranks' random states cannot be gathered (:class:`RankAwareSeed` says so)."""
         trainer = self._trainer()
         if trainer is None or not trainer.training:
             return None
@@ -335,8 +327,9 @@ class DDPPluginsStrategy(DDPStrategy):
             return None
 
     def _make_process_group(self) -> None:
-        """Make the process group with the rendezvous timeout (Lightning's ``_init_dist_connection`` then
-        finds it made); under torchrun on this restart round's keys (see ``restart_scoped_store``)."""
+        """Make the process group with the rendezvous timeout, under torchrun on this restart round's keys.
+
+        Lightning's ``_init_dist_connection`` then finds it made."""
         if not dist.is_initialized():
             self.set_world_ranks()
             rank, size, env = self.global_rank, self.world_size, self.cluster_environment
@@ -371,8 +364,7 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning's version registers only when the root device is CUDA; the callbacks' layers
-        # (AllReduceCounter, CommTimeline) wrap the hook here, handed over without touching the strategy
+        # Lightning's registers on CUDA only; the callbacks' layers (comm_hook_chain) wrap the hook here
         assert isinstance(self.model, DistributedDataParallel)
         hook, wrapper = comm_hook_chain.layered(self, self._ddp_comm_hook), self._ddp_comm_wrapper
         if hook is not None:
@@ -390,7 +382,7 @@ class DDPPluginsStrategy(DDPStrategy):
         elif not trainer.predicting:
             dataloader = self._steps.evaluation_loader(dataloader, self.world_size, self.global_rank)
         if not trainer.training and isinstance(dataloader, DataLoader) and dataloader.generator is None:
-            # else its iterators draw the workers' seed from the global stream, which a resume would shift
+            # else its iterators draw the workers' seed from the global stream, shifting a resumed run's
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
             dataloader.generator = torch.Generator().manual_seed(loader_seed(seed, trainer.global_rank, _EVAL_LOADER))
         if isinstance(dataloader, DataLoader) and dataloader.num_workers > 0:
@@ -400,8 +392,6 @@ class DDPPluginsStrategy(DDPStrategy):
             if context.get_start_method() == "forkserver":
                 start_forkserver()  # now, deaf to the job's stop signals, not at the first batch
         return dataloader
-
-    # The per-step agreement (contracts.StepAgreement): the flags ride in the uneven shards' round
 
     def add_flag_source(self, source: Callable[[], int]) -> None:
         self._uneven.sources[source] = None
@@ -433,9 +423,9 @@ class DDPPluginsStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def _waiting(self, phase: str, then: str | None = None) -> Iterator[None]:
-        """The body, a collective every rank must enter, marked for the liveness room as ``phase``
-        (``Liveness.waiting``); with ``then`` (the backward), marked ``phase`` and then ``then``, not a
-        wait: a collective after it shows in the stack, and a rank held up by its own work is behind."""
+        """Mark the body, a collective every rank enters, for the liveness room as ``phase``.
+
+        With ``then`` (the backward): ``phase``, then ``then``, not a wait (its collective shows in the stack)."""
         room = self._room
         if room is None:
             yield
@@ -474,14 +464,13 @@ class DDPPluginsStrategy(DDPStrategy):
         return self._steps.training_step(self._trainer(), rows, self._planned.plan, context, step, args)
 
     def _keep_step_buffers(self, args: tuple) -> None:
-        """At an optimizer step's first micro-batch, the module's buffers, for the rescue (the last completed
-        step's: the step under way's forward moves BatchNorm's statistics)."""
+        """At an optimizer step's first micro-batch, keep the module's buffers for the rescue (a forward moves them)."""
         trainer, module = self._trainer(), self.lightning_module
         index = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
         if trainer is None or module is None or index % max(1, trainer.accumulate_grad_batches):
             return
         buffers = dict(module.named_buffers())
-        if self._held_buffers is None:  # a non-persistent buffer (a cache) is in no checkpoint: never copied
+        if self._held_buffers is None:  # the persistent ones: the others are in no checkpoint
             self._held_buffers = [name for name in module.state_dict(keep_vars=True) if name in buffers]
         self._step_buffers = {name: buffers[name].detach().clone() for name in self._held_buffers if name in buffers}
 
@@ -506,16 +495,13 @@ class DDPPluginsStrategy(DDPStrategy):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         if steps.is_mean(reduce_op) and not tensor.is_floating_point():
             tensor = tensor.double()  # Lightning's mean divides an integer tensor in place, truncating
-        # reduced on the group's device (a CPU metric on nccl), back where it was
-        device, tensor = tensor.device, for_collective(tensor, group)
+        device, tensor = tensor.device, for_collective(tensor, group)  # on the group's device (a CPU metric on nccl)
         with self._waiting("a reduce (sync_dist)"):
             return self._steps.reduce(tensor, group, reduce_op, super().reduce).to(device)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        # Lightning restores a checkpoint before `setup` converts the module to the precision's dtype: a
-        # 64-true checkpoint loaded into float32 parameters lost its low bits (1e-8 relative), and the resumed
-        # run was not the uninterrupted one. Converted first here; setup's conversion then changes nothing.
+        # see docs/design.md, "Checkpoints and resume" (every bit of a float64 checkpoint)
         if isinstance(self.precision_plugin, DoublePrecision) and self.lightning_module is not None:
             self.precision_plugin.convert_module(self.lightning_module)
         super().load_model_state_dict(checkpoint, strict=strict)
@@ -536,7 +522,7 @@ class DDPPluginsStrategy(DDPStrategy):
             checkpoint[resume.CHECKPOINT_KEY] = record
 
     def gather_per_rank_state(self, checkpoint: dict[str, Any]) -> None:
-        """Replace every callback's per-rank part with all ranks' (contracts.GathersPerRankState)."""
+        """Replace every callback's per-rank part with all ranks' (``contracts.GathersPerRankState``)."""
         gather_per_rank(checkpoint)
 
     @override
@@ -545,13 +531,11 @@ class DDPPluginsStrategy(DDPStrategy):
         self._failed(exception)
 
     def _failed(self, error: BaseException) -> None:
-        # a collective that failed is a RuntimeError on every backend (gloo's are plain ones); an agreed
-        # stop (Preempted, a SystemExit) or a refusal (a ValueError) is every rank's own, and goes through
+        # a failed collective is a RuntimeError on every backend; an agreed stop or a refusal goes through
         room = self._room
         if room is not None:
             if room.marks and isinstance(error, RuntimeError):  # after start-up
-                room.failed(error)  # another rank caused it: named in one line, and the job ends here
-            # this rank leaves: the others see it left (an agreed stop, a refusal every rank makes) or raised
+                room.failed(error)  # ends the job here when another rank caused it
             room.stop(None if isinstance(error, (SystemExit, KeyboardInterrupt, resume.ResumeMismatch)) else error)
 
     @override
@@ -584,7 +568,7 @@ class DDPPluginsStrategy(DDPStrategy):
 
 
 def _is_lightning_seeding(fn: Any) -> bool:
-    """Lightning's worker seeding (``seed_everything(workers=True)``), which :class:`WorkerInit` restates."""
+    """Whether ``fn`` is Lightning's worker seeding, which :class:`WorkerInit` restates."""
     return fn is pl_worker_init_function
 
 

@@ -22,10 +22,8 @@ __all__ = ["SyncBatchNormCallback"]
 class SyncBatchNormCallback(Callback):
     """Synchronize batch norm while fitting, on CPU or GPU: ``Trainer(callbacks=[SyncBatchNormCallback()])``.
 
-    At ``on_fit_start`` every batch-norm layer is converted in place (keeping every tensor, so after DDP
-    wrapped the model is fine); at ``teardown`` the original classes come back. A single-device strategy,
-    or the reproducible mode, leaves the model alone. ``group_size``, ``skip_frozen`` and
-    ``extra_classes`` are :func:`~ddp_plugins.core.convert_sync_batchnorm`'s.
+    Converts in place at ``on_fit_start`` (after DDP wrapped the model: the tensors stay), reverts at ``teardown``;
+    not on one device nor in the reproducible mode. Arguments: :func:`~ddp_plugins.core.convert_sync_batchnorm`'s.
 
     Raises:
         ValueError: at ``on_fit_start``, a model already synchronized by ``Trainer(sync_batchnorm=True)``

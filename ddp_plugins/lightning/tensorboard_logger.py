@@ -19,16 +19,11 @@ from typing_extensions import override
 
 __all__ = ["ResumableTensorBoardLogger"]
 
-# The writers Lightning's TensorBoardLogger uses, in its order: torch's where `tensorboard` is installed
-_WRITERS = (("tensorboard", "torch.utils.tensorboard"), ("tensorboardX", "tensorboardX"))
+_WRITERS = (("tensorboard", "torch.utils.tensorboard"), ("tensorboardX", "tensorboardX"))  # Lightning's order
 
 
 def writer_problem() -> str | None:
-    """Why the TensorBoard writer Lightning would use cannot be used (one line), or None.
-
-    The writer is imported, not only looked up: an installed tensorboardX that fails to import
-    (a protobuf it does not support, say) would otherwise fail at the first log of rank 0.
-    """
+    """Why Lightning's TensorBoard writer cannot be used (one line), or None; imported, as an installed one may fail."""
     for package, module in _WRITERS:
         if importlib.util.find_spec(package) is None:
             continue
@@ -46,12 +41,8 @@ def _events_in(folder: str) -> set[str]:
 
 
 class _SynchronousEvents:
-    """What tensorboardX's ``FileWriter`` writes through (its ``event_writer``), without a queue.
-
-    tensorboardX queues every event to a thread that its ``flush()`` does not wait for, so a ``kill -9``
-    lost the last points; here ``add_event`` returns with the event in the file (the OS cache), ``flush``
-    fsyncs. The records are TFRecord's, as tensorboardX's ``RecordWriter`` writes them.
-    """
+    """tensorboardX's ``event_writer`` without its queue, whose thread its ``flush()`` does not wait for (``kill -9``
+    lost points): ``add_event`` returns with the TFRecord in the file, ``flush`` fsyncs."""
 
     def __init__(self, path: str, logdir: str) -> None:
         from tensorboardX.record_writer import masked_crc32c
@@ -92,12 +83,8 @@ class _SynchronousEvents:
 class ResumableTensorBoardLogger(TensorBoardLogger):
     """``TensorBoardLogger`` (same arguments) whose event stream a resumed run continues.
 
-    Every launch writes its own event file into one folder (``version=""``) and marks the first step
-    it logs with ``SummaryWriter(purge_step=step)``'s restart event, so a resumed run shows each step
-    once (docs/design.md). ``hp_metric`` is off: it would log step 0 at every launch.
-
-    With tensorboardX (the ``tensorboard`` extra), every point is in the event file when ``log_metrics``
-    returns, so a ``kill -9`` loses none logged before it.
+    Each launch writes its own event file and marks its first step as a restart (docs/design.md, "Checkpoints and
+    resume"). ``hp_metric`` is off: it would log step 0 at every launch. With tensorboardX, ``kill -9`` loses nothing.
 
     Raises:
         ModuleNotFoundError: neither ``tensorboard`` nor ``tensorboardX`` is installed.
@@ -142,8 +129,7 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         if not self._continued and step is not None:
-            # Append the event `SummaryWriter(purge_step=step)` writes first: a SessionLog.START at `step`
-            # (Lightning opens the writer when the fit starts, before the checkpoint is restored)
+            # the SessionLog.START that `SummaryWriter(purge_step=step)` writes (Lightning opened it before the restore)
             self._continued = True
             writer = self.experiment
             if type(writer).__module__.split(".")[0] == "tensorboardX":

@@ -1,5 +1,4 @@
-"""Two traps of Lightning's and torch's own ``ddp``, named in one line at the strategy's ``setup``
-(docs/compatibility.md)."""
+"""Two traps of Lightning's and torch's own ``ddp``, named in one line at setup (docs/compatibility.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ COMPILED_MODULE_WARNING = (
 
 
 def warn_compiled_module(module: pl.LightningModule | None) -> bool:
-    """Warn in one line, on rank 0, when ``module`` reached the Trainer compiled whole (dynamo then fails
-    in its first ``self.log``; a step that logs nothing may run). Returns whether it warned.
+    """Warn in one line, on rank 0, when ``module`` reached the Trainer compiled whole; return whether it warned.
 
     Example::
 
@@ -45,8 +43,7 @@ def warn_compiled_module(module: pl.LightningModule | None) -> bool:
 
 
 def check_static_graph(trainer: pl.Trainer) -> None:
-    """Refuse, in one line, DDP's ``static_graph=True`` with a fit whose first step accumulates (torch's
-    reducer fails an internal assert at its first backward); a schedule starting at K = 1 passes.
+    """Refuse DDP's ``static_graph=True`` when the fit's first step accumulates (torch's reducer would assert).
 
     Example::
 
@@ -71,8 +68,7 @@ def check_static_graph(trainer: pl.Trainer) -> None:
 
 
 def _first_accumulation(trainer: pl.Trainer) -> int:
-    """The micro-batches of the fit's first optimizer step, as far as ``setup`` can tell: the largest of
-    ``trainer.accumulate_grad_batches`` and each accumulation schedule's K for the current epoch."""
+    """The micro-batches of the fit's first optimizer step, as far as ``setup`` can tell (the largest K)."""
     epoch = trainer.current_epoch
     found = [int(trainer.accumulate_grad_batches)]
     for callback in of_kind(trainer.callbacks, AccumulationSchedule):  # type: ignore[attr-defined]

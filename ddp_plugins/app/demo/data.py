@@ -13,14 +13,9 @@ from ddp_plugins.core.process import start_forkserver
 
 
 def _worker_context() -> multiprocessing.context.BaseContext:
-    """Start loader workers from a forkserver, never by forking a rank (docs/design.md).
-
-    A fork copies the locks a rank's threads hold (gloo's, persistent workers' queue feeders): on 2
-    cores about one run in 25 had a worker stuck in ``os.fork()`` (torch issue 130610's class of hang).
-    The main module is not preloaded: each worker re-runs it as ``__mp_main__`` anyway, and a preloaded
-    one made each worker warn "found in sys.modules after import of package".
-    """
+    """Start loader workers from a forkserver, not by forking a rank (its threads' locks; see docs/design.md)."""
     context = multiprocessing.get_context("forkserver")
+    # not the main module: workers re-run it as __mp_main__, and preloaded it warns "found in sys.modules"
     context.set_forkserver_preload(["torch", "ddp_plugins.core.workers"])
     return context
 
@@ -36,10 +31,8 @@ class _TensorDataModule(pl.LightningDataModule):
         check_int("num_workers", num_workers, 0)
         check_number("val_fraction", val_fraction, 0, 1, exclusive_minimum=True, exclusive_maximum=True)
         check_int("split_seed", split_seed, 0)
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.num_workers = num_workers
-        self.split_seed = split_seed
+        self.batch_size, self.val_fraction = batch_size, val_fraction
+        self.num_workers, self.split_seed = num_workers, split_seed
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
 
@@ -126,10 +119,8 @@ class SyntheticDataModule(_TensorDataModule):
         check_int("num_classes", num_classes, 2)
         check_int("image_size", image_size, 4)
         check_int("data_seed", data_seed, 0)
-        self.num_samples = num_samples
-        self.num_classes = num_classes
-        self.image_size = image_size
-        self.data_seed = data_seed
+        self.num_samples, self.num_classes = num_samples, num_classes
+        self.image_size, self.data_seed = image_size, data_seed
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.data_seed)

@@ -14,9 +14,8 @@ from ddp_plugins.core.checks import check_int, check_number
 class DigitsCNN(pl.LightningModule):
     """Conv-BN-ReLU x3, global average pooling, a linear head; Adam with a cosine schedule.
 
-    Logs ``train/loss``, ``val/loss`` and ``val/acc``; ``validation_step`` and ``test_step`` return
-    ``{"preds": logits, "target": labels}`` (what :class:`ddp_plugins.SequentialEvaluation` gathers),
-    ``predict_step`` returns class probabilities.
+    Logs ``train/loss``, ``val/loss``, ``val/acc``; validation and test steps return ``{"preds": logits, "target":
+    labels}`` (for :class:`ddp_plugins.SequentialEvaluation`), ``predict_step`` class probabilities.
 
     Example::
 
