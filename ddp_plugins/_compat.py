@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import inspect
 import math
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -19,12 +20,34 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 if TYPE_CHECKING:
     from hydra.core.config_search_path import ConfigSearchPath
 
+#: The oldest torch the pack runs on (``pyproject.toml``; ``make matrix`` tests it). An older one is refused here,
+#: at ``import ddp_plugins``, in one line, rather than failing later in a name it lacks.
+TORCH_FLOOR = (2, 10)
+_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+if _TORCH < TORCH_FLOOR:
+    _floor = ".".join(map(str, TORCH_FLOOR))
+    raise ImportError(
+        f"ddp_plugins needs torch {_floor} or newer, got torch {torch.__version__}: pip install 'torch>={_floor}'"
+    )
+
+#: torch 2.13 gave batch norm ``bias=False`` (a weight without a bias); before it, ``affine`` sets both.
+BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(BatchNormBase.__init__).parameters
+#: Dynamo traces the SyncBN function whole from torch 2.12; 2.10 breaks the graph inside it, and 2.11 (aot_eager)
+#: gets its input gradient wrong, so there it runs eagerly inside a compiled model (docs/compatibility.md).
+DYNAMO_TRACES_SYNCBN = _TORCH >= (2, 12)
+#: From torch 2.12, dynamo fails inside ``self.log`` when a LightningModule is compiled whole; 2.10 and 2.11 run it.
+DYNAMO_FAILS_IN_SELF_LOG = _TORCH >= (2, 12)
+
 __all__ = [
     "CHECKED",
     "CHECKED_ATTRIBUTES",
     "RESULT_CALLS",
     "RESULT_MEMBERS",
     "DDP_BUFFER_BROADCAST",
+    "BATCHNORM_TAKES_BIAS",
+    "DYNAMO_FAILS_IN_SELF_LOG",
+    "DYNAMO_TRACES_SYNCBN",
+    "TORCH_FLOOR",
     "epoch_sums",
     "restore_epoch_sums",
     "BatchNormBase",

@@ -376,13 +376,19 @@ def test_one_version_everywhere():
     assert declared == ddp_plugins.__version__ == newest, (declared, ddp_plugins.__version__, newest)
 
 
-def test_the_declared_torch_floor_is_the_tested_torch():
+def test_the_declared_torch_range_is_the_tested_range():
+    """pyproject's torch range: its floor is what `make matrix` installs and `_compat` refuses below, its cap is
+    just above the newest torch `make matrix` installs; the lock's torch (`make test`) lies inside."""
     dependencies = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    floor = next(re.match(r"torch>=([\d.]+)", d).group(1) for d in dependencies if d.startswith("torch>="))
-    tested = re.search(r"^torch==([\d.]+)", (REPO_ROOT / "requirements.lock").read_text(), re.MULTILINE).group(1)
-    assert tuple(map(int, floor.split("."))) == tuple(map(int, tested.split(".")))[: len(floor.split("."))], (
-        f"pyproject.toml allows torch>={floor}, but CI tests torch {tested} only"
-    )
+    declared = next(d for d in dependencies if d.startswith("torch>="))
+    floor, cap = re.fullmatch(r"torch>=([\d.]+),<([\d.]+)", declared).groups()
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    tested = dict(re.findall(r"^TORCH_(FLOOR|NEWEST) := ([\d.]+)$", makefile, re.MULTILINE))
+    locked = re.search(r"^torch==([\d.]+)", (REPO_ROOT / "requirements.lock").read_text(), re.MULTILINE).group(1)
+    floor_v, cap_v, newest_v, locked_v = (tuple(map(int, v.split("."))) for v in (floor, cap, tested["NEWEST"], locked))
+    assert tuple(map(int, tested["FLOOR"].split(".")))[:2] == floor_v == _compat.TORCH_FLOOR, (floor, tested)
+    assert newest_v[:2] == (cap_v[0], cap_v[1] - 1), f"the cap {cap} should sit just above the newest tested {newest_v}"
+    assert floor_v <= locked_v[:2] < cap_v, (declared, locked)
 
 
 def test_the_core_imports_and_names_no_layer_above_it():

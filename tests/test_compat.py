@@ -6,6 +6,8 @@ checked in ``tests/test_claims.py``, with the package's other claims.
 
 import importlib
 import inspect
+import subprocess
+import sys
 
 import hydra
 import lightning
@@ -124,3 +126,14 @@ def test_a_renamed_member_of_the_result_collection_is_caught(monkeypatch):
         "_Metadata.is_mean_reduction",
         "_ResultCollection.update_metrics(batch_size=)",
     ]
+
+
+def test_a_torch_below_the_floor_is_refused_at_import_in_one_line():
+    """``import ddp_plugins`` on a torch older than the floor says which torch it needs, before anything fails."""
+    code = "import torch; torch.__version__ = '2.9.1+cpu'; import ddp_plugins"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    floor = ".".join(map(str, _compat.TORCH_FLOOR))
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"ImportError: ddp_plugins needs torch {floor} or newer, got torch 2.9.1+cpu: pip install 'torch>={floor}'"
+    )

@@ -7,10 +7,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from typing_extensions import override
 
+from ddp_plugins import _compat
 from ddp_plugins._compat import BatchNormBase as _BatchNorm
 from ddp_plugins.core.checks import ArgumentTypeError, ArgumentValueError, check_bool, check_int
 from ddp_plugins.core.ranks import is_distributed
@@ -59,7 +61,10 @@ class SyncBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        if not _compat.BATCHNORM_TAKES_BIAS and not bias:
+            raise ArgumentValueError("bias", f"True on torch {torch.__version__} (`bias=False` needs torch 2.13)", bias)
+        bias_kwarg = {"bias": bias} if _compat.BATCHNORM_TAKES_BIAS else {}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **bias_kwarg)
         self.process_group = process_group
 
     @override
@@ -70,7 +75,11 @@ class SyncBatchNorm(_BatchNorm):
     @override
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        return sync_batch_norm(self, input)
+        return _sync_batch_norm(self, input)
+
+
+# eager inside a compiled model where dynamo mistraces it (``_compat.DYNAMO_TRACES_SYNCBN``): a graph break there
+_sync_batch_norm = sync_batch_norm if _compat.DYNAMO_TRACES_SYNCBN else torch.compiler.disable(sync_batch_norm)
 
 
 @dataclass
@@ -211,7 +220,7 @@ def _synced_class(original: type, method: str | None) -> type[nn.Module]:
             "__reduce_ex__": lambda self, protocol: (_new_synced, (original, method), self.__getstate__()),
         }
         if method is not None:  # declared class: replace its normalizing method
-            namespace[method] = sync_batch_norm  # called as a method: sync_batch_norm(layer, input)
+            namespace[method] = _sync_batch_norm  # called as a method: sync_batch_norm(layer, input)
             bases: tuple[type, ...] = (original,)
         elif issubclass(original, nn.SyncBatchNorm):  # its forward bypasses _BatchNorm.forward
             bases = (SyncBatchNorm, original)

@@ -32,11 +32,12 @@ def warn_compiled_module(module: pl.LightningModule | None) -> bool:
         >>> from lightning.pytorch.utilities.compile import from_compiled
         >>> warn_compiled_module(pl.LightningModule())
         False
-        >>> with warnings.catch_warnings(record=True):
-        ...     warn_compiled_module(from_compiled(torch.compile(pl.LightningModule())))
+        >>> compiled = from_compiled(torch.compile(pl.LightningModule()))
+        >>> with warnings.catch_warnings(record=True):  # where dynamo would fail in `self.log` (torch 2.12 on)
+        ...     warn_compiled_module(compiled) is _compat.DYNAMO_FAILS_IN_SELF_LOG
         True
     """
-    if not _compat.compiled_by_lightning(module):
+    if not (_compat.DYNAMO_FAILS_IN_SELF_LOG and _compat.compiled_by_lightning(module)):
         return False
     rank_zero_warn(COMPILED_MODULE_WARNING)
     return True

@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ddp_plugins import _compat
+from ddp_plugins.core.checks import ArgumentValueError
 from ddp_plugins.core.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from tests.helpers.collectives import count_collectives
 
@@ -354,3 +356,15 @@ def test_bad_group_arguments_are_clear_errors():
         convert_sync_batchnorm(nn.BatchNorm1d(2), group_size=2)
     with pytest.raises(ValueError, match=r"`group_size` should be None when `process_group` is given, got 2\."):
         convert_sync_batchnorm(nn.BatchNorm1d(2), process_group=object(), group_size=2)
+
+
+def test_bias_false_is_a_weight_only_layer_or_refused_on_a_torch_without_it():
+    """``bias=False`` (torch 2.13's weight-only batch norm) is kept; an older torch refuses it in one line."""
+    if not _compat.BATCHNORM_TAKES_BIAS:
+        with pytest.raises(ArgumentValueError, match=r"^`bias` should be True on torch .*needs torch 2\.13.*got False"):
+            SyncBatchNorm(3, bias=False)
+        return
+    layer, rows = SyncBatchNorm(3, bias=False), torch.randn(8, 3)
+    assert layer.bias is None and layer.weight is not None and "bias" not in layer.state_dict()
+    expected = F.batch_norm(rows, None, None, layer.weight, None, training=True)
+    torch.testing.assert_close(layer(rows), expected)

