@@ -35,8 +35,9 @@ BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(BatchNormBase.__init__).param
 #: Dynamo traces the SyncBN function whole from torch 2.12; 2.10 breaks the graph inside it, and 2.11 (aot_eager)
 #: gets its input gradient wrong, so there it runs eagerly inside a compiled model (docs/compatibility.md).
 DYNAMO_TRACES_SYNCBN = _TORCH >= (2, 12)
-#: From torch 2.12, dynamo fails inside ``self.log`` when a LightningModule is compiled whole; 2.10 and 2.11 run it.
-DYNAMO_FAILS_IN_SELF_LOG = _TORCH >= (2, 12)
+#: On torch 2.12 and 2.13 dynamo fails inside ``self.log`` when a LightningModule is compiled whole; 2.10, 2.11
+#: and 2.14 train it.
+DYNAMO_FAILS_IN_SELF_LOG = (2, 12) <= _TORCH < (2, 14)
 
 __all__ = [
     "CHECKED",

@@ -33,7 +33,7 @@ def warn_compiled_module(module: pl.LightningModule | None) -> bool:
         >>> warn_compiled_module(pl.LightningModule())
         False
         >>> compiled = from_compiled(torch.compile(pl.LightningModule()))
-        >>> with warnings.catch_warnings(record=True):  # where dynamo would fail in `self.log` (torch 2.12 on)
+        >>> with warnings.catch_warnings(record=True):  # where dynamo fails in `self.log` (torch 2.12, 2.13)
         ...     warn_compiled_module(compiled) is _compat.DYNAMO_FAILS_IN_SELF_LOG
         True
     """

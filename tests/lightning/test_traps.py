@@ -65,7 +65,7 @@ def _lightning_s(**kwargs):
 # ---------------------------------------------------------------- a LightningModule compiled whole
 
 
-@pytest.mark.skipif(not _compat.DYNAMO_FAILS_IN_SELF_LOG, reason="before torch 2.12 it trains: the test below")
+@pytest.mark.skipif(not _compat.DYNAMO_FAILS_IN_SELF_LOG, reason="torch 2.10, 2.11, 2.14 train it: the test below")
 def test_a_module_compiled_whole_is_named_in_one_line_before_dynamo_fails():
     trainer = _trainer(_ours())
     with warnings.catch_warnings(record=True) as caught:
@@ -84,10 +84,10 @@ def test_lightning_s_own_ddp_fails_the_same_on_a_module_compiled_whole():
         with pytest.raises(Exception, match="has no attribute '__dict__'"):
             _trainer(_lightning_s()).fit(torch.compile(_Regression()))
         return
-    _trainer(_lightning_s()).fit(torch.compile(_Regression()))  # torch 2.10, 2.11: it trains
+    _trainer(_lightning_s()).fit(torch.compile(_Regression()))  # torch 2.10, 2.11, 2.14: it trains
 
 
-@pytest.mark.skipif(_compat.DYNAMO_FAILS_IN_SELF_LOG, reason="from torch 2.12 dynamo fails in `self.log`: above")
+@pytest.mark.skipif(_compat.DYNAMO_FAILS_IN_SELF_LOG, reason="torch 2.12, 2.13: dynamo fails in `self.log`: above")
 def test_a_module_compiled_whole_trains_without_the_warning_where_dynamo_traces_self_log():
     model, trainer = torch.compile(_Regression()), _trainer(_ours())
     with warnings.catch_warnings(record=True) as caught:
