@@ -329,7 +329,9 @@ class Liveness:
 
     def _ask(self) -> tuple[Verdict | None, list[Record]]:
         """The observer's verdict on this rank's failed collective; no answer in 3 intervals: rank 0 judged here."""
-        ask = Ask(self.rank, self.waits, self._timed_out(time.monotonic()))
+        # timed out: this rank waited in its collective for about the collective timeout (or it is not known)
+        timeout = self.collective_timeout_s
+        ask = Ask(self.rank, self.waits, timeout is None or time.monotonic() - self._marked_at >= 0.9 * timeout)
         self._publish()  # what this rank waits in, as the observer judges it
         if self.rank == 0:
             if self._thread is None or not self._thread.is_alive():  # no observer thread: judge here
@@ -339,21 +341,20 @@ class Liveness:
         elif not hasattr(self.store, "append"):  # a store of the user's without append: judged here
             return self._decide([ask])[0]
         else:
-            self._store(lambda: self.store.append(_ASKS, json.dumps(ask._asdict()) + "\n"))
+            self._store(self.store.append, _ASKS, json.dumps(ask._asdict()) + "\n")
         deadline, key = time.monotonic() + 3 * self.interval_s + 2, f"{_ANSWER}{self.rank}"
         while time.monotonic() < deadline:
             if self.rank == 0 and 0 in self._answers:
                 return self._answers.pop(0)
-            if self.rank != 0 and self._store(lambda: self.store.check([key])):
-                told = json.loads(self._store(lambda: self.store.get(key)))
+            if self.rank != 0 and self._store(self.store.check, [key]):
+                told = json.loads(self._store(self.store.get, key))
                 if told is None:
                     return None, []
                 return Verdict(tuple(told["ranks"]), told["how"], 0), [Record(**r) for r in told["records"]]
             time.sleep(min(0.2, self.interval_s / 4))
-        observer = self._observer
-        if observer is None:
+        if self._observer is None:
             return None, []
-        observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
+        observer = Record(**json.loads(self._store(self.store.get, f"{_KEY}0")))
         state = self._states([observer])[0]
         if observer.state == RankState.RAISED or state in ("gone", "stopped"):
             return Verdict((0,), "raised" if observer.state == RankState.RAISED else str(state), 0), [observer]
@@ -363,8 +364,8 @@ class Liveness:
         """Rank 0's room thread: judge every failed collective asked about since the last round, answer each."""
         asks = list(self._asks)
         del self._asks[: len(asks)]
-        if self._store(lambda: self.store.check([_ASKS])):
-            lines = self._store(lambda: self.store.get(_ASKS)).decode().splitlines()
+        if self._store(self.store.check, [_ASKS]):
+            lines = self._store(self.store.get, _ASKS).decode().splitlines()
             asks += [Ask(**json.loads(line)) for line in lines[self._asks_read :]]
             self._asks_read = len(lines)
         if not asks:
@@ -375,7 +376,7 @@ class Liveness:
                 continue
             named = [r._asdict() for r in records if verdict is not None and r.rank in verdict.ranks]
             told = None if verdict is None else {"ranks": list(verdict.ranks), "how": verdict.how, "records": named}
-            self._store(lambda: self.store.set(f"{_ANSWER}{ask.rank}", json.dumps(told)))  # noqa: B023
+            self._store(self.store.set, f"{_ANSWER}{ask.rank}", json.dumps(told))
 
     def _decide(self, asks: list[Ask]) -> list[tuple[Verdict | None, list[Record]]]:
         """The verdict for each rank whose collective failed (raised, gone, stopped; silent or behind if it waited)."""
@@ -416,14 +417,9 @@ class Liveness:
         verdict = judge(after, seen, [_NEVER] * len(after), now, 0, self._states(after))
         return (verdict._replace(seconds=0) if verdict else None), after
 
-    def _timed_out(self, now: float) -> bool:
-        """This rank waited in its collective for about the collective timeout (or it is not known)."""
-        timeout = self.collective_timeout_s
-        return timeout is None or now - self._marked_at >= 0.9 * timeout
-
-    def _store(self, call: Callable[[], Any]) -> Any:
+    def _store(self, call: Callable[..., Any], *args: Any) -> Any:
         """One store call, given up after ``name_after_s`` (``TimeoutError``: the store does not answer)."""
-        return self._pool.submit(call).result(timeout=self.name_after_s)
+        return self._pool.submit(call, *args).result(timeout=self.name_after_s)
 
     def _states(self, records: Sequence[Record]) -> list[str | None]:
         return [process_state(r.pid) if self._local(r) else None for r in records]
@@ -480,7 +476,7 @@ class Liveness:
             failing = None
             if ended:
                 with contextlib.suppress(Exception):  # rank 0 leaves the store last: no call fails here
-                    self._store(lambda: self.store.add(_LEFT, 1))
+                    self._store(self.store.add, _LEFT, 1)
                 if self.rank == 0:  # named, the store's host: the reporting rank still counts the others out
                     time.sleep(3 * self.interval_s + 2)
                 self._exit(STALL_EXIT)
@@ -523,7 +519,9 @@ class Liveness:
         self._published_at, self._published_marks = time.monotonic(), self.marks
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
-        waits = self.waits or _in_collective(frame)
+        path = frame.f_code.co_filename.replace(os.sep, "/") if frame is not None else ""
+        # the innermost frame is torch.distributed's (a collective, a barrier, a store wait): the thread waits
+        waits = self.waits or "/torch/distributed/" in path
         record = Record(
             rank=self.rank, seq=self._seq, marks=self.marks, phase=self.phase, pid=os.getpid(), host=self._host,
             stack=stack, pid_ns=self._ns, waits=waits, state=self.state.value,
@@ -533,16 +531,16 @@ class Liveness:
     def _records_now(self) -> list[Record]:
         """Every rank's record (empty until every rank published)."""
         keys = [f"{_KEY}{rank}" for rank in range(self.world_size)]
-        if not self._store(lambda: self.store.check(keys)):
+        if not self._store(self.store.check, keys):
             return []
-        return [Record(**json.loads(value)) for value in self._store(lambda: self.store.multi_get(keys))]
+        return [Record(**json.loads(value)) for value in self._store(self.store.multi_get, keys)]
 
     def _observe(
         self, seen_at: list[float], progressed_at: list[float], last: dict
     ) -> tuple[list[Record], Verdict | None, bool]:
         """Rank 0: the records and verdict (told the others when it changes); whether the reporter ended the job."""
         if self.verdict is not None and 0 in self.verdict.ranks:  # another rank reports: has it ended the job?
-            told = json.loads(self._store(lambda: self.store.get(_VERDICT)))
+            told = json.loads(self._store(self.store.get, _VERDICT))
             if told is not None and told["end"]:
                 return [], None, True
         records, now = self._records_now(), time.monotonic()
@@ -551,29 +549,25 @@ class Liveness:
             seen_at[record.rank] = now if record.seq != seq else seen_at[record.rank]
             progressed_at[record.rank] = now if record.marks != marks else progressed_at[record.rank]
             last[record.rank] = (record.seq, record.marks)
-        verdict = (
-            judge(records, seen_at, progressed_at, now, self.name_after_s, self._states(records)) if records else None
-        )
+        verdict = judge(records, seen_at, progressed_at, now, self.name_after_s, self._states(records))
         if verdict is None and self.verdict is not None:  # never deleted: a reader's check-then-get never blocks
-            self._store(lambda: self.store.set(_VERDICT, "null"))
+            self._store(self.store.set, _VERDICT, "null")
         elif verdict is not None and (self.verdict is None or verdict.ranks != self.verdict.ranks):
             self._tell(verdict, end=False)
         return records, verdict, False
 
     def _tell(self, verdict: Verdict, end: bool) -> None:
         text = json.dumps({"ranks": list(verdict.ranks), "how": verdict.how, "end": end})
-        self._store(lambda: self.store.set(_VERDICT, text))
+        self._store(self.store.set, _VERDICT, text)
 
     def _follow(self, records: list[Record], seen_at: list[float]) -> tuple[list[Record], Verdict | None, bool]:
         """Any other rank: rank 0's record and the verdict key, each read once it exists (``get`` blocks)."""
         now = time.monotonic()
-        if not self._store(lambda: self.store.check([f"{_KEY}0"])):  # rank 0's room has not published yet
+        if not self._store(self.store.check, [f"{_KEY}0"]):  # rank 0's room has not published yet
             return records, None, False
-        observer = self._observer = Record(**json.loads(self._store(lambda: self.store.get(f"{_KEY}0"))))
+        observer = self._observer = Record(**json.loads(self._store(self.store.get, f"{_KEY}0")))
         seen_at[0] = now if not records or observer.seq != records[0].seq else seen_at[0]
-        told = json.loads(self._store(lambda: self.store.get(_VERDICT))) if self._store(
-            lambda: self.store.check([_VERDICT])
-        ) else None  # fmt: skip
+        told = json.loads(self._store(self.store.get, _VERDICT)) if self._store(self.store.check, [_VERDICT]) else None
         if told is not None and told["end"]:
             return [observer], None, True
         if now - seen_at[0] > self.name_after_s and not _left(observer):  # rank 0 itself is silent
@@ -601,9 +595,8 @@ class Liveness:
         where = f"; every rank's last record and stack: {dump}" if dump else ""
         named = _by_rank(records, verdict)
         # the stalled rank's record is as old as its last publication: say where this rank is
-        here = (
-            "" if {named[r].phase for r in verdict.ranks} == {self.phase} else f" (rank {self.rank} is in {self.phase})"
-        )
+        phases = {named[r].phase for r in verdict.ranks}
+        here = "" if phases == {self.phase} else f" (rank {self.rank} is in {self.phase})"
         print(f"error: {verdict.line(named)}{here}; {ends}{where}", file=sys.stderr, flush=True)
         self._named.set()
 
@@ -621,7 +614,7 @@ class Liveness:
         if not self._reports(verdict):
             with contextlib.suppress(Exception):
                 if store_answers:
-                    self._store(lambda: self.store.add(_LEFT, 1))
+                    self._store(self.store.add, _LEFT, 1)
             return
         # no mark for an interval: it waits for the stalled rank at a step's state (no mark yet: nothing to save)
         idle = self.marks > 0 and time.monotonic() - self._marked_at > self.interval_s
@@ -637,7 +630,7 @@ class Liveness:
                 # wait until every running room left the store (its calls would dump C++ stacks); one only behind too
                 others = self.world_size - 1 - (len(verdict.ranks) if verdict.how != "behind" else 0)
                 deadline = time.monotonic() + 3 * self.interval_s + 2
-                while self._store(lambda: self.store.add(_LEFT, 0)) < others and time.monotonic() < deadline:
+                while self._store(self.store.add, _LEFT, 0) < others and time.monotonic() < deadline:
                     time.sleep(0.05)
         for record in records:
             if record.rank in verdict.ranks and self._local(record) and record.pid not in (0, os.getpid()):
@@ -670,12 +663,6 @@ def waiting(what: str) -> Iterator[None]:
     room = _room
     with room.waiting(what) if room is not None else contextlib.nullcontext():
         yield
-
-
-def _in_collective(frame: Any) -> bool:
-    """The innermost frame is torch.distributed's (a collective, a barrier, a store wait): the thread waits."""
-    path = frame.f_code.co_filename.replace(os.sep, "/") if frame is not None else ""
-    return "/torch/distributed/" in path
 
 
 def _pid_namespace() -> str:
