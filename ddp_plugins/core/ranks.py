@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -116,14 +117,10 @@ def rank_zero_first(timeout: float | None = None) -> Iterator[None]:
         >>> prepared
         True
     """
-
-    def barrier() -> None:
-        if timeout is None or dist.get_backend() != "gloo":
-            dist.barrier()
-        else:  # gloo supports a bounded barrier
-            dist.monitored_barrier(timeout=timedelta(seconds=timeout))
-
     rank, several = get_rank(), get_world_size() > 1
+    barrier: Callable[[], Any] = dist.barrier
+    if several and timeout is not None and dist.get_backend() == "gloo":  # gloo supports a bounded barrier
+        barrier = functools.partial(dist.monitored_barrier, timeout=timedelta(seconds=timeout))
     if several and rank != 0:
         barrier()
     yield

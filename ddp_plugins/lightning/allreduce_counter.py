@@ -39,13 +39,12 @@ class AllReduceCounter(Callback):
 
     def __init__(self, log: bool = True, prefix: str = "comm") -> None:
         super().__init__()
-        check_bool("log", log)
+        # not `self.log`: Lightning sets every callback's `log` to the module's at fit start
+        self.log_metrics = check_bool("log", log)
         if not isinstance(prefix, str):
             raise ArgumentTypeError("prefix", "a non-empty str", prefix)
         if not prefix:
             raise ArgumentValueError("prefix", "a non-empty str", prefix)
-        # not `self.log`: Lightning sets every callback's `log` to the module's at fit start
-        self.log_metrics = log
         self.prefix = prefix
         self.hook: CountingCommHook | None = None
         self.optimizer_steps = 0

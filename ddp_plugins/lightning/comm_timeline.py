@@ -184,11 +184,10 @@ class CommTimeline(Callback):
 
     def _finish(self, trainer: pl.Trainer) -> None:
         assert self.timeline is not None
-        self._summary = self.timeline.summary()
+        s = self._summary = self.timeline.summary()
         if trainer.global_rank != 0 or self.trace_path is None:
             return
-        self._summary["trace"] = str(self.timeline.write_chrome_trace(self.trace_path))
-        s = self._summary
+        s["trace"] = str(self.timeline.write_chrome_trace(self.trace_path))
         shares = ", ".join(f"{kind} {share:.1%}" for kind, share in s["comm_share"].items()) or "none"
         who = (
             f"slowest rank {s['slowest_rank']}, +{s['excess_ms_per_step']:.2f} ms per step"
