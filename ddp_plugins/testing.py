@@ -119,7 +119,6 @@ def spawn(
         proc.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
-    ended = False
     try:
         while len(results) < world_size:
             if not out.empty():
@@ -136,10 +135,9 @@ def spawn(
                     f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks within {timeout}s"
                 )
             time.sleep(0.01)
-        ended = True
     finally:
         for proc in procs:
-            proc.join(timeout=5 if ended else 0)  # after a failure the others are not waited for
+            proc.join(timeout=5 if len(results) == world_size else 0)  # after a failure the others are not waited for
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -42,11 +42,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
     ) -> Tensor:
         channels = input.size(1)
         local = input.numel() // channels
-        low_precision = input.dtype in (torch.float16, torch.bfloat16)
-        stat_dtype = torch.float32 if low_precision else input.dtype
+        stat_dtype = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
         acc_dtype = torch.float32 if input.device.type == "mps" else torch.float64  # mps has no float64
         shape = (1, channels) + (1,) * (input.dim() - 2)
-        x = input.float() if low_precision else input  # float16/bfloat16: normalized in float32
+        x = input.to(stat_dtype)  # float16/bfloat16: normalized in float32
         # Fused payload [sum (C), sum of squares (C), count (1)], built from stable local stats.
         if local > 0:
             # Two passes; the centered values go into the buffer that becomes the output (no other
@@ -54,9 +53,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             dims = [0, *range(2, input.dim())]
             sums = x.sum(dims)
             out = torch.sub(x, (sums / local).view(shape))
-            payload = torch.cat([sums, out.square_().sum(dims), sums.new_zeros(1)])
-            if payload.dtype != acc_dtype:
-                payload = payload.to(acc_dtype)
+            payload = torch.cat([sums, out.square_().sum(dims), sums.new_zeros(1)]).to(acc_dtype)
             local_sums = payload[:channels]
             payload[channels:-1].addcmul_(local_sums, local_sums, value=1.0 / local)  # + n * mean^2
             payload[-1] = local
@@ -66,10 +63,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
         dist.all_reduce(payload, group=process_group)
         payload = payload.to(input.device)
         total = payload[-1]  # a tensor: no host synchronization (torch.compile keeps one graph)
+        ctx.eps, ctx.process_group = eps, process_group
         if local <= 1:  # only then can the group hold fewer than 2 values per channel: read it to say so
             if int(total) == 0:  # empty on every rank: as torch's batch norm, an empty output, no statistics
                 ctx.save_for_backward(input, weight, payload.new_zeros(5, channels).to(stat_dtype), total)
-                ctx.eps, ctx.process_group = eps, process_group
                 return torch.empty_like(input)
             _check_count(int(total))
         moments = payload[:-1].view(2, channels) / total
@@ -84,19 +81,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
         scale = invstd if weight is None else invstd * weight
         shift = (mean * scale).neg_() if bias is None else torch.addcmul(bias, mean, scale, value=-1)
         # rows: mean, var, scale, scale * invstd (backward's coefficient of x), shift
-        coefs = torch.stack([mean, var, scale, scale * invstd, shift])
-        if coefs.dtype != stat_dtype:
-            coefs = coefs.to(stat_dtype)
-        if local > 0:
-            affine = coefs[2:].view(3, *shape)
-            output = torch.mul(x, affine[0], out=out).add_(affine[2])
-            if low_precision:
-                output = output.to(input.dtype)
-        else:
-            output = torch.empty_like(input)
+        coefs = torch.stack([mean, var, scale, scale * invstd, shift]).to(stat_dtype)
         ctx.save_for_backward(input, weight, coefs, total)
-        ctx.eps, ctx.process_group = eps, process_group
-        return output
+        if local == 0:
+            return torch.empty_like(input)
+        affine = coefs[2:].view(3, *shape)
+        return torch.mul(x, affine[0], out=out).add_(affine[2]).to(input.dtype)  # float16/bfloat16: back from float32
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -104,8 +94,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         input, weight, coefs, total = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         input_dtype, stat_dtype = input.dtype, coefs.dtype
-        if input_dtype != stat_dtype:  # float16/bfloat16
-            input, grad_output = input.to(stat_dtype), grad_output.to(stat_dtype)
+        input, grad_output = input.to(stat_dtype), grad_output.to(stat_dtype)  # float16/bfloat16: in float32
         channels = input.size(1)
         mean = coefs[0]
         if input.numel() > 0:
@@ -121,9 +110,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
         param_dtype = stat_dtype if weight is None else weight.dtype
         grad_weight = grad_bias = grad_input = None
         if need_weight and weight is not None:
-            grad_weight = sum_dy_xhat if param_dtype == stat_dtype else sum_dy_xhat.to(param_dtype)
+            grad_weight = sum_dy_xhat.to(param_dtype)
         if need_bias:
-            grad_bias = sum_dy if param_dtype == stat_dtype else sum_dy.to(param_dtype)
+            grad_bias = sum_dy.to(param_dtype)
         if need_input:
             payload = torch.cat([sum_dy, sum_dy_xhat])
             payload = for_collective(payload, ctx.process_group)
@@ -136,9 +125,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 shift = torch.addcmul(terms[0], terms[1], mean, value=-1)
                 shape = (1, channels) + (1,) * (input.dim() - 2)
                 grad_input = torch.mul(grad_output, coefs[2].view(shape))
-                grad_input = grad_input.addcmul_(input, terms[1].view(shape)).add_(shift.view(shape))
-                if input_dtype != stat_dtype:
-                    grad_input = grad_input.to(input_dtype)
+                grad_input = grad_input.addcmul_(input, terms[1].view(shape)).add_(shift.view(shape)).to(input_dtype)
             else:
                 grad_input = torch.zeros_like(input, dtype=input_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None

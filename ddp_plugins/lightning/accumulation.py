@@ -35,6 +35,12 @@ def current_accumulation(trainer: pl.Trainer) -> int:
     return int(trainer.accumulate_grad_batches)
 
 
+def scheduled_factor(scheduling: Mapping[int, int], epoch: int) -> int:
+    """K of ``epoch`` in ``{epoch: K}``: the value of the largest key not above it (1 before the first)."""
+    keys = [key for key in scheduling if key <= epoch]
+    return int(scheduling[max(keys)]) if keys else 1
+
+
 def _callbacks(trainer: pl.Trainer) -> list[Callback]:
     """``trainer.callbacks``: public, but set by Lightning's callback connector, so not declared on ``Trainer``."""
     return trainer.callbacks  # type: ignore[attr-defined]
@@ -101,8 +107,7 @@ class AccumulationNoSync(Callback):
 
     def scheduling_for(self, epoch: int) -> int:
         """K for ``epoch``: the value of the largest schedule key not above it (1 before the first key)."""
-        keys = [key for key in self.scheduling if key <= epoch]
-        return self.scheduling[max(keys)] if keys else 1
+        return scheduled_factor(self.scheduling, epoch)
 
     def check_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The run-dependent checks of ``setup``: clashing accumulation settings, the strategy."""

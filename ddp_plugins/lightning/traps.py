@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_plugins import _compat
 from ddp_plugins.core.checks import ArgumentValueError
+from ddp_plugins.lightning.accumulation import scheduled_factor
 from ddp_plugins.lightning.contracts import AccumulationSchedule, of_kind
 
 __all__ = ["COMPILED_MODULE_WARNING", "check_static_graph", "warn_compiled_module"]
@@ -73,11 +72,5 @@ def _first_accumulation(trainer: pl.Trainer) -> int:
     epoch = trainer.current_epoch
     found = [int(trainer.accumulate_grad_batches)]
     for callback in of_kind(trainer.callbacks, AccumulationSchedule):  # type: ignore[attr-defined]
-        found.append(_scheduled(callback.scheduling, epoch))
+        found.append(scheduled_factor(callback.scheduling, epoch))
     return max(found)
-
-
-def _scheduled(scheduling: Mapping[int, int], epoch: int) -> int:
-    """K of ``epoch`` in ``{epoch: K}``: the value of the largest key not above it (1 before the first)."""
-    keys = [key for key in scheduling if key <= epoch]
-    return int(scheduling[max(keys)]) if keys else 1
