@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -217,19 +218,16 @@ def _check_resume_checkpoint(path: str, model: Any, datamodule: Any, cfg: DictCo
             "resume", f"got {path!r} (not a Lightning checkpoint: {found})", "a checkpoint written by Trainer.fit"
         )
     own = model.state_dict()
-    for key, tensor in own.items():
-        if key not in state:
-            raise ConfigError("resume", f"{path} does not fit the model: it has no {key!r}", _SAME_MODEL)
-        if tuple(state[key].shape) != tuple(tensor.shape):
-            raise ConfigError(
-                "resume",
-                f"{path} does not fit the model: {key} has shape {tuple(state[key].shape)} in the checkpoint"
-                f" and {tuple(tensor.shape)} in the model",
-                _SAME_MODEL,
-            )
-    extra = next((key for key in state if key not in own), None)
-    if extra is not None:
-        raise ConfigError("resume", f"{path} does not fit the model: the model has no {extra!r}", _SAME_MODEL)
+    misfits = [
+        f"{key} has shape {tuple(state[key].shape)} in the checkpoint and {tuple(tensor.shape)} in the model"
+        if key in state
+        else f"it has no {key!r}"
+        for key, tensor in own.items()
+        if key not in state or tuple(state[key].shape) != tuple(tensor.shape)
+    ]
+    misfits += [f"the model has no {key!r}" for key in state if key not in own]
+    if misfits:
+        raise ConfigError("resume", f"{path} does not fit the model: {misfits[0]}", _SAME_MODEL)
     max_epochs = cfg.trainer.get("max_epochs")
     for scheduler in checkpoint.get("lr_schedulers") or []:
         t_max = scheduler.get("T_max") if isinstance(scheduler, dict) else None
@@ -322,8 +320,6 @@ _held_folders: dict[str, Any] = {}  # run folders this process locked for its wh
 
 def _acquire_run_folder(folder: str | os.PathLike) -> Any:
     """An open ``<folder>/.lock`` holding the kernel's exclusive ``flock`` (see :func:`run_folder_lock`)."""
-    import fcntl
-
     path = Path(folder) / ".lock"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -369,8 +365,6 @@ def run_folder_lock(folder: str | os.PathLike) -> Iterator[None]:
     Raises:
         ConfigError: another process holds the folder, or it cannot be written.
     """
-    import fcntl
-
     if os.path.realpath(folder) in _held_folders:
         yield
         return
@@ -395,11 +389,10 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         with run_folder_lock(output_dir) if get_rank() == 0 else contextlib.nullcontext():
             return train(cfg, output_dir)
-    except ConfigError as err:  # a job whose config changed after the up-front check, or its checkpoint
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(_ERROR_EXIT) from None
-    except ResumeMismatch as err:  # every rank refuses the same resume: one line, from rank 0
-        if get_rank() == 0:
+    # ConfigError: a job whose config changed after the up-front check, or its checkpoint;
+    # ResumeMismatch: every rank refuses the same resume, so one line, from rank 0
+    except (ConfigError, ResumeMismatch) as err:
+        if isinstance(err, ConfigError) or get_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(_ERROR_EXIT) from None
     except RendezvousError as err:  # a rank that never came: one line, not a store traceback per rank

@@ -196,12 +196,11 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """
     for layer in module.modules():
         original = type(layer).__dict__.get("_sync_batchnorm_original")
-        if original is None:
-            continue
-        saved = layer.__dict__.pop("_sync_batchnorm_saved", {})
-        layer.__dict__.pop("process_group", None)
-        layer.__dict__.update(saved)
-        layer.__class__ = original
+        if original is not None:
+            saved = layer.__dict__.pop("_sync_batchnorm_saved", {})
+            layer.__dict__.pop("process_group", None)
+            layer.__dict__.update(saved)
+            layer.__class__ = original
     return module
 
 
