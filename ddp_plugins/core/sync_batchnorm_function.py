@@ -114,8 +114,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if need_bias:
             grad_bias = sum_dy.to(param_dtype)
         if need_input:
-            payload = torch.cat([sum_dy, sum_dy_xhat])
-            payload = for_collective(payload, ctx.process_group)
+            payload = for_collective(torch.cat([sum_dy, sum_dy_xhat]), ctx.process_group)
             dist.all_reduce(payload, group=ctx.process_group)
             payload = payload.to(grad_output.device)
             if input.numel() > 0:
