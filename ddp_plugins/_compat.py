@@ -44,7 +44,6 @@ __all__ = [
     "CHECKED_ATTRIBUTES",
     "RESULT_CALLS",
     "RESULT_MEMBERS",
-    "DDP_BUFFER_BROADCAST",
     "BATCHNORM_TAKES_BIAS",
     "DYNAMO_FAILS_IN_SELF_LOG",
     "DYNAMO_TRACES_SYNCBN",
@@ -69,7 +68,6 @@ __all__ = [
     "set_num_threads_if_needed",
     "strategy_comm_hook",
     "strategy_comm_state_and_wrapper",
-    "strategy_timeout",
     "subprocess_cmd",
     "training_epoch_results",
     "update_dataloader",
@@ -81,7 +79,6 @@ CHECKED: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules.batchnorm", "_BatchNorm._check_input_dim"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
-    ("torch.distributed", "_broadcast_coalesced"),
     ("atexit", "_run_exitfuncs"),
     ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.dump_checkpoint"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher.get_extra_results"),
@@ -113,7 +110,7 @@ CHECKED_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "DDPStrategy",
         (
             *"_checkpoint_io _ddp_comm_hook _ddp_comm_state _ddp_comm_wrapper _launcher _layer_sync".split(),
-            *"_lightning_module _start_method _timeout".split(),
+            *"_lightning_module _start_method".split(),
         ),
     ),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", ("_start_method",)),
@@ -145,10 +142,6 @@ RESULT_CALLS: dict[str, tuple[str, ...]] = {
     "_ResultCollection.update_metrics": ("key", "value", "batch_size"),
     "_ResultCollection.reset": ("metrics", "fx"),
 }
-
-#: The ``torch.distributed`` function DDP broadcasts its buffers with before each forward (and its
-#: parameters at construction); a timeline times it by this name.
-DDP_BUFFER_BROADCAST = "_broadcast_coalesced"
 
 # Lightning's private launchers, imported when first asked for (as `_compat.<name>`, without the underscore)
 _LAZY = {
@@ -317,12 +310,6 @@ def hydra_create_main(task_name: str, search_path: ConfigSearchPath) -> None:
 def strategy_comm_hook(strategy: Any) -> Any:
     """The communication hook a ``DDPStrategy`` was given (``None``: DDP's default all-reduce)."""
     return strategy._ddp_comm_hook
-
-
-def strategy_timeout(strategy: Any) -> float | None:
-    """The process-group timeout a ``DDPStrategy`` was given, in seconds (``None`` when unknown)."""
-    timeout = getattr(strategy, "_timeout", None)
-    return timeout.total_seconds() if timeout is not None else None
 
 
 def strategy_comm_state_and_wrapper(strategy: Any) -> tuple[Any, Any]:

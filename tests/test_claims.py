@@ -597,7 +597,7 @@ def test_inherited_private_check_catches_a_planted_violation(tmp_path, monkeypat
 
             def setup_distributed(self):
                 self._process_group_backend = "gloo"
-                return self._timeout
+                return self._start_method
         """,
         name="planted_inherited",
     )
