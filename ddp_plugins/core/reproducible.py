@@ -83,11 +83,6 @@ def _flat64(tensors: Iterable[Tensor], device: torch.device | str | None = None)
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
 
 
-def _device_of(params: Sequence[Tensor]) -> torch.device:
-    """Where the parameters are (the CPU for none)."""
-    return params[0].device if params else torch.device("cpu")
-
-
 def exact_sum(
     shards: Sequence[Sequence[Tensor | None]],
     like: Sequence[Tensor],
@@ -167,12 +162,12 @@ def exact_row_sum(
         most, least = grid.extra.tolist()
         if most != -least:
             raise LayoutMismatch(f"the ranks' rows hold different tensors (layouts {-least:.0f} to {most:.0f})")
-    total = sum(sizes)
+    total, bit_sizes = sum(sizes), [b.numel() for b in bits]
     work = {} if workspace is None else workspace
-    payload = _scratch(work, "payload", total + 1 + sum(b.numel() for b in bits), rows.device)
+    payload = _scratch(work, "payload", total + 1 + sum(bit_sizes), rows.device)
     grid.integers(rows, weights, total_shards, payload[:total], _scratch(work, "scaled", total, rows.device))
     payload[total] = float(sum(w != 0 for w in weights))
-    for piece, b in zip(payload[total + 1 :].split([b.numel() for b in bits]), bits, strict=True):
+    for piece, b in zip(payload[total + 1 :].split(bit_sizes), bits, strict=True):
         piece.copy_(b.reshape(-1))
     payload = _all_reduce(payload, device, group)
     if payload[total] > total_shards:
@@ -181,8 +176,7 @@ def exact_row_sum(
             f" total_shards={total_shards} that set the rounding grid; pass the real bound (the same on any number"
             " of ranks)."
         )
-    pieces = payload[total + 1 :].split([b.numel() for b in bits])
-    out_bits = [p.reshape(b.shape) for p, b in zip(pieces, bits, strict=True)]
+    out_bits = [p.reshape(b.shape) for p, b in zip(payload[total + 1 :].split(bit_sizes), bits, strict=True)]
     return RowSums(grid.values(payload[:total], total_shards), grid.present, out_bits)
 
 
@@ -380,7 +374,6 @@ class ShardedStep:
         self._block = torch.zeros(0, 0)  # the shards' gradients, one flat row each; the logged values after them
         self._out: list[Tensor | None] = [None] * len(self._all)  # the reduced gradients, kept from step to step
         self._lay_out(tuple(p.requires_grad for p in self._all))
-        self.changed = None
         cuda = {p.device for p in self._all if p.device.type == "cuda"}
         self._generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in cuda)]
         self._rng: tuple[dict[str, Any], list[Tensor]] | None = None  # the streams before the step, given back
@@ -407,18 +400,9 @@ class ShardedStep:
         digest = hashlib.blake2b(bytes(trainable), digest_size=8).digest()
         self._layout = float(int.from_bytes(digest, "little") >> 12)  # 52 bits: exact in float64
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
-        if self._block.dtype != dtype or self._block.device != _device_of(self.params):
-            self._block = torch.zeros(0, self._offsets[-1], dtype=dtype, device=_device_of(self.params))
-
-    def _check_trainable(self, when: str) -> tuple[bool, ...]:
-        """Which parameters require a gradient now; refused where the module's parameters changed."""
-        named = list(self.module.named_parameters())
-        if len(named) != len(self._all) or any(p is not q for (_, p), q in zip(named, self._all, strict=False)):
-            raise ValueError(
-                f"reproducible mode: the model's parameters changed {when} (now {len(named)}, were"
-                f" {len(self._all)}); add or replace parameters before fit starts (configure_model), not during it."
-            )
-        return tuple(p.requires_grad for p in self._all)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        if self._block.dtype != dtype or self._block.device != device:
+            self._block = torch.zeros(0, self._offsets[-1], dtype=dtype, device=device)
 
     @contextmanager
     def shard(self, index: int, rows: int, epoch: int, step: int) -> Iterator[None]:
@@ -427,7 +411,14 @@ class ShardedStep:
             trainable = tuple(p.requires_grad for p in self._all)
             self.changed = None
             if trainable != self._trainable:  # a layer unfrozen or frozen since the last step: from this one on
-                self._lay_out(self._check_trainable("between steps"))
+                named = list(self.module.named_parameters())
+                if len(named) != len(self._all) or any(p is not q for (_, p), q in zip(named, self._all, strict=False)):
+                    raise ValueError(
+                        f"reproducible mode: the model's parameters changed between steps (now {len(named)}, were"
+                        f" {len(self._all)}); add or replace parameters before fit starts (configure_model), not"
+                        " during it."
+                    )
+                self._lay_out(trainable)
             self._stats = _ShardStats(self.module, self.virtual_shards)
             # Python's, NumPy's and torch's CPU stream, and the model's CUDA ones: given back in finish()
             self._rng = (collect_rng_states(include_cuda=False), [g.get_state() for g in self._generators[1:]])
