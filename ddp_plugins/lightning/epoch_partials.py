@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from torch import Tensor
 from torchmetrics import Metric
 
 from ddp_plugins import _compat
+from ddp_plugins.core.trees import tree_map
 from ddp_plugins.lightning.contracts import virtual_shards
 
 __all__ = ["EpochPartials"]
@@ -62,7 +62,7 @@ class EpochPartials:
                 value = entry.value.detach().clone()
                 entries[key] = {"value": value, "count": count, "synced": synced, "copies": copies}
             elif not entry.is_tensor and isinstance(entry.value, Metric) and meta.metric_attribute:
-                states = {k: _detached(v) for k, v in entry.value.metric_state.items()}
+                states = tree_map(lambda t: t.detach().clone(), entry.value.metric_state)
                 entries[key] = {"attribute": meta.metric_attribute, "states": states}
             else:  # a max or min: no sum to carry
                 entries[key] = {"skipped": str(getattr(meta.reduce_fx, "__name__", meta.reduce_fx))}
@@ -91,9 +91,8 @@ class EpochPartials:
             del self._pending[key]
         if skipped and rank == 0:
             log.warning(
-                "resume: the interrupted epoch's %s of %s covers only the steps after the resume (Lightning keeps no"
-                " sum for it to carry over).",
-                "maximum or minimum",
+                "resume: the interrupted epoch's maximum or minimum of %s covers only the steps after the resume"
+                " (Lightning keeps no sum for it to carry over).",
                 ", ".join(skipped),
             )
 
@@ -125,11 +124,3 @@ class EpochPartials:
         if self._pending and self._epoch != trainer.current_epoch:
             self._pending = {}
         return bool(self._pending)
-
-
-def _detached(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    return value
