@@ -6,7 +6,7 @@ import os
 import tempfile
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,18 @@ _STAGES = ("validate", "test", "predict")
 _PREFIX = {"validate": "val", "test": "test", "predict": "predict"}
 _STEP = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
 _EVALUATED_IN = {"fit": "validate", "validate": "validate", "test": "test", "predict": "predict"}
+
+
+def _stage_hooks(stage: str) -> tuple[Callable[..., None], Callable[..., None]]:
+    """``stage``'s batch-end hook (collects the step's outputs) and epoch-end hook (gathers them)."""
+
+    def batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._collect(trainer, stage, outputs, dataloader_idx)
+
+    def epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, pl_module, stage)
+
+    return batch_end, epoch_end
 
 
 class SequentialEvaluation(Callback):
@@ -114,30 +126,9 @@ class SequentialEvaluation(Callback):
         self._buffers.clear()
 
     on_test_epoch_start = on_predict_epoch_start = on_validation_epoch_start
-
-    @override
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._collect(trainer, "validate", outputs, dataloader_idx)
-
-    @override
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish(trainer, pl_module, "validate")
-
-    @override
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._collect(trainer, "test", outputs, dataloader_idx)
-
-    @override
-    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish(trainer, pl_module, "test")
-
-    @override
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._collect(trainer, "predict", outputs, dataloader_idx)
-
-    @override
-    def on_predict_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish(trainer, pl_module, "predict")
+    on_validation_batch_end, on_validation_epoch_end = _stage_hooks("validate")
+    on_test_batch_end, on_test_epoch_end = _stage_hooks("test")
+    on_predict_batch_end, on_predict_epoch_end = _stage_hooks("predict")
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -171,12 +162,8 @@ class SequentialEvaluation(Callback):
             # where possible, padding rows in batches of their own, which DDPPluginsStrategy counts for nothing
             apart_wanted = trainer.world_size > 1 and stage != "predict"
             apart = padding_apart_loader(dl, trainer.world_size, trainer.global_rank) if apart_wanted else None
-            if apart is not None:
-                self._samplers[stage].append((apart.sampler, dl.batch_size))
-                swapped.append(apart)
-                continue
-            self._samplers[stage].append((sampler, dl.batch_size))
-            swapped.append(_compat.update_dataloader(dl, sampler))
+            self._samplers[stage].append((sampler if apart is None else apart.sampler, dl.batch_size))
+            swapped.append(_compat.update_dataloader(dl, sampler) if apart is None else apart)
         combined.flattened = swapped
         return combined
 
