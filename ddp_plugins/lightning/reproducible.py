@@ -102,11 +102,9 @@ def check_shards(module: nn.Module, plan: GlobalPlan) -> None:
 def check_deterministic(trainer: Any) -> None:
     """Refuse nondeterministic CUDA kernels before launch (unless a ``RankAwareSeed(deterministic=True)`` sets them)."""
     devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
-    if not any(torch.device(d).type == "cuda" for d in devices):
-        return
-    if any(isinstance(cb, RankAwareSeed) and cb.deterministic for cb in trainer.callbacks):
-        return
-    _check_kernels()
+    seeded = any(isinstance(cb, RankAwareSeed) and cb.deterministic for cb in trainer.callbacks)
+    if any(torch.device(d).type == "cuda" for d in devices) and not seeded:
+        _check_kernels()
 
 
 def _check_kernels() -> None:
