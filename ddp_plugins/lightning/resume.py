@@ -193,10 +193,9 @@ class ResumeRecord:
         if isinstance(length, int):
             record["batches_per_epoch"] = limited(length, getattr(trainer, "limit_train_batches", 1.0))
         self.record = record
-        restored, self._restored = self._restored, False
-        self.resumed = restored
+        self.resumed, self._restored = self._restored, False
         epoch = trainer.current_epoch  # counters of the epoch before are not reset yet at a reload
-        if not restored:
+        if not self.resumed:
             return epoch, 0
         progress = trainer.fit_loop.epoch_loop.batch_progress
         done = progress.current.processed
@@ -228,12 +227,12 @@ class ResumeRecord:
         except RuntimeError:  # detached
             trainer = None
         record = dict(self.record)
-        if trainer is None:
-            return record
-        batches = trainer.num_training_batches  # the loader's, after limit_train_batches
-        if isinstance(batches, int):
-            record["batches_per_epoch"] = batches
-        return dict(record, **planned.position(trainer))
+        if trainer is not None:
+            batches = trainer.num_training_batches  # the loader's, after limit_train_batches
+            if isinstance(batches, int):
+                record["batches_per_epoch"] = batches
+            record.update(planned.position(trainer))
+        return record
 
 
 def mode_switch(saved: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
