@@ -147,11 +147,8 @@ class ResumableSampler(Sampler):
 
     def _isolated(self, seed: int, skip: int) -> Iterator[Any]:
         """The wrapped sampler's order, drawn whole at the first item on generators seeded for this epoch."""
-        if isinstance(self.sampler, DistributedSampler):
-            key: tuple[int, ...] = (_ORDER_SEED_TAG, self.epoch)
-        else:
-            key = (_RANK_ORDER_SEED_TAG, self.rank, self.epoch)
-        with isolated_rng(rank_seed(seed, *key)):
+        key = (_ORDER_SEED_TAG,) if isinstance(self.sampler, DistributedSampler) else (_RANK_ORDER_SEED_TAG, self.rank)
+        with isolated_rng(rank_seed(seed, *key, self.epoch)):
             indices = list(self.sampler)
         yield from indices[skip:]
 
