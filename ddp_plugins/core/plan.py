@@ -176,8 +176,7 @@ class GlobalPlan:
     def loss_weight(self, step: int, micro: int, rank: int, world_size: int, accumulate: int = 1) -> float:
         """The factor ``N * accumulate * rows / step_rows`` on a rank's mean loss (divided by ``accumulate``) that
         makes DDP's average the mean over the step's rows (0 for an empty micro-batch)."""
-        rows = self.counts(step, world_size, accumulate)[rank][micro]
-        return world_size * accumulate * rows / self.step_size(step)
+        return world_size * accumulate * self.counts(step, world_size, accumulate)[rank][micro] / self.step_size(step)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint stores to check a resume against (plain Python values)."""
