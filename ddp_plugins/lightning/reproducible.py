@@ -331,8 +331,7 @@ class ReproducibleSteps(PlannedSteps):
         like = [torch.zeros((), dtype=torch.float64)] * (2 * len(names))
         sums = exact_sum(shards, like, weights=[rows for rows, _ in entries])[0]
         out = {}
-        for i, name in enumerate(names):
-            total, rows = sums[i], sums[len(names) + i]
+        for name, total, rows in zip(names, sums, sums[len(names) :], strict=False):  # the sums, then the rows
             if total is not None and rows is not None and float(rows) > 0:
                 out[name] = (total / rows, int(rows))
         return out
