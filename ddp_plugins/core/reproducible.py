@@ -490,12 +490,11 @@ class ShardedStep:
         stats, local = self._stats, len(self._rows)
         count, width = len(values[0]) if values else 0, self._offsets[-1]
         block = self._room(local, width + count)[:local, : width + count]  # the scalars after the gradients
-        if count:  # the shards' scalars ride after their gradients (a device copy, no host sync)
-            block[:, width:] = torch.stack([torch.stack([v.detach().reshape(()) for v in shard]) for shard in values])
         sizes = self._sizes + [1] * count
         present = torch.tensor(self._present + [True] * count)
         maxima = torch.stack(self._maxima)
-        if count:
+        if count:  # the shards' scalars ride after their gradients (a device copy, no host sync)
+            block[:, width:] = torch.stack([torch.stack([v.detach().reshape(()) for v in shard]) for shard in values])
             maxima = torch.cat([maxima, block[:, width:].abs().to(maxima)], dim=1)
         try:
             summed = exact_row_sum(
