@@ -156,16 +156,15 @@ class DDPPluginsStrategy(DDPStrategy):
         check_int("powersgd_rank", powersgd_rank, 1)
         check_int("powersgd_start_iter", powersgd_start_iter, 2)
         check_number("bucket_cap_mb", bucket_cap_mb, 0, exclusive_minimum=True, what="MiB", allow_none=True)
-        ddp_kwargs: dict[str, Any] = {"static_graph": static_graph, "gradient_as_bucket_view": gradient_as_bucket_view}
+        ddp_kwargs: dict[str, Any] = {"find_unused_parameters": find_unused_parameters, "static_graph": static_graph}
+        ddp_kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
         flags = {"drop_last": drop_last, "uneven_data": uneven_data, "reproducible": reproducible}
-        flags["stall_end_running"] = stall_end_running
-        for name, value in {"find_unused_parameters": find_unused_parameters, **ddp_kwargs, **flags}.items():
+        for name, value in {**ddp_kwargs, **flags, "stall_end_running": stall_end_running}.items():
             check_bool(name, value)
         check_int("global_batch_size", global_batch_size, 1, allow_none=True)
         check_number("stall_name_after", stall_name_after, 0, exclusive_minimum=True, what="seconds", allow_none=True)
         check_number("stall_end_after", stall_end_after, stall_name_after or 0, what="seconds", allow_none=True)
         check_int("virtual_shards", virtual_shards, 1)
-        ddp_kwargs["find_unused_parameters"] = find_unused_parameters
         bypassed = {"comm_hook": comm_hook, "ddp_comm_hook": kwargs.get("ddp_comm_hook"), **ddp_kwargs}
         self._steps = (
             ReproducibleSteps(virtual_shards, global_batch_size, **bypassed) if reproducible else steps.PlannedSteps()
@@ -311,10 +310,8 @@ class DDPPluginsStrategy(DDPStrategy):
         dirpath = next((c.dirpath for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)), None)
         folder = Path(dirpath or Path(trainer.default_root_dir) / "checkpoints")
         checkpoint = _compat.dump_checkpoint(trainer)
-        state = checkpoint.get("state_dict", {})
-        for name, value in (self._step_buffers or {}).items():  # the step under way's forward may have moved them
-            if name in state:
-                state[name] = value
+        state = checkpoint.get("state_dict", {})  # the step under way's forward may have moved the buffers
+        state.update((name, value) for name, value in (self._step_buffers or {}).items() if name in state)
         self._add_records(checkpoint)
         path = folder / f"step-{trainer.global_step}-stalled.ckpt"
         self.checkpoint_io.save_checkpoint(checkpoint, path)
