@@ -139,9 +139,7 @@ def digest_path(path: str | os.PathLike) -> Path:
         >>> digest_path(folder / "old.ckpt").name, digest_path(folder / "new.ckpt").parent.name
         ('old.ckpt.sha256', '.sha256')
     """
-    path = Path(path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     sidecar, legacy = _sidecar_home(path), _legacy_sidecar(path)
     return legacy if not sidecar.exists() and legacy.exists() else sidecar
 
@@ -154,11 +152,6 @@ def _sidecar_home(path: Path) -> Path:
 def _legacy_sidecar(path: Path) -> Path:
     """Where earlier versions wrote ``path``'s sidecar: beside it (Lightning's scans read it)."""
     return path.with_name(path.name + DIGEST_SUFFIX)
-
-
-def _sidecars(folder: Path) -> list[Path]:
-    """Every checkpoint sidecar of ``folder``, of this version and of earlier ones."""
-    return [*(folder / _DIGEST_FOLDER).glob("*" + DIGEST_SUFFIX), *folder.glob("*.ckpt" + DIGEST_SUFFIX)]
 
 
 def _sha256(path: Path) -> str:
@@ -182,7 +175,9 @@ def save_checkpoint_file(obj: Any, path: str | os.PathLike) -> Path:
     path = Path(path)
 
     def write_digest(tmp: Path) -> None:
-        numbers = (_recorded_number(sidecar) for sidecar in _sidecars(path.parent))
+        folder = path.parent  # every sidecar there, of this version and of earlier ones
+        sidecars = [*(folder / _DIGEST_FOLDER).glob("*" + DIGEST_SUFFIX), *folder.glob("*.ckpt" + DIGEST_SUFFIX)]
+        numbers = (_recorded_number(sidecar) for sidecar in sidecars)
         number = 1 + max((n for n in numbers if n is not None), default=0)
         write_text_atomic(_sidecar_home(path), f"{_sha256(tmp)}  {path.name}\n# write {number}\n")
 
@@ -207,9 +202,8 @@ def _no_space(error: BaseException | None) -> bool:
 def remove_checkpoint_file(path: str | os.PathLike) -> None:
     """Remove a checkpoint and its digest, of any version (any may be missing; a link's target keeps its own)."""
     path = Path(path)
-    path.unlink(missing_ok=True)
-    _sidecar_home(path).unlink(missing_ok=True)
-    _legacy_sidecar(path).unlink(missing_ok=True)
+    for file in (path, _sidecar_home(path), _legacy_sidecar(path)):
+        file.unlink(missing_ok=True)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
