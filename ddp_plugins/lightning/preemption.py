@@ -174,12 +174,10 @@ class PreemptionCheckpoint(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == "fit":
+        if trainer.state.fn == "fit":  # as it always is at a training epoch's start
             self._after_step(trainer)
 
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._after_step(trainer)
+    on_train_epoch_start = on_validation_start
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -232,11 +230,9 @@ class PreemptionCheckpoint(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         # no collective: only rank 0's count matters; the epoch sums are per rank (PER_RANK, gathered at save)
-        trainer = self._trainer
-        return {
-            "metrics_rows": _logged_rows(trainer) if trainer is not None else None,
-            PER_RANK: EpochPartials.save(trainer) if trainer is not None else None,
-        }
+        if (trainer := self._trainer) is None:
+            return {"metrics_rows": None, PER_RANK: None}
+        return {"metrics_rows": _logged_rows(trainer), PER_RANK: EpochPartials.save(trainer)}
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
