@@ -208,8 +208,7 @@ class SignalAgreement:
         agreed = self._read()
         if start and not agreed:
             flag = torch.tensor([int(signum), int(pace_us)], dtype=torch.int64, device=collective_device(self.group))
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            self._pending = (flag, work)
+            self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         return agreed
 
     def at_boundary(self, signum: int) -> int:

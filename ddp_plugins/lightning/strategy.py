@@ -423,14 +423,11 @@ class DDPPluginsStrategy(DDPStrategy):
         """Mark the body, a collective every rank enters, for the liveness room as ``phase``.
 
         With ``then`` (the backward): ``phase``, then ``then``, not a wait (its collective shows in the stack)."""
-        room = self._room
-        if room is None:
-            yield
-        elif then is None:
-            with room.waiting(phase):
+        if then is None:
+            with self._room.waiting(phase) if self._room is not None else contextlib.nullcontext():
                 yield
         else:
-            self._mark(phase, waits=True)
+            self._mark(phase, waits=True)  # no room: no marks
             yield
             self._mark(then)
 
