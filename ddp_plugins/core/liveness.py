@@ -411,11 +411,20 @@ class Liveness:
             after = self._records_now()
             if all(a.seq != b.seq for a, b in zip(after, before, strict=True) if a.rank not in asking):
                 break
+        asking |= self._late_askers()  # asked since this round began: alive and waiting, though it published no more
         now = time.monotonic()
         fresh = zip(after, before, strict=True)
         seen = [now if a.seq != b.seq or a.rank in asking or a.rank == self.rank else _NEVER for a, b in fresh]
         verdict = judge(after, seen, [_NEVER] * len(after), now, 0, self._states(after))
         return (verdict._replace(seconds=0) if verdict else None), after
+
+    def _late_askers(self) -> set[int]:
+        """The ranks whose question about a failed collective came after this round's (rank 0's, the store's)."""
+        askers = {ask.rank for ask in list(self._asks)}
+        if hasattr(self.store, "append") and self._store(self.store.check, [_ASKS]):
+            lines = self._store(self.store.get, _ASKS).decode().splitlines()[self._asks_read :]
+            askers |= {Ask(**json.loads(line)).rank for line in lines}
+        return askers
 
     def _store(self, call: Callable[..., Any], *args: Any) -> Any:
         """One store call, given up after ``name_after_s`` (``TimeoutError``: the store does not answer)."""

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ddp_plugins.core.liveness import STALL_EXIT, Liveness, RankState, Record, Verdict, judge, process_state
+from ddp_plugins.core.liveness import STALL_EXIT, Ask, Liveness, RankState, Record, Verdict, judge, process_state
 
 NAME, END, EVERY = 0.4, 1.2, 0.05
 
@@ -441,6 +441,32 @@ def test_the_failure_path_store_traffic_grows_with_the_ranks_not_their_square(wo
     # measured here: about 17 N keys and 24 N requests over the 2.4 s window, periodic traffic included
     assert keys <= 24 * world_size, f"{keys} keys read on the failure path of {world_size} ranks"
     assert requests <= 48 * world_size, f"{requests} store requests on the failure path of {world_size} ranks"
+
+
+def test_a_rank_whose_question_comes_while_the_others_are_judged_is_not_the_one_named():
+    """A failing rank's question can reach rank 0 after the round that judges the others began, and its room may
+    publish nothing more within that round's window (a loaded machine: CI at 2fef61a named rank 2 "busy" in the
+    test above). It asked, so it is alive and waiting: the rank behind is named, not it."""
+    store, exits = CountingStore(), []
+    rooms = _rooms(store, 4, exits, name=30, end=None, timeout=EVERY, every=1.0)
+    for room in rooms:
+        room.mark("a training step (global step 3)")
+        room.start()
+    for room in rooms[:1] + rooms[2:]:
+        room.mark("a backward (global step 3)", waits=True)
+    time.sleep(1.5)  # every record published, rank 1's with one mark fewer
+    _freeze(rooms[0])  # this test stands for rank 0's room thread, the one judge
+    _freeze(rooms[2])  # rank 2's room publishes no more: only its question says it is there
+    late = Ask(2, waits=True, timed_out=True)
+    asking = threading.Timer(0.3, lambda: store.append("ddp_plugins/liveness/asks", json.dumps(late._asdict()) + "\n"))
+    asking.start()
+    try:
+        verdict, _ = rooms[0]._decide([Ask(0, waits=True, timed_out=True), Ask(3, waits=True, timed_out=True)])[0]
+    finally:
+        asking.join()
+        for room in rooms:
+            room.stop()
+    assert verdict is not None and verdict.ranks == (1,), verdict
 
 
 def test_a_gone_rank_another_watcher_speaks_for_is_left_to_it_then_ended_once_it_does_not(capsys):
