@@ -411,12 +411,8 @@ def test_a_rank_in_another_pid_namespace_is_never_judged_from_this_one(capsys):
     rooms[0].stop()
 
 
-@pytest.mark.parametrize("world_size", [4, 8])
-def test_the_failure_path_store_traffic_grows_with_the_ranks_not_their_square(world_size, capsys):
-    """Every rank but rank 1 waits in a collective that fails at once: each asks the observer (one
-    append, then one key polled) and rank 0 alone reads every record, so the keys read grow with N
-    (a1c30de: every failing rank read every record, repeatedly: about 6 N^2)."""
-    store, exits = CountingStore(), []
+def _rank_1_behind(store, world_size, exits):
+    """Running rooms whose records are published, every rank but rank 1 waiting in a backward one mark on."""
     rooms = _rooms(store, world_size, exits, name=30, end=None, timeout=EVERY, every=1.0)
     for room in rooms:
         room.mark("a training step (global step 3)")
@@ -424,6 +420,16 @@ def test_the_failure_path_store_traffic_grows_with_the_ranks_not_their_square(wo
     for room in rooms[:1] + rooms[2:]:
         room.mark("a backward (global step 3)", waits=True)
     time.sleep(1.5)  # every record published, rank 1's with one mark fewer
+    return rooms
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_the_failure_path_store_traffic_grows_with_the_ranks_not_their_square(world_size, capsys):
+    """Every rank but rank 1 waits in a collective that fails at once: each asks the observer (one
+    append, then one key polled) and rank 0 alone reads every record, so the keys read grow with N
+    (a1c30de: every failing rank read every record, repeatedly: about 6 N^2)."""
+    store, exits = CountingStore(), []
+    rooms = _rank_1_behind(store, world_size, exits)
     store.requests = store.keys_read = 0
     failing = [
         threading.Thread(target=room.failed, args=(RuntimeError("Timed out"),)) for room in rooms if room.rank != 1
@@ -448,13 +454,7 @@ def test_a_rank_whose_question_comes_while_the_others_are_judged_is_not_the_one_
     publish nothing more within that round's window (a loaded machine: CI at 2fef61a named rank 2 "busy" in the
     test above). It asked, so it is alive and waiting: the rank behind is named, not it."""
     store, exits = CountingStore(), []
-    rooms = _rooms(store, 4, exits, name=30, end=None, timeout=EVERY, every=1.0)
-    for room in rooms:
-        room.mark("a training step (global step 3)")
-        room.start()
-    for room in rooms[:1] + rooms[2:]:
-        room.mark("a backward (global step 3)", waits=True)
-    time.sleep(1.5)  # every record published, rank 1's with one mark fewer
+    rooms = _rank_1_behind(store, 4, exits)
     _freeze(rooms[0])  # this test stands for rank 0's room thread, the one judge
     _freeze(rooms[2])  # rank 2's room publishes no more: only its question says it is there
     late = Ask(2, waits=True, timed_out=True)
