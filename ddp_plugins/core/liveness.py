@@ -364,10 +364,9 @@ class Liveness:
         """Rank 0's room thread: judge every failed collective asked about since the last round, answer each."""
         asks = list(self._asks)
         del self._asks[: len(asks)]
-        if self._store(self.store.check, [_ASKS]):
-            lines = self._store(self.store.get, _ASKS).decode().splitlines()
-            asks += [Ask(**json.loads(line)) for line in lines[self._asks_read :]]
-            self._asks_read = len(lines)
+        stored = self._stored_asks()
+        self._asks_read += len(stored)
+        asks += stored
         if not asks:
             return
         for ask, (verdict, records) in zip(asks, self._decide(asks), strict=True):
@@ -420,11 +419,14 @@ class Liveness:
 
     def _late_askers(self) -> set[int]:
         """The ranks whose question about a failed collective came after this round's (rank 0's, the store's)."""
-        askers = {ask.rank for ask in list(self._asks)}
-        if hasattr(self.store, "append") and self._store(self.store.check, [_ASKS]):
-            lines = self._store(self.store.get, _ASKS).decode().splitlines()[self._asks_read :]
-            askers |= {Ask(**json.loads(line)).rank for line in lines}
-        return askers
+        return {ask.rank for ask in [*self._asks, *self._stored_asks()]}
+
+    def _stored_asks(self) -> list[Ask]:
+        """The other ranks' questions in the store not yet read into a round (after ``_asks_read``)."""
+        if not self._store(self.store.check, [_ASKS]):
+            return []
+        lines = self._store(self.store.get, _ASKS).decode().splitlines()
+        return [Ask(**json.loads(line)) for line in lines[self._asks_read :]]
 
     def _store(self, call: Callable[..., Any], *args: Any) -> Any:
         """One store call, given up after ``name_after_s`` (``TimeoutError``: the store does not answer)."""
